@@ -1,0 +1,28 @@
+"""Loading every registry: lmlab's built-in parts, then plugins.
+
+Registration happens when the module that defines an entry is imported; this module names
+those modules explicitly, so a registry never depends on some unrelated import having run.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Iterable
+
+from lmlab.registry import REGISTRIES, Registry, load_plugins
+
+BUILTIN_MODULES = (
+    "lmlab.tokenizers",
+    "lmlab.nn",
+    "lmlab.data",
+    "lmlab.optim",
+    "lmlab.training",
+    "lmlab.training.config",  # the schema of train.yaml
+)
+
+
+def load_catalog(plugins: Iterable[str] = ()) -> dict[str, Registry]:
+    for module in BUILTIN_MODULES:
+        importlib.import_module(module)
+    load_plugins(plugins)
+    return REGISTRIES

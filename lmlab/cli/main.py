@@ -1,0 +1,63 @@
+"""`lmlab`: the catalogue of registered parts (`lmlab list [GROUP]`)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+
+from lmlab.catalog import load_catalog
+from lmlab.registry import Entry, Registry, unknown_name_message
+
+
+def _field_text(f: dataclasses.Field) -> str:
+    if f.default is not dataclasses.MISSING:
+        default = repr(f.default)
+    elif f.default_factory is not dataclasses.MISSING:
+        default = repr(f.default_factory())
+    else:
+        default = "required"
+    type_name = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
+    return f"{f.name}: {type_name} = {default}"
+
+
+def format_entry(entry: Entry, width: int) -> list[str]:
+    lines = [f"  {entry.name:<{width}}  {entry.doc}"]
+    fields = entry.fields()
+    lines += [f"  {'':<{width}}    {_field_text(f)}" for f in fields] or [f"  {'':<{width}}    (no fields)"]
+    return lines
+
+
+def format_registry(registry: Registry) -> str:
+    entries = list(registry)
+    width = max((len(e.name) for e in entries), default=0)
+    header = f"{registry.name}  (config group '{registry.group}': {registry.doc})"
+    return "\n".join([header] + [line for e in entries for line in format_entry(e, width)])
+
+
+def cmd_list(args: argparse.Namespace) -> int:
+    registries = load_catalog(args.plugin)
+    if args.group is None:
+        print("\n\n".join(format_registry(r) for r in registries.values()))
+        return 0
+    by_name = {**{r.group: r for r in registries.values()}, **registries}
+    if args.group not in by_name:
+        print(f"lmlab list: error: {unknown_name_message('registry group', args.group, registries)}", file=sys.stderr)
+        return 2
+    print(format_registry(by_name[args.group]))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="lmlab", description="lmlab: language models from scratch")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p_list = sub.add_parser("list", help="registered parts by group, with their config fields")
+    p_list.add_argument("group", nargs="?", help="one group, by registry name (norm) or config group (model/norm)")
+    p_list.add_argument("--plugin", action="append", default=[], help="also import this plugin module")
+    p_list.set_defaults(func=cmd_list)
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,59 @@
+"""Command-line checks that must run before Hydra composes the config.
+
+Hydra composes the config before any lmlab code runs, so plugin modules have to be imported
+first (their entries must be in the ConfigStore) and a misspelt choice is caught here, where
+the error can name the closest entry.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.core.override_parser.types import Override
+from omegaconf import OmegaConf
+
+from lmlab.errors import ConfigError
+from lmlab.registry import REGISTRIES, unknown_name_message
+
+CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
+
+
+def parse(argv: list[str]) -> list[Override]:
+    """The `key=value` overrides among Hydra's arguments (flags and their values are skipped)."""
+    args = [a for a in argv if "=" in a and not a.startswith("-")]
+    try:
+        return OverridesParser.create().parse_overrides(args)
+    except Exception as err:  # Hydra's parser reports its own error types
+        raise ConfigError(f"cannot parse the command line: {err}") from None
+
+
+def _values(override: Override) -> list[str]:
+    if override.is_sweep_override():
+        return [str(v) for v in override.sweep_string_iterator()]
+    value = override.value()
+    return [str(v) for v in value] if isinstance(value, list) else [str(value)]
+
+
+def plugin_modules(overrides: list[Override], conf_dir: Path = CONF_DIR) -> list[str]:
+    """Plugins named in train.yaml and on the command line (`plugins=[pkg.parts]`)."""
+    modules = list(OmegaConf.load(conf_dir / "train.yaml").get("plugins", []))
+    for override in overrides:
+        if override.key_or_group == "plugins" and not override.is_delete():
+            modules.extend(_values(override))
+    return list(dict.fromkeys(modules))
+
+
+def check_choices(overrides: list[Override], conf_dir: Path = CONF_DIR) -> None:
+    """Every `GROUP=NAME` names a registry entry or a preset file in conf/GROUP/."""
+    registries = {r.group: r for r in REGISTRIES.values()}
+    for override in overrides:
+        group = override.key_or_group
+        folder = conf_dir / group
+        if override.is_delete() or (group not in registries and not folder.is_dir()):
+            continue
+        choices = set(registries[group].names()) if group in registries else set()
+        choices |= {p.stem for p in folder.glob("*.yaml")} if folder.is_dir() else set()
+        for name in _values(override):
+            if name not in choices:
+                raise ConfigError(unknown_name_message(f"choice for config group '{group}'", name, choices))

@@ -1,0 +1,43 @@
+"""The LightningDataModule: random training windows, a fixed held-out validation split."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import lightning as L
+from torch.utils.data import DataLoader, TensorDataset
+
+from lmlab.data.batches import RandomWindows, evenly_spaced_windows
+from lmlab.data.cache import load_or_build
+from lmlab.data.sources import DataConfig, DataSourceError, TextSource
+from lmlab.tokenizers import Tokenizer
+
+
+class LMDataModule(L.LightningDataModule):
+    """Tokenizes (or loads from cache) the whole corpus at construction, so bad data fails early."""
+
+    def __init__(self, source: TextSource, tokenizer: Tokenizer, cfg: DataConfig, cache_dir: str | Path,
+                 seed: int, val_batches: int, progress: bool = True):
+        super().__init__()
+        if not 0 < cfg.val_fraction < 1:
+            raise DataSourceError(f"data.val_fraction must be in (0, 1), got {cfg.val_fraction}")
+        self.cfg, self.seed, self.val_batches = cfg, seed, val_batches
+        corpus = load_or_build(source, tokenizer, cache_dir, progress=progress)
+        self.bytes_per_token = corpus.bytes_per_token
+        split = int(len(corpus.tokens) * (1 - cfg.val_fraction))
+        self.train_tokens, self.val_tokens = corpus.tokens[:split], corpus.tokens[split:]
+        for part, tokens in (("training", self.train_tokens), ("validation", self.val_tokens)):
+            if len(tokens) <= cfg.context_length + 1:
+                raise DataSourceError(
+                    f"the {part} split has {len(tokens)} tokens, too few for data.context_length={cfg.context_length}; "
+                    "use more text, a shorter context or another data.val_fraction")
+
+    def train_dataloader(self) -> DataLoader:
+        # global_step is restored before the loader is made, so a resumed run continues the stream.
+        start = self.trainer.global_step if self.trainer is not None else 0
+        windows = RandomWindows(self.train_tokens, self.cfg.batch_size, self.cfg.context_length, self.seed, start)
+        return DataLoader(windows, batch_size=None)
+
+    def val_dataloader(self) -> DataLoader:
+        x, y = evenly_spaced_windows(self.val_tokens, self.val_batches * self.cfg.batch_size, self.cfg.context_length)
+        return DataLoader(TensorDataset(x, y), batch_size=self.cfg.batch_size)

@@ -1,0 +1,52 @@
+"""Normalisation layers (config group `model/norm`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lmlab.registry import Registry
+
+NORMS = Registry("norm", group="model/norm", doc="normalisation layers")
+
+
+@NORMS.register("rmsnorm")
+class RMSNorm(nn.Module):
+    """Root-mean-square norm with a learned gain (no mean subtraction, no bias)."""
+
+    @dataclass
+    class Config:
+        eps: float = 1e-6
+
+    def __init__(self, dim: int, cfg: Config):
+        super().__init__()
+        self.eps = cfg.eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in float32 so bf16 activations do not lose the small-variance tail.
+        x32 = x.float()
+        inv_rms = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (x32 * inv_rms).type_as(x) * self.weight
+
+
+@NORMS.register("layernorm")
+class LayerNorm(nn.Module):
+    """LayerNorm: subtract the mean, divide by the standard deviation, learned gain and bias."""
+
+    @dataclass
+    class Config:
+        eps: float = 1e-5
+        bias: bool = True
+
+    def __init__(self, dim: int, cfg: Config):
+        super().__init__()
+        self.eps = cfg.eps
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.bias = nn.Parameter(torch.zeros(dim)) if cfg.bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(x, (x.shape[-1],), self.weight, self.bias, self.eps)

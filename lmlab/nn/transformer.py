@@ -1,0 +1,90 @@
+"""The decoder-only Transformer, assembled from the model registries.
+
+Parameter names follow the Hugging Face Llama layout (`embed_tokens`, `layers.N.self_attn.q_proj`,
+`layers.N.mlp.gate_proj`, `norm`, `lm_head`), so weights move to and from that ecosystem by a
+thin adapter.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from omegaconf import MISSING
+from torch import nn
+
+from lmlab.errors import ConfigError
+from lmlab.nn.attention import ATTENTION
+from lmlab.nn.blocks import BLOCKS
+from lmlab.nn.norms import NORMS
+from lmlab.nn.positions import POSITIONS
+
+
+@dataclass
+class ModelConfig:
+    """Sizes of the model; the parts come from their config groups."""
+
+    d_model: int = 128
+    n_layers: int = 4
+    max_seq_len: int = 256
+    vocab_size: int | None = None  # None: the tokenizer's, rounded up to a multiple of 64
+    tie_embeddings: bool = False
+    init_std: float = 0.02
+    norm: Any = MISSING
+    ffn: Any = MISSING
+    position: Any = MISSING
+    attention: Any = MISSING
+    block: Any = MISSING
+
+
+def padded_vocab_size(n: int, multiple: int = 64) -> int:
+    return multiple * math.ceil(n / multiple)
+
+
+class Transformer(nn.Module):
+    """Token ids (batch, seq) -> logits (batch, seq, vocab)."""
+
+    def __init__(self, cfg: ModelConfig, vocab_size: int):
+        super().__init__()
+        if cfg.vocab_size is not None and cfg.vocab_size < vocab_size:
+            raise ConfigError(f"model.vocab_size={cfg.vocab_size} is smaller than the tokenizer's {vocab_size}")
+        self.vocab_size = cfg.vocab_size or padded_vocab_size(vocab_size)
+        self.max_seq_len = cfg.max_seq_len
+        attn_entry, attn_cfg = ATTENTION.resolve(cfg.attention)
+        head_dim = attn_entry.target.head_dim_for(cfg.d_model, attn_cfg)
+
+        self.embed_tokens = nn.Embedding(self.vocab_size, cfg.d_model)
+        self.position = POSITIONS.build(cfg.position, cfg.max_seq_len, cfg.d_model, head_dim)
+        self.layers = nn.ModuleList(BLOCKS.build(cfg.block, cfg) for _ in range(cfg.n_layers))
+        self.norm = NORMS.build(cfg.norm, cfg.d_model)
+        self.lm_head = nn.Linear(cfg.d_model, self.vocab_size, bias=False)
+        self._init_weights(cfg.init_std, cfg.n_layers)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def _init_weights(self, std: float, n_layers: int) -> None:
+        # GPT-2: normal(0, std) everywhere; projections that write into the residual stream are
+        # scaled by 1/sqrt(2 * n_layers) so the stream's variance does not grow with depth.
+        for name, p in self.named_parameters():
+            if p.dim() < 2 or name.startswith("position."):
+                continue
+            scale = 1 / math.sqrt(2 * n_layers) if name.endswith(("o_proj.weight", "down_proj.weight")) else 1.0
+            nn.init.normal_(p, mean=0.0, std=std * scale)
+
+    def num_parameters(self, exclude_embeddings: bool = False) -> int:
+        params = {id(p): p for p in self.parameters()}
+        if exclude_embeddings:
+            params.pop(id(self.embed_tokens.weight), None)
+        return sum(p.numel() for p in params.values())
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        seq_len = input_ids.shape[1]
+        if seq_len > self.max_seq_len:
+            raise ValueError(f"sequence length {seq_len} exceeds model.max_seq_len={self.max_seq_len}")
+        positions = torch.arange(seq_len, device=input_ids.device)
+        x = self.position.embed(self.embed_tokens(input_ids), positions)
+        for layer in self.layers:
+            x = layer(x, self.position, positions)
+        return self.lm_head(self.norm(x))

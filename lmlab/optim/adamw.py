@@ -1,0 +1,55 @@
+"""AdamW (Loshchilov & Hutter), written out so every step of the update is visible."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+
+import torch
+
+
+class AdamW(torch.optim.Optimizer):
+    """Adam with decoupled weight decay; same arguments and numerics as `torch.optim.AdamW`."""
+
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor] | Iterable[dict],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+    ):
+        if not lr > 0:
+            raise ValueError(f"AdamW: learning rate must be > 0, got {lr}")
+        if not all(0.0 <= b < 1.0 for b in betas) or len(betas) != 2:
+            raise ValueError(f"AdamW: betas must be two numbers in [0, 1), got {tuple(betas)}")
+        if not eps >= 0 or not weight_decay >= 0:
+            raise ValueError(f"AdamW: eps and weight_decay must be >= 0, got eps={eps}, weight_decay={weight_decay}")
+        super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            lr, (beta1, beta2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    state["step"] = 0
+                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["step"] += 1
+                t, m, v, g = state["step"], state["exp_avg"], state["exp_avg_sq"], p.grad
+                p.mul_(1 - lr * wd)  # decoupled decay: shrink the weight, not the gradient
+                m.lerp_(g, 1 - beta1)  # m = beta1 m + (1 - beta1) g
+                v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+                # Bias corrections for the zero-initialised moments, folded into step size and denominator.
+                step_size = lr / (1 - beta1**t)
+                denom = (v.sqrt() / math.sqrt(1 - beta2**t)).add_(eps)
+                p.addcdiv_(m, denom, value=-step_size)
+        return loss

@@ -1,0 +1,47 @@
+"""The typed schema of `conf/train.yaml`.
+
+Registry groups (model parts, data, tokenizer, optim, sched, loss) are `Any` here because the
+chosen entry brings its own typed node; everything else is checked by this schema.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING
+
+from lmlab.nn.transformer import ModelConfig
+
+
+@dataclass
+class TrainerConfig:
+    max_steps: int = 400
+    val_every: int = 100  # steps between validations
+    val_batches: int = 8
+    log_every: int = 10
+    grad_clip: float = 1.0  # max global gradient norm; 0 disables clipping
+    precision: str = "auto"  # auto: bf16-mixed on GPU, 32-true on CPU; or any Lightning precision
+    accelerator: str = "auto"
+    devices: Any = 1
+    checkpoint_every: int = 500  # steps; a checkpoint is also written at the end
+    progress_bar: bool = True
+
+
+@dataclass
+class TrainConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: Any = MISSING
+    tokenizer: Any = MISSING
+    optim: Any = MISSING
+    sched: Any = MISSING
+    loss: Any = MISSING
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    seed: int = 0
+    ckpt_path: str | None = None  # resume from this checkpoint
+    cache_dir: str = "${oc.env:LMLAB_CACHE,~/.cache/lmlab}"  # tokenized corpora, shared by runs
+    plugins: list[str] = field(default_factory=list)  # modules imported before the config is composed
+
+
+ConfigStore.instance().store(name="train_schema", node=TrainConfig)

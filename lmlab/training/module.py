@@ -1,0 +1,72 @@
+"""The LightningModule: composes model, loss, optimizer and schedule from their registries.
+
+It never knows which norm, loss or optimizer it got; it only calls what the config selects.
+"""
+
+from __future__ import annotations
+
+import math
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+import torchmetrics
+from omegaconf import DictConfig, OmegaConf
+from torch.optim.lr_scheduler import LambdaLR
+
+from lmlab.nn.transformer import Transformer
+from lmlab.optim import OPTIMIZERS, SCHEDULERS
+from lmlab.training.losses import LOSSES
+
+CONFIG_KEY = "lmlab_config"  # where checkpoints keep the run's resolved config
+
+
+class LanguageModelTask(L.LightningModule):
+    def __init__(self, cfg: DictConfig, vocab_size: int):
+        super().__init__()
+        self.cfg = cfg
+        self.model = Transformer(cfg.model, vocab_size)
+        self.loss_fn = LOSSES.build(cfg.loss)
+        # Validation always reports plain next-token cross-entropy, whatever the training loss adds.
+        self.val_loss = torchmetrics.MeanMetric()
+        self.val_ppl = torchmetrics.text.Perplexity()
+        self.last_val_step: int | None = None
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids)
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        inputs, targets = batch
+        loss = self.loss_fn(self.model(inputs), targets)
+        self.log("train/loss", loss, prog_bar=True)
+        self.log("lr", self.optimizers().param_groups[0]["lr"])
+        return loss
+
+    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        inputs, targets = batch
+        logits = self.model(inputs).float()
+        self.val_loss.update(F.cross_entropy(logits.flatten(0, 1), targets.flatten()), weight=targets.numel())
+        self.val_ppl.update(logits, targets)
+
+    def on_validation_epoch_end(self) -> None:
+        loss = self.val_loss.compute()
+        bytes_per_token = self.trainer.datamodule.bytes_per_token
+        self.log_dict({
+            "val/loss": loss,
+            "val/ppl": self.val_ppl.compute(),
+            # Bits per byte of text: comparable across tokenizers, unlike loss per token.
+            "val/bpb": loss / math.log(2) / bytes_per_token,
+        }, prog_bar=True)
+        self.val_loss.reset()
+        self.val_ppl.reset()
+        self.last_val_step = self.global_step
+
+    def configure_optimizers(self):
+        optimizer = OPTIMIZERS.build(self.cfg.optim, self.model)
+        max_lr = self.cfg.optim.lr
+        lr_at = SCHEDULERS.build(self.cfg.sched, max_lr, self.cfg.trainer.max_steps)
+        scheduler = LambdaLR(optimizer, lambda step: lr_at(step) / max_lr)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        checkpoint[CONFIG_KEY] = OmegaConf.to_container(self.cfg, resolve=True)

@@ -1,0 +1,136 @@
+"""`train(cfg, output_dir)`: everything `lmlab-train` does for one job.
+
+All checks a user can fail (names, fields, paths, sizes, checkpoint compatibility) run before
+the corpus is tokenized or a step is taken.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from pathlib import Path
+
+import lightning as L
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.loggers import TensorBoardLogger
+from omegaconf import DictConfig, OmegaConf
+
+from lmlab.data import SOURCES, LMDataModule
+from lmlab.errors import ConfigError
+from lmlab.tokenizers import TOKENIZERS
+from lmlab.training.module import CONFIG_KEY, LanguageModelTask
+from lmlab.training.throughput import Throughput
+
+log = logging.getLogger(__name__)
+
+
+def resolve_precision(precision: str) -> str:
+    if precision != "auto":
+        return precision
+    return "bf16-mixed" if torch.cuda.is_available() else "32-true"
+
+
+def check_checkpoint(cfg: DictConfig) -> None:
+    """The checkpoint exists and was written by a run of the same model and tokenizer."""
+    path = Path(cfg.ckpt_path)
+    if not path.is_file():
+        raise ConfigError(f"ckpt_path={cfg.ckpt_path} is not a file")
+    saved = torch.load(path, map_location="cpu", weights_only=False).get(CONFIG_KEY)
+    if saved is None:
+        raise ConfigError(f"{path} was not written by lmlab-train (it has no '{CONFIG_KEY}')")
+    for group in ("model", "tokenizer"):
+        now = OmegaConf.to_container(cfg[group], resolve=True)
+        diffs = _differences(saved[group], now, group)
+        if diffs:
+            raise ConfigError(
+                f"checkpoint {path} was trained with a different {group} config:\n  " + "\n  ".join(diffs)
+                + f"\nrun with the checkpoint's {group} settings, or start without ckpt_path")
+
+
+def _differences(old, new, prefix: str) -> list[str]:
+    if isinstance(old, dict) and isinstance(new, dict):
+        return [d for k in sorted(old.keys() | new.keys())
+                for d in _differences(old.get(k), new.get(k), f"{prefix}.{k}")]
+    return [] if old == new else [f"{prefix}: checkpoint {old!r}, now {new!r}"]
+
+
+def train(cfg: DictConfig, output_dir: str | Path) -> dict[str, float]:
+    output_dir = Path(output_dir)
+    L.seed_everything(cfg.seed, workers=True, verbose=False)
+
+    tokenizer = TOKENIZERS.build(cfg.tokenizer)
+    source = SOURCES.build(cfg.data)
+    _, data_cfg = SOURCES.resolve(cfg.data)
+    if data_cfg.context_length > cfg.model.max_seq_len:
+        raise ConfigError(
+            f"data.context_length={data_cfg.context_length} is larger than model.max_seq_len={cfg.model.max_seq_len}; "
+            "raise model.max_seq_len or shorten the context")
+    if cfg.ckpt_path:
+        check_checkpoint(cfg)
+    task = LanguageModelTask(cfg, tokenizer.vocab_size)
+    try:
+        task.configure_optimizers()  # builds optimizer and schedule once, so their checks run now
+    except ConfigError:
+        raise
+    except ValueError as err:  # torch-style optimizers reject bad arguments with ValueError
+        raise ConfigError(f"optim/sched: {err}") from None
+    log.info("model: %.2fM parameters (%.2fM without embeddings)",
+             task.model.num_parameters() / 1e6, task.model.num_parameters(exclude_embeddings=True) / 1e6)
+
+    datamodule = LMDataModule(source, tokenizer, data_cfg, cfg.cache_dir, cfg.seed, cfg.trainer.val_batches,
+                              progress=cfg.trainer.progress_bar)
+    log.info("corpus: %d training tokens, %d validation tokens, %.2f bytes/token",
+             len(datamodule.train_tokens), len(datamodule.val_tokens), datamodule.bytes_per_token)
+    tokenizer.save(output_dir)
+
+    t = cfg.trainer
+    if torch.cuda.is_available():
+        torch.set_float32_matmul_precision("high")
+    throughput = Throughput(t.log_every)
+    logger = TensorBoardLogger(str(output_dir), name="tb", version="", default_hp_metric=False)
+    trainer = L.Trainer(
+        max_steps=t.max_steps,
+        val_check_interval=min(t.val_every, t.max_steps),
+        check_val_every_n_epoch=None,
+        num_sanity_val_steps=0,
+        log_every_n_steps=t.log_every,
+        gradient_clip_val=t.grad_clip or None,
+        precision=resolve_precision(t.precision),
+        accelerator=t.accelerator,
+        devices=t.devices,
+        logger=logger,
+        callbacks=[
+            throughput,
+            ModelCheckpoint(dirpath=output_dir / "checkpoints", filename="step{step:06d}", auto_insert_metric_name=False,
+                            every_n_train_steps=t.checkpoint_every, save_top_k=-1),
+        ],
+        enable_progress_bar=t.progress_bar,
+        default_root_dir=str(output_dir),
+        # no_grad rather than inference_mode: metric states made in the first, standalone
+        # validation must stay updatable in the validations inside fit.
+        inference_mode=False,
+    )
+
+    initial = None
+    if not cfg.ckpt_path:
+        initial = trainer.validate(task, datamodule=datamodule, verbose=False)[0]["val/loss"]
+    trainer.fit(task, datamodule=datamodule, ckpt_path=cfg.ckpt_path)
+    if task.last_val_step != trainer.global_step:
+        trainer.validate(task, datamodule=datamodule, verbose=False)
+    trainer.save_checkpoint(output_dir / "checkpoints" / "last.ckpt", weights_only=False)
+
+    metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
+    results = {
+        "val_loss": metrics["val/loss"],
+        "val_bpb": metrics["val/bpb"],
+        "train_loss": metrics.get("train/loss", math.nan),
+        "tokens_per_s": throughput.last_tokens_per_s or math.nan,
+    }
+    # The HParams tab pairs the whole config with these final numbers, one row per run.
+    logger.log_hyperparams(OmegaConf.to_container(cfg, resolve=True), {f"hp/{k}": v for k, v in results.items()})
+    logger.finalize("success")
+    before = f"{initial:.3f} -> " if initial is not None else ""
+    log.info("val/loss %s%.3f, val/bpb %.3f, train/loss %.3f, %.0f tokens/s; outputs in %s",
+             before, results["val_loss"], results["val_bpb"], results["train_loss"], results["tokens_per_s"], output_dir)
+    return results

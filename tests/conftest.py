@@ -1,0 +1,55 @@
+"""Shared fixtures: composing lmlab's real config tree with small, fast overrides."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+
+from lmlab.catalog import load_catalog
+from lmlab.cli.overrides import CONF_DIR
+
+load_catalog()
+
+# A model and run small enough for a test to train in seconds on a CPU.
+TINY = [
+    "model.d_model=32",
+    "model.n_layers=2",
+    "model.max_seq_len=32",
+    "model.attention.n_heads=2",
+    "data.context_length=32",
+    "data.batch_size=8",
+    "trainer.max_steps=30",
+    "trainer.val_every=15",
+    "trainer.val_batches=2",
+    "trainer.log_every=5",
+    "trainer.checkpoint_every=10",
+    "trainer.progress_bar=false",
+    "sched.warmup_steps=5",
+    "optim.lr=1e-2",
+]
+
+
+@pytest.fixture
+def tiny_overrides(tmp_path: Path) -> list[str]:
+    return [*TINY, f"cache_dir={tmp_path / 'cache'}"]
+
+
+@pytest.fixture
+def make_cfg():
+    def _compose(overrides: list[str]):
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+            return compose("train", overrides=overrides)
+
+    return _compose
+
+
+def run_cli(args: list[str], cwd: Path, env_extra: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """Run an lmlab console entry point the way a user does, in a fresh process."""
+    env = {**os.environ, **(env_extra or {})}
+    script = Path(sys.executable).parent / args[0]
+    return subprocess.run([str(script), *args[1:]], cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
