@@ -79,6 +79,18 @@ class Transformer(nn.Module):
             params.pop(id(self.embed_tokens.weight), None)
         return sum(p.numel() for p in params.values())
 
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token: 6 per matmul weight (forward + backward) plus attention scores.
+
+        The attention term is 12 * n_layers * d_attn * seq_len (QK^T and AV, forward and
+        backward), as in the PaLM appendix; the input embedding is a lookup and not counted.
+        """
+        matmul_params = self.num_parameters(exclude_embeddings=True)
+        if self.lm_head.weight is self.embed_tokens.weight:
+            matmul_params += self.lm_head.weight.numel()
+        d_attn = sum(layer.self_attn.q_proj.out_features for layer in self.layers)
+        return 6 * matmul_params + 12 * d_attn * seq_len
+
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         seq_len = input_ids.shape[1]
         if seq_len > self.max_seq_len:

@@ -18,7 +18,7 @@ from lmlab.nn.transformer import ModelConfig
 @dataclass
 class TrainerConfig:
     max_steps: int = 400
-    val_every: int = 100  # steps between validations
+    val_every: int = 50  # steps between validations
     val_batches: int = 8
     log_every: int = 10
     grad_clip: float = 1.0  # max global gradient norm; 0 disables clipping
@@ -40,7 +40,7 @@ class TrainConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     seed: int = 0
     ckpt_path: str | None = None  # resume from this checkpoint
-    cache_dir: str = "${oc.env:LMLAB_CACHE,~/.cache/lmlab}"  # tokenized corpora, shared by runs
+    cache_dir: str = "${oc.env:LMLAB_CACHE,'~/.cache/lmlab'}"  # tokenized corpora, shared by runs
     plugins: list[str] = field(default_factory=list)  # modules imported before the config is composed
 
 

@@ -87,7 +87,7 @@ def train(cfg: DictConfig, output_dir: str | Path) -> dict[str, float]:
     t = cfg.trainer
     if torch.cuda.is_available():
         torch.set_float32_matmul_precision("high")
-    throughput = Throughput(t.log_every)
+    throughput = Throughput(t.log_every, task.model.flops_per_token(data_cfg.context_length))
     logger = TensorBoardLogger(str(output_dir), name="tb", version="", default_hp_metric=False)
     trainer = L.Trainer(
         max_steps=t.max_steps,

@@ -1,4 +1,7 @@
-"""Training throughput (tokens/s) as a Lightning callback; validation time is excluded."""
+"""Training throughput (tokens/s, and MFU on known GPUs) as a Lightning callback.
+
+Validation time is excluded.
+"""
 
 from __future__ import annotations
 
@@ -7,12 +10,17 @@ import time
 import lightning as L
 import torch
 
+from lmlab.training.hardware import peak_flops
+
 
 class Throughput(L.Callback):
-    """Logs `perf/tokens_per_s` over the wall time between consecutive training batches."""
+    """Logs `perf/tokens_per_s` over the wall time between consecutive training batches, and
+    `perf/mfu` (achieved model FLOP/s over the device's bf16 peak) where the peak is known."""
 
-    def __init__(self, log_every: int):
+    def __init__(self, log_every: int, flops_per_token: float):
         self.log_every = log_every
+        self.flops_per_token = flops_per_token
+        self._peak: float | None = None
         self._tokens = 0
         self._seconds = 0.0
         self._last: float | None = None
@@ -22,6 +30,9 @@ class Throughput(L.Callback):
         if module.device.type == "cuda":
             torch.cuda.synchronize(module.device)
         return time.perf_counter()
+
+    def on_fit_start(self, trainer, module) -> None:
+        self._peak = peak_flops(module.device)
 
     def on_train_batch_start(self, trainer, module, batch, batch_idx) -> None:
         if self._last is None:
@@ -35,6 +46,9 @@ class Throughput(L.Callback):
         if trainer.global_step % self.log_every == 0 and self._seconds > 0:
             self.last_tokens_per_s = self._tokens / self._seconds
             module.log("perf/tokens_per_s", self.last_tokens_per_s)
+            if self._peak:
+                per_device = self.last_tokens_per_s / trainer.world_size
+                module.log("perf/mfu", per_device * self.flops_per_token / self._peak)
             self._tokens, self._seconds = 0, 0.0
 
     def on_validation_start(self, trainer, module) -> None:

@@ -145,3 +145,11 @@ def test_transformer_rejects_too_long_input():
     model = Transformer(_model_cfg(), vocab_size=256)
     with pytest.raises(ValueError, match="max_seq_len"):
         model(torch.zeros(1, 17, dtype=torch.long))
+
+
+def test_flops_per_token_counts_matmul_weights_and_attention():
+    model = Transformer(_model_cfg(), vocab_size=256)
+    non_embedding = model.num_parameters(exclude_embeddings=True)
+    assert model.flops_per_token(16) == 6 * non_embedding + 12 * 2 * D * 16
+    tied = Transformer(_model_cfg(tie_embeddings=True), vocab_size=256)
+    assert tied.flops_per_token(16) == 6 * tied.num_parameters() + 12 * 2 * D * 16
