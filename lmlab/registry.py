@@ -148,7 +148,7 @@ class Registry:
 
 
 def _named(cfg_cls: type, name: str) -> type:
-    """`cfg_cls` with a leading `name` field that records which entry the node selects."""
+    """`cfg_cls` plus a `name` field (defaulting to `name`) that records which entry the node selects."""
     return dataclasses.make_dataclass(
         cfg_cls.__name__,
         [("name", str, field(default=name))],
