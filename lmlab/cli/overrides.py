@@ -35,9 +35,9 @@ def _values(override: Override) -> list[str]:
     return [str(v) for v in value] if isinstance(value, list) else [str(value)]
 
 
-def plugin_modules(overrides: list[Override], conf_dir: Path = CONF_DIR) -> list[str]:
-    """Plugins named in train.yaml and on the command line (`plugins=[pkg.parts]`)."""
-    modules = list(OmegaConf.load(conf_dir / "train.yaml").get("plugins", []))
+def plugin_modules(overrides: list[Override], conf_dir: Path = CONF_DIR, config_name: str = "train") -> list[str]:
+    """Plugins named in the primary config file and on the command line (`plugins=[pkg.parts]`)."""
+    modules = list(OmegaConf.load(conf_dir / f"{config_name}.yaml").get("plugins", []))
     for override in overrides:
         if override.key_or_group == "plugins" and not override.is_delete():
             modules.extend(_values(override))

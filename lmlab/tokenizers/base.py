@@ -4,15 +4,16 @@ from __future__ import annotations
 
 import hashlib
 import json
-import re
 from abc import ABC, abstractmethod
 from pathlib import Path
 
 import numpy as np
 
 from lmlab.registry import Registry
+from lmlab.tokenizers.pretokenize import special_splitter
 
-TOKENIZERS = Registry("tokenizer", group="tokenizer", doc="text <-> token ids")
+TOKENIZERS = Registry("tokenizer", group="tokenizer",
+                      doc="text <-> token ids; built as target(source, cache_dir, progress, cfg=Config)")
 
 EOT = "<|endoftext|>"
 
@@ -22,9 +23,7 @@ class Tokenizer(ABC):
 
     def __init__(self, special_tokens: list[str]):
         self.special_tokens = list(dict.fromkeys(special_tokens))
-        # Longest first, so that of two overlapping special tokens the longer one wins.
-        ordered = sorted(self.special_tokens, key=len, reverse=True)
-        self._special_split = re.compile("(" + "|".join(map(re.escape, ordered)) + ")") if ordered else None
+        self._special_split = special_splitter(self.special_tokens)
 
     @property
     @abstractmethod

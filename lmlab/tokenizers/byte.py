@@ -9,7 +9,6 @@ import numpy as np
 from lmlab.tokenizers.base import EOT, TOKENIZERS, Tokenizer
 
 
-@TOKENIZERS.register("byte")
 class ByteTokenizer(Tokenizer):
     """UTF-8 bytes as ids 0..255, special tokens from 256 on; needs no training."""
 
@@ -51,3 +50,9 @@ class ByteTokenizer(Tokenizer):
 
     def state(self) -> dict:
         return {"special_tokens": self.special_tokens}
+
+
+@TOKENIZERS.register("byte", config=ByteTokenizer.Config)
+def byte(source=None, cache_dir=None, progress: bool = True, *, cfg: ByteTokenizer.Config) -> ByteTokenizer:
+    """UTF-8 bytes as ids 0..255, special tokens from 256 on; needs no training."""
+    return ByteTokenizer(cfg)

@@ -18,6 +18,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from lmlab.data import SOURCES, LMDataModule
 from lmlab.errors import ConfigError
+from lmlab.nn.transformer import Transformer
+from lmlab.optim import OPTIMIZERS, SCHEDULERS
 from lmlab.tokenizers import TOKENIZERS
 from lmlab.training.module import CONFIG_KEY, LanguageModelTask
 from lmlab.training.throughput import Throughput
@@ -55,11 +57,8 @@ def _differences(old, new, prefix: str) -> list[str]:
     return [] if old == new else [f"{prefix}: checkpoint {old!r}, now {new!r}"]
 
 
-def train(cfg: DictConfig, output_dir: str | Path) -> dict[str, float]:
-    output_dir = Path(output_dir)
-    L.seed_everything(cfg.seed, workers=True, verbose=False)
-
-    tokenizer = TOKENIZERS.build(cfg.tokenizer)
+def preflight(cfg: DictConfig):
+    """Every check a user can fail that needs no data: returns the data source and its config."""
     source = SOURCES.build(cfg.data)
     _, data_cfg = SOURCES.resolve(cfg.data)
     if data_cfg.context_length > cfg.model.max_seq_len:
@@ -68,13 +67,25 @@ def train(cfg: DictConfig, output_dir: str | Path) -> dict[str, float]:
             "raise model.max_seq_len or shorten the context")
     if cfg.ckpt_path:
         check_checkpoint(cfg)
-    task = LanguageModelTask(cfg, tokenizer.vocab_size)
-    try:
-        task.configure_optimizers()  # builds optimizer and schedule once, so their checks run now
+    with torch.device("meta"):  # shapes and head counts, without allocating the model
+        Transformer(cfg.model, vocab_size=256)
+    try:  # optimizer and schedule arguments, on a stand-in parameter
+        OPTIMIZERS.build(cfg.optim, torch.nn.Linear(1, 1))
+        SCHEDULERS.build(cfg.sched, cfg.optim.lr, cfg.trainer.max_steps)
     except ConfigError:
         raise
     except ValueError as err:  # torch-style optimizers reject bad arguments with ValueError
-        raise ConfigError(f"optim/sched: {err}") from None
+        raise ConfigError(f"optim: {err}") from None
+    return source, data_cfg
+
+
+def train(cfg: DictConfig, output_dir: str | Path) -> dict[str, float]:
+    output_dir = Path(output_dir)
+    L.seed_everything(cfg.seed, workers=True, verbose=False)
+    source, data_cfg = preflight(cfg)
+
+    tokenizer = TOKENIZERS.build(cfg.tokenizer, source, cfg.cache_dir, cfg.trainer.progress_bar)
+    task = LanguageModelTask(cfg, tokenizer.vocab_size)
     log.info("model: %.2fM parameters (%.2fM without embeddings)",
              task.model.num_parameters() / 1e6, task.model.num_parameters(exclude_embeddings=True) / 1e6)
 
