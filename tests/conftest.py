@@ -31,6 +31,7 @@ TINY = [
     "trainer.progress_bar=false",
     "sched.warmup_steps=5",
     "optim.lr=1e-2",
+    "tokenizer.vocab_size=320",
 ]
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib
 import sys
 
 from lmlab.catalog import load_catalog
@@ -48,6 +49,14 @@ def cmd_list(args: argparse.Namespace) -> int:
     return 0
 
 
+# `lmlab bench NAME ...` runs the `main(argv)` of the module named here.
+BENCHMARKS = {"tokenizer": "lmlab.tokenizers.bench"}
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    return importlib.import_module(BENCHMARKS[args.name]).main(args.args)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="lmlab", description="lmlab: language models from scratch")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -55,6 +64,10 @@ def main(argv: list[str] | None = None) -> int:
     p_list.add_argument("group", nargs="?", help="one group, by registry name (norm) or config group (model/norm)")
     p_list.add_argument("--plugin", action="append", default=[], help="also import this plugin module")
     p_list.set_defaults(func=cmd_list)
+    p_bench = sub.add_parser("bench", help="benchmarks that compare lmlab with its reference in one run")
+    p_bench.add_argument("name", choices=sorted(BENCHMARKS))
+    p_bench.add_argument("args", nargs=argparse.REMAINDER, help="passed to the benchmark (try --help)")
+    p_bench.set_defaults(func=cmd_bench)
     args = parser.parse_args(argv)
     return args.func(args)
 

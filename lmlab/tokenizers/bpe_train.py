@@ -23,12 +23,14 @@ from lmlab.errors import ConfigError
 from lmlab.tokenizers.pretokenize import count_pretokens
 
 
-def _desc_key(token: bytes) -> tuple[int, ...]:
+def _desc_key(token: bytes) -> bytes:
     """A key under which byte strings sort in *descending* order (a heap then pops the greatest).
 
-    Each byte c becomes 255 - c; a terminator 256 makes a prefix sort after its extensions.
+    Byte c becomes the two bytes (1, 255 - c); a terminator 2 sorts above every byte, so a
+    prefix comes after its extensions. Keys of a pair compare like the pair, since a key never
+    is a prefix of another.
     """
-    return (*(255 - c for c in token), 256)
+    return bytes(v for c in token for v in (1, 255 - c)) + b"\x02"
 
 
 def initial_vocab(special_tokens: list[str]) -> dict[int, bytes]:
@@ -63,70 +65,81 @@ def train_bpe(
         raise ConfigError(f"{path} is not a file")
     if path.stat().st_size == 0:
         raise ConfigError(f"{path} is empty: there is nothing to train a tokenizer on")
-    try:
-        word_counts = count_pretokens(path, special_tokens, num_workers)
-    except ValueError as err:
-        raise ConfigError(str(err)) from None
-    merges = _merge(word_counts, vocab, vocab_size, progress)
+    merges = _merge(count_pretokens(path, special_tokens, num_workers), vocab, vocab_size, progress)
     return vocab, merges
 
 
 def _merge(word_counts, vocab: dict[int, bytes], vocab_size: int, progress: bool) -> list[tuple[bytes, bytes]]:
     words = [list(w.encode("utf-8")) for w in word_counts]
     freqs = list(word_counts.values())
+    del word_counts  # the caller passes it without keeping it: free the pre-token strings now
     token_bytes = [vocab[i] for i in range(len(vocab))]
     id_of = {b: i for i, b in enumerate(token_bytes)}
     keys = [_desc_key(b) for b in token_bytes]
 
     pair_counts: dict[tuple[int, int], int] = defaultdict(int)
-    pair_words: dict[tuple[int, int], set[int]] = defaultdict(set)
+    # Words that contain (or once contained) each pair; stale members are skipped when merging.
+    pair_words: dict[tuple[int, int], list[int]] = defaultdict(list)
     for wi, (word, freq) in enumerate(zip(words, freqs)):
+        for pair in set(zip(word, word[1:])):
+            pair_words[pair].append(wi)
         for pair in zip(word, word[1:]):
             pair_counts[pair] += freq
-            pair_words[pair].add(wi)
+    # Every live pair has an entry whose count is >= its live count; an entry that has gone
+    # stale is re-pushed with the live count when it reaches the top, so counts that only fall
+    # need no push at all.
     heap = [(-c, keys[a], keys[b], a, b) for (a, b), c in pair_counts.items()]
     heapq.heapify(heap)
 
     merges: list[tuple[bytes, bytes]] = []
-    bar = tqdm(total=vocab_size - len(vocab), desc="BPE merges", unit="merge", disable=not progress)
-    while len(vocab) < vocab_size and heap:
-        neg_count, _, _, a, b = heapq.heappop(heap)
-        if pair_counts.get((a, b), 0) != -neg_count:
-            continue  # stale entry: the pair's count changed after this entry was pushed
+    bar = tqdm(total=vocab_size - len(token_bytes), desc="BPE merges", unit="merge", disable=not progress)
+    while len(token_bytes) < vocab_size and heap:
+        neg_count, key_a, key_b, a, b = heapq.heappop(heap)
+        live = pair_counts.get((a, b), 0)
+        if live != -neg_count:
+            if live > 0:
+                heapq.heappush(heap, (-live, key_a, key_b, a, b))
+            continue
         merged = token_bytes[a] + token_bytes[b]
         new_id = id_of.get(merged)
-        if new_id is None:
+        reused = new_id is not None
+        if not reused:
             new_id = len(token_bytes)
             token_bytes.append(merged)
             keys.append(_desc_key(merged))
             id_of[merged] = new_id
-            vocab[new_id] = merged
             bar.update()
         merges.append((token_bytes[a], token_bytes[b]))
 
-        changed: set[tuple[int, int]] = set()
+        grown: set[tuple[int, int]] = set()  # pairs whose count rose: they need a heap entry
+        shrunk: set[tuple[int, int]] = set()  # pairs whose count fell: they may have died
         for wi in pair_words.pop((a, b)):
             word, freq = words[wi], freqs[wi]
             new_word = _apply_merge(word, a, b, new_id)
             if len(new_word) == len(word):
-                continue
+                continue  # stale member, or a duplicate already merged
             for pair in zip(word, word[1:]):
                 pair_counts[pair] -= freq
-                changed.add(pair)
+                shrunk.add(pair)
             for pair in zip(new_word, new_word[1:]):
                 pair_counts[pair] += freq
-                pair_words[pair].add(wi)
-                changed.add(pair)
+                if new_id in pair:  # only pairs that touch the new token can be new to this word
+                    pair_words[pair].append(wi)  # (a repeat only costs a skipped visit later)
+                    grown.add(pair)
             words[wi] = new_word
-        del pair_counts[(a, b)]
-        changed.discard((a, b))
-        for pair in changed:
+        for pair in shrunk:  # forget pairs that no longer occur anywhere
+            if not pair_counts[pair]:
+                del pair_counts[pair]
+                pair_words.pop(pair, None)
+        if reused:  # pairs of an old token may have risen above their heap entries
+            grown.update(p for p in pair_counts if new_id in p)
+        for pair in grown:
             count = pair_counts[pair]
             if count > 0:
                 heapq.heappush(heap, (-count, keys[pair[0]], keys[pair[1]], pair[0], pair[1]))
-            else:
-                del pair_counts[pair]
     bar.close()
+    del heap, pair_counts, pair_words, words, id_of, keys  # free the work space before the vocab grows
+    vocab.update((i, token_bytes[i]) for i in range(len(vocab), len(token_bytes)))
     return merges
 
 

@@ -19,6 +19,8 @@ from pathlib import Path
 
 import regex
 
+from lmlab.errors import ConfigError
+
 GPT2_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 GPT2_REGEX = regex.compile(GPT2_PATTERN)
 
@@ -76,7 +78,8 @@ def _count_chunk(args: tuple[str, int, int, list[str]]) -> Counter:
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as err:
-        raise ValueError(f"{path} is not UTF-8 text (byte {start + err.start}: {err.reason})") from None
+        raise ConfigError(f"{path} is not UTF-8 text (byte {start + err.start}: {err.reason})") from None
+    del data
     return Counter(pretokens(text, special_splitter(special_tokens)))
 
 

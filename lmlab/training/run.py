@@ -133,13 +133,15 @@ def train(cfg: DictConfig, output_dir: str | Path) -> dict[str, float]:
 
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
     results = {
+        "initial_val_loss": math.nan if initial is None else float(initial),
         "val_loss": metrics["val/loss"],
         "val_bpb": metrics["val/bpb"],
         "train_loss": metrics.get("train/loss", math.nan),
         "tokens_per_s": throughput.last_tokens_per_s or math.nan,
     }
     # The HParams tab pairs the whole config with these final numbers, one row per run.
-    logger.log_hyperparams(OmegaConf.to_container(cfg, resolve=True), {f"hp/{k}": v for k, v in results.items()})
+    logger.log_hyperparams(OmegaConf.to_container(cfg, resolve=True),
+                           {f"hp/{k}": v for k, v in results.items() if k != "initial_val_loss"})
     logger.finalize("success")
     before = f"{initial:.3f} -> " if initial is not None else ""
     log.info("val/loss %s%.3f, val/bpb %.3f, train/loss %.3f, %.0f tokens/s; outputs in %s",
