@@ -80,7 +80,7 @@ class BPETokenizer(Tokenizer):
         made = [self.id_of[a + b] for a, b in self.merges]
         # tiktoken ranks a pair by its concatenation's id, which is merge-rank BPE only when
         # ids of merged tokens increase with the merge that first made them.
-        firsts = [i for i in dict.fromkeys(made)]
+        firsts = list(dict.fromkeys(made))
         if firsts != sorted(firsts) or any(i < 256 for i in firsts) or len(firsts) != len(made):
             return None
         specials = {t.encode("utf-8") for t in self.special_tokens}

@@ -65,7 +65,8 @@ def train_bpe(
         raise ConfigError(f"{path} is not a file")
     if path.stat().st_size == 0:
         raise ConfigError(f"{path} is empty: there is nothing to train a tokenizer on")
-    merges = _merge(count_pretokens(path, special_tokens, num_workers), vocab, vocab_size, progress)
+    merges = _merge(count_pretokens(path, special_tokens, num_workers, progress=progress), vocab, vocab_size,
+                    progress)
     return vocab, merges
 
 

@@ -18,6 +18,7 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import regex
+from tqdm import tqdm
 
 from lmlab.errors import ConfigError
 
@@ -84,21 +85,21 @@ def _count_chunk(args: tuple[str, int, int, list[str]]) -> Counter:
 
 
 def count_pretokens(path: str | Path, special_tokens: list[str], num_workers: int | None = None,
-                    min_chunk_bytes: int = 1 << 20) -> Counter:
-    """Counts of every pre-token in the file, computed over chunks in parallel processes.
-
-    Files under `min_chunk_bytes` per worker are counted in this process: starting workers
-    costs more than it saves there.
-    """
+                    min_chunk_bytes: int = 1 << 20, progress: bool = False) -> Counter:
+    """Counts of every pre-token in the file, over chunks of about `min_chunk_bytes` counted in
+    parallel processes (a file of one chunk is counted here: starting workers would cost more)."""
     path = Path(path)
-    workers = num_workers or os.cpu_count() or 1
-    n_chunks = max(1, min(workers, path.stat().st_size // min_chunk_bytes))
-    offsets = _chunk_offsets(path, n_chunks, special_tokens) if n_chunks > 1 else [0, path.stat().st_size]
+    size = path.stat().st_size
+    n_chunks = max(1, size // min_chunk_bytes)
+    offsets = _chunk_offsets(path, n_chunks, special_tokens) if n_chunks > 1 else [0, size]
     jobs = [(str(path), a, b, special_tokens) for a, b in zip(offsets, offsets[1:])]
     if len(jobs) == 1:
         return _count_chunk(jobs[0])
     total: Counter = Counter()
-    with ProcessPoolExecutor(max_workers=min(workers, len(jobs))) as pool:
-        for counts in pool.map(_count_chunk, jobs):
+    workers = min(num_workers or os.cpu_count() or 1, len(jobs))
+    with ProcessPoolExecutor(max_workers=workers) as pool, \
+            tqdm(total=size, desc="pre-tokenizing", unit="B", unit_scale=True, disable=not progress) as bar:
+        for (_, start, end, _), counts in zip(jobs, pool.map(_count_chunk, jobs)):
             total.update(counts)
+            bar.update(end - start)
     return total

@@ -17,7 +17,7 @@ from lmlab.nn.transformer import ModelConfig
 
 @dataclass
 class TrainerConfig:
-    max_steps: int = 400
+    max_steps: int = 300
     val_every: int = 50  # steps between validations
     val_batches: int = 8
     log_every: int = 10

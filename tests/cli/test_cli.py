@@ -1,5 +1,6 @@
 """The console scripts, run in fresh processes exactly as a user runs them."""
 
+import os
 import textwrap
 
 import pytest
@@ -65,7 +66,7 @@ def test_plugin_norm_selected_from_command_line(tiny_overrides, tmp_path):
                 self._seen = True
                 return self.g * x / x.norm(dim=-1, keepdim=True).clamp_min(self.eps)
     '''))
-    env = {"PYTHONPATH": str(plugin_dir)}
+    env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(plugin_dir), os.environ.get("PYTHONPATH")]))}
     args = ["lmlab-train", "plugins=[scaled_norm]", "model/norm=scalenorm", "model.norm.eps=1e-4",
             *tiny_overrides, "trainer.max_steps=6", f"hydra.run.dir={tmp_path / 'run'}"]
     proc = run_cli(args, cwd=tmp_path, env_extra=env)
