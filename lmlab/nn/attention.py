@@ -1,4 +1,10 @@
-"""Self-attention layers (config group `model/attention`)."""
+"""Self-attention layers (config group `model/attention`).
+
+Entries are built as `Cls(d_model, cfg=Config, layer_idx=i)` and called as
+`attn(x, position, positions)`; the shared position module supplies RoPE rotations and ALiBi
+biases. `shape_for(d_model, cfg)` gives (head_dim, n_heads) before a layer exists, so the
+position module can be sized.
+"""
 
 from __future__ import annotations
 
@@ -9,11 +15,38 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import nn
 
-from lmlab.nn.positions import PositionEncoding
 from lmlab.errors import ConfigError
+from lmlab.nn.norms import NORMS
+from lmlab.nn.positions import PositionEncoding
 from lmlab.registry import Registry
 
 ATTENTION = Registry("attention", group="model/attention", doc="self-attention layers")
+
+
+def attention_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None,
+                   bias: torch.Tensor | None) -> torch.Tensor:
+    """Additive mask: causal, optionally only the last `window` keys, plus a per-head bias."""
+    offset = q_pos[:, None] - k_pos[None, :]
+    allowed = offset >= 0
+    if window is not None:
+        allowed &= offset < window
+    mask = torch.zeros(allowed.shape, device=q_pos.device).masked_fill(~allowed, float("-inf"))
+    return mask if bias is None else bias + mask
+
+
+def softcapped_attention(q, k, v, mask: torch.Tensor | None, cap: float) -> torch.Tensor:
+    """Attention whose scores are squashed by cap * tanh(s / cap) before the softmax (Gemma 2).
+
+    Written out because the fused kernels have no hook between the scores and the softmax.
+    """
+    groups = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    scores = (q @ k.transpose(-2, -1)).float() * q.shape[-1] ** -0.5
+    scores = cap * torch.tanh(scores / cap)
+    if mask is None:
+        mask = attention_mask(torch.arange(q.shape[2], device=q.device), torch.arange(k.shape[2], device=q.device),
+                              None, None)
+    return (scores + mask).softmax(dim=-1).to(v.dtype) @ v
 
 
 @ATTENTION.register("mha")
@@ -25,35 +58,62 @@ class MultiHeadAttention(nn.Module):
         n_heads: int = 4
         n_kv_heads: int | None = None  # None: as many as n_heads (plain MHA)
         dropout: float = 0.0
+        window: int | None = None  # sliding window: attend to the last `window` tokens only
+        global_every: int | None = None  # with a window: every k-th layer attends globally (k=2 alternates)
+        qk_norm: bool = False  # RMSNorm on each head's queries and keys before RoPE
+        softcap: float | None = None  # squash scores with softcap * tanh(score / softcap)
 
-    def __init__(self, d_model: int, cfg: Config):
+    def __init__(self, d_model: int, cfg: Config, layer_idx: int = 0):
         super().__init__()
         self.n_heads = cfg.n_heads
         self.n_kv_heads = cfg.n_kv_heads or cfg.n_heads
         if d_model % self.n_heads:
-            raise ConfigError(f"d_model={d_model} is not divisible by attention.n_heads={self.n_heads}")
+            raise ConfigError(f"model.d_model={d_model} is not divisible by attention.n_heads={self.n_heads}")
         if self.n_heads % self.n_kv_heads:
-            raise ConfigError(f"attention.n_heads={self.n_heads} is not divisible by n_kv_heads={self.n_kv_heads}")
+            raise ConfigError(f"attention.n_heads={self.n_heads} is not divisible by attention.n_kv_heads={self.n_kv_heads}")
+        if cfg.global_every is not None and cfg.window is None:
+            raise ConfigError("attention.global_every needs attention.window (the local layers' window)")
         self.head_dim = d_model // self.n_heads
         self.dropout = cfg.dropout
+        is_global = cfg.global_every is not None and (layer_idx + 1) % cfg.global_every == 0
+        self.window = None if is_global else cfg.window
+        self.softcap = cfg.softcap
         self.q_proj = nn.Linear(d_model, self.n_heads * self.head_dim, bias=False)
         self.k_proj = nn.Linear(d_model, self.n_kv_heads * self.head_dim, bias=False)
         self.v_proj = nn.Linear(d_model, self.n_kv_heads * self.head_dim, bias=False)
         self.o_proj = nn.Linear(self.n_heads * self.head_dim, d_model, bias=False)
+        if cfg.qk_norm:
+            self.q_norm = NORMS.build("rmsnorm", self.head_dim)
+            self.k_norm = NORMS.build("rmsnorm", self.head_dim)
+        else:
+            self.q_norm = self.k_norm = nn.Identity()
 
     @staticmethod
-    def head_dim_for(d_model: int, cfg: Config) -> int:
-        return d_model // cfg.n_heads
+    def shape_for(d_model: int, cfg: Config) -> tuple[int, int]:
+        return d_model // cfg.n_heads, cfg.n_heads
+
+    def check_context(self, context_length: int) -> None:
+        if self.window is not None and self.window > context_length:
+            raise ConfigError(f"attention.window={self.window} is larger than data.context_length={context_length}; "
+                              "a window that covers the whole context is plain global attention")
 
     def forward(self, x: torch.Tensor, position: PositionEncoding, positions: torch.Tensor) -> torch.Tensor:
-        q = rearrange(self.q_proj(x), "b s (h d) -> b h s d", h=self.n_heads)
-        k = rearrange(self.k_proj(x), "b s (h d) -> b h s d", h=self.n_kv_heads)
+        q = self.q_norm(rearrange(self.q_proj(x), "b s (h d) -> b h s d", h=self.n_heads))
+        k = self.k_norm(rearrange(self.k_proj(x), "b s (h d) -> b h s d", h=self.n_kv_heads))
         v = rearrange(self.v_proj(x), "b s (h d) -> b h s d", h=self.n_kv_heads)
         q, k = position.rotate(q, k, positions)
-        out = F.scaled_dot_product_attention(
-            q, k, v,
-            is_causal=True,
-            dropout_p=self.dropout if self.training else 0.0,
-            enable_gqa=self.n_kv_heads != self.n_heads,
-        )
+        bias = position.attn_bias(positions, positions)
+        mask = None
+        if self.window is not None or bias is not None:
+            mask = attention_mask(positions, positions, self.window, bias).to(q.dtype)
+        if self.softcap is not None:
+            out = softcapped_attention(q, k, v, mask, self.softcap)
+        else:
+            out = F.scaled_dot_product_attention(
+                q, k, v,
+                attn_mask=mask,
+                is_causal=mask is None,
+                dropout_p=self.dropout if self.training else 0.0,
+                enable_gqa=self.n_kv_heads != self.n_heads,
+            )
         return self.o_proj(rearrange(out, "b h s d -> b s (h d)"))

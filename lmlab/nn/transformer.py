@@ -31,6 +31,7 @@ class ModelConfig:
     max_seq_len: int = 256
     vocab_size: int | None = None  # None: the tokenizer's, rounded up to a multiple of 64
     tie_embeddings: bool = False
+    logit_softcap: float | None = None  # squash output logits with c * tanh(logits / c) (Gemma 2)
     init_std: float = 0.02
     norm: Any = MISSING
     ffn: Any = MISSING
@@ -53,13 +54,14 @@ class Transformer(nn.Module):
         self.vocab_size = cfg.vocab_size or padded_vocab_size(vocab_size)
         self.max_seq_len = cfg.max_seq_len
         attn_entry, attn_cfg = ATTENTION.resolve(cfg.attention)
-        head_dim = attn_entry.target.head_dim_for(cfg.d_model, attn_cfg)
+        head_dim, n_heads = attn_entry.target.shape_for(cfg.d_model, attn_cfg)
 
         self.embed_tokens = nn.Embedding(self.vocab_size, cfg.d_model)
-        self.position = POSITIONS.build(cfg.position, cfg.max_seq_len, cfg.d_model, head_dim)
+        self.position = POSITIONS.build(cfg.position, cfg.max_seq_len, cfg.d_model, head_dim, n_heads)
         self.layers = nn.ModuleList(BLOCKS.build(cfg.block, cfg) for _ in range(cfg.n_layers))
         self.norm = NORMS.build(cfg.norm, cfg.d_model)
         self.lm_head = nn.Linear(cfg.d_model, self.vocab_size, bias=False)
+        self.logit_softcap = cfg.logit_softcap
         self._init_weights(cfg.init_std, cfg.n_layers)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
@@ -99,4 +101,7 @@ class Transformer(nn.Module):
         x = self.position.embed(self.embed_tokens(input_ids), positions)
         for layer in self.layers:
             x = layer(x, self.position, positions)
-        return self.lm_head(self.norm(x))
+        logits = self.lm_head(self.norm(x))
+        if self.logit_softcap is not None:
+            logits = self.logit_softcap * torch.tanh(logits / self.logit_softcap)
+        return logits

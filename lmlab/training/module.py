@@ -37,10 +37,11 @@ class LanguageModelTask(L.LightningModule):
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         inputs, targets = batch
-        loss = self.loss_fn(self.model(inputs), targets)
-        self.log("train/loss", loss, prog_bar=True)
+        terms = self.loss_fn(self.model(inputs), targets)
+        self.log("train/loss", terms["loss"], prog_bar=True)
+        self.log_dict({f"train/{name}": value for name, value in terms.items() if name != "loss"})
         self.log("lr", self.optimizers().param_groups[0]["lr"])
-        return loss
+        return terms["loss"]
 
     def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
         inputs, targets = batch

@@ -68,7 +68,10 @@ def preflight(cfg: DictConfig):
     if cfg.ckpt_path:
         check_checkpoint(cfg)
     with torch.device("meta"):  # shapes and head counts, without allocating the model
-        Transformer(cfg.model, vocab_size=256)
+        model = Transformer(cfg.model, vocab_size=256)
+    for module in model.modules():  # parts whose settings depend on the context (e.g. a sliding window)
+        if hasattr(module, "check_context"):
+            module.check_context(data_cfg.context_length)
     try:  # optimizer and schedule arguments, on a stand-in parameter
         OPTIMIZERS.build(cfg.optim, torch.nn.Linear(1, 1))
         SCHEDULERS.build(cfg.sched, cfg.optim.lr, cfg.trainer.max_steps)

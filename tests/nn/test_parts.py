@@ -57,7 +57,7 @@ def test_swiglu_is_silu_gate_times_up():
 
 
 def test_rope_scores_depend_only_on_relative_position():
-    rope = POSITIONS.build("rope", 64, D, 16)
+    rope = POSITIONS.build("rope", 64, D, 16, 2)
     q, k = torch.randn(1, 1, 1, 16), torch.randn(1, 1, 1, 16)
 
     def score(i, j):
@@ -70,7 +70,7 @@ def test_rope_scores_depend_only_on_relative_position():
 
 
 def test_rope_preserves_norm_and_identity_at_zero():
-    rope = POSITIONS.build("rope", 64, D, 16)
+    rope = POSITIONS.build("rope", 64, D, 16, 2)
     q = torch.randn(2, 3, 10, 16)
     rq, _ = rope.rotate(q, q, torch.arange(10))
     torch.testing.assert_close(rq.norm(dim=-1), q.norm(dim=-1))
@@ -78,14 +78,14 @@ def test_rope_preserves_norm_and_identity_at_zero():
 
 
 def test_learned_positions_add_to_embeddings():
-    pos = POSITIONS.build("learned", 16, D, 8)
+    pos = POSITIONS.build("learned", 16, D, 8, 4)
     x = torch.zeros(2, 4, D)
     torch.testing.assert_close(pos.embed(x, torch.arange(4)), pos.embed_positions.weight[:4].expand(2, 4, D))
 
 
 def test_attention_is_causal():
     attn = ATTENTION.build("mha", D)
-    rope = POSITIONS.build("rope", 16, D, attn.head_dim)
+    rope = POSITIONS.build("rope", 16, D, attn.head_dim, attn.n_heads)
     x = torch.randn(1, 8, D)
     y = x.clone()
     y[:, 5:] = torch.randn(1, 3, D)  # change only the future of position 4
@@ -104,7 +104,7 @@ def test_gqa_equals_mha_with_shared_kv_heads():
         for proj in ("k_proj", "v_proj"):
             w = getattr(gqa, proj).weight.view(2, hd, D)
             getattr(mha, proj).weight.copy_(w.repeat_interleave(2, dim=0).reshape(4 * hd, D))
-    rope = POSITIONS.build("rope", 16, D, hd)
+    rope = POSITIONS.build("rope", 16, D, hd, 4)
     x, positions = torch.randn(2, 6, D), torch.arange(6)
     torch.testing.assert_close(gqa(x, rope, positions), mha(x, rope, positions))
     assert gqa.k_proj.weight.shape[0] == 2 * hd

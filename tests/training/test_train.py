@@ -50,6 +50,9 @@ def test_checkpoint_from_another_model_is_rejected_before_training(make_cfg, tin
     (["sched.warmup_steps=100"], "longer than the run"),
     (["optim.lr=-1"], "learning rate must be > 0"),
     (["model.attention.n_heads=3"], "not divisible"),
+    (["model.attention.n_kv_heads=3"], "attention.n_heads=2 is not divisible by attention.n_kv_heads=3"),
+    (["model.attention.window=64"], "attention.window=64 is larger than data.context_length=32"),
+    (["model.attention.n_heads=8", "model.d_model=24"], "position=rope needs an even head dim"),
 ])
 def test_bad_input_fails_before_training(make_cfg, tiny_overrides, tmp_path, extra, match):
     with pytest.raises(ConfigError, match=match):
