@@ -8,6 +8,7 @@ import importlib
 import sys
 
 from lmlab.catalog import load_catalog
+from lmlab.errors import ConfigError
 from lmlab.registry import Entry, Registry, unknown_name_message
 
 
@@ -64,12 +65,20 @@ def main(argv: list[str] | None = None) -> int:
     p_list.add_argument("group", nargs="?", help="one group, by registry name (norm) or config group (model/norm)")
     p_list.add_argument("--plugin", action="append", default=[], help="also import this plugin module")
     p_list.set_defaults(func=cmd_list)
+    p_info = sub.add_parser("info", help="cost model of a training config: parameters, FLOPs, KV cache, time",
+                            add_help=False)
+    p_info.add_argument("args", nargs=argparse.REMAINDER)
+    p_info.set_defaults(func=lambda args: importlib.import_module("lmlab.cli.info").main(args.args))
     p_bench = sub.add_parser("bench", help="benchmarks that compare lmlab with its reference in one run")
     p_bench.add_argument("name", choices=sorted(BENCHMARKS))
     p_bench.add_argument("args", nargs=argparse.REMAINDER, help="passed to the benchmark (try --help)")
     p_bench.set_defaults(func=cmd_bench)
     args = parser.parse_args(argv)
-    return args.func(args)
+    try:
+        return args.func(args)
+    except ConfigError as err:
+        print(f"lmlab {args.command}: error: {err}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

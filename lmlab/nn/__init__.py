@@ -1,14 +1,17 @@
 """Model parts: registries for norms, FFNs, positions, attention and blocks, and the Transformer."""
 
 from lmlab.nn.attention import ATTENTION, MultiHeadAttention
-from lmlab.nn.blocks import BLOCKS, PreNormBlock
-from lmlab.nn.ffn import FFNS, GeluMLP, SwiGLU
-from lmlab.nn.norms import NORMS, LayerNorm, RMSNorm
+from lmlab.nn.blocks import BLOCKS, Block, ParallelBlock, PostNormBlock, PreNormBlock, SandwichBlock
+from lmlab.nn.ffn import FFNS, GLU, MLP, GeGLU, GeluMLP, ReluMLP, SiluMLP, SquaredReluMLP, SwiGLU
+from lmlab.nn.norms import NORMS, LayerNorm, NoNorm, RMSNorm
 from lmlab.nn.positions import POSITIONS, LearnedPosition, PositionEncoding, RoPE
 from lmlab.nn.transformer import ModelConfig, Transformer
 
 __all__ = [
     "ATTENTION", "BLOCKS", "FFNS", "NORMS", "POSITIONS",
-    "MultiHeadAttention", "PreNormBlock", "GeluMLP", "SwiGLU", "LayerNorm", "RMSNorm",
+    "MultiHeadAttention",
+    "Block", "PreNormBlock", "PostNormBlock", "SandwichBlock", "ParallelBlock",
+    "MLP", "ReluMLP", "GeluMLP", "SiluMLP", "SquaredReluMLP", "GLU", "SwiGLU", "GeGLU",
+    "LayerNorm", "RMSNorm", "NoNorm",
     "LearnedPosition", "PositionEncoding", "RoPE", "ModelConfig", "Transformer",
 ]

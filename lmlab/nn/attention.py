@@ -92,6 +92,14 @@ class MultiHeadAttention(nn.Module):
     def shape_for(d_model: int, cfg: Config) -> tuple[int, int]:
         return d_model // cfg.n_heads, cfg.n_heads
 
+    def score_flops_per_token(self, seq_len: int) -> float:
+        """QK^T and AV, forward and backward: 12 * d_attn * (keys attended), keys capped by the window."""
+        keys = seq_len if self.window is None else min(seq_len, self.window)
+        return 12 * self.n_heads * self.head_dim * keys
+
+    def kv_cache_elements_per_token(self) -> int:
+        return 2 * self.n_kv_heads * self.head_dim
+
     def check_context(self, context_length: int) -> None:
         if self.window is not None and self.window > context_length:
             raise ConfigError(f"attention.window={self.window} is larger than data.context_length={context_length}; "

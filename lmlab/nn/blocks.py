@@ -1,4 +1,13 @@
-"""Residual block layouts (config group `model/block`)."""
+"""Residual block layouts (config group `model/block`).
+
+A layout decides where the norms sit around the two sub-layers, attention (`self_attn`) and
+FFN (`mlp`); the sub-layers themselves come from their own registries. Each layout lists its
+norms by name in `norm_names`, and the shared base class builds them.
+
+Norm names follow Hugging Face Llama where the position matches: `input_layernorm` feeds
+attention and `post_attention_layernorm` feeds the FFN. Norms Llama has no slot for get
+names that say what they normalise.
+"""
 
 from __future__ import annotations
 
@@ -14,18 +23,74 @@ from lmlab.registry import Registry
 BLOCKS = Registry("block", group="model/block", doc="residual block layouts")
 
 
-@BLOCKS.register("prenorm")
-class PreNormBlock(nn.Module):
-    """x + attn(norm(x)), then x + ffn(norm(x)): the GPT-2/Llama layout."""
+class Block(nn.Module):
+    """Shared construction of a block: `self_attn`, `mlp` and one norm per name in `norm_names`.
 
-    def __init__(self, model_cfg, cfg=None):
+    Subclasses define `forward(x, position, positions)`. `final_norm` says whether the model
+    should normalise the last block's output (a layout that already ends in a norm says no).
+    """
+
+    norm_names: tuple[str, ...] = ()
+    final_norm: bool = True
+
+    def __init__(self, model_cfg, cfg=None, layer_idx: int = 0):
         super().__init__()
         d = model_cfg.d_model
-        self.input_layernorm = NORMS.build(model_cfg.norm, d)
-        self.self_attn = ATTENTION.build(model_cfg.attention, d)
-        self.post_attention_layernorm = NORMS.build(model_cfg.norm, d)
+        # Attention, FFN, then norms: the Hugging Face Llama order of a layer's parameters.
+        self.self_attn = ATTENTION.build(model_cfg.attention, d, layer_idx=layer_idx)
         self.mlp = FFNS.build(model_cfg.ffn, d)
+        for name in self.norm_names:
+            setattr(self, name, NORMS.build(model_cfg.norm, d))
+
+
+@BLOCKS.register("prenorm")
+class PreNormBlock(Block):
+    """x + attn(norm(x)), then x + ffn(norm(x)): the GPT-2/Llama layout."""
+
+    norm_names = ("input_layernorm", "post_attention_layernorm")
 
     def forward(self, x: torch.Tensor, position: PositionEncoding, positions: torch.Tensor) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), position, positions)
         return x + self.mlp(self.post_attention_layernorm(x))
+
+
+@BLOCKS.register("postnorm")
+class PostNormBlock(Block):
+    """norm(x + attn(x)), then norm(x + ffn(x)): the original Transformer (and BERT) layout."""
+
+    # The residual stream itself is normalised, so nothing un-normalised reaches the next
+    # layer; this is what makes deep post-norm stacks need warm-up (Xiong et al., 2020).
+    norm_names = ("post_attention_layernorm", "post_mlp_layernorm")
+    final_norm = False  # the last block's output is normalised already
+
+    def forward(self, x: torch.Tensor, position: PositionEncoding, positions: torch.Tensor) -> torch.Tensor:
+        x = self.post_attention_layernorm(x + self.self_attn(x, position, positions))
+        return self.post_mlp_layernorm(x + self.mlp(x))
+
+
+@BLOCKS.register("sandwich")
+class SandwichBlock(Block):
+    """x + norm(attn(norm(x))), then x + norm(ffn(norm(x))): peri-norm, four norms per block."""
+
+    # The extra norms bound what each sub-layer adds to the residual stream. Gemma 2 has this
+    # layout; its names for our post_attention_layernorm, attn_output_layernorm and
+    # mlp_output_layernorm are pre_feedforward_layernorm, post_attention_layernorm and
+    # post_feedforward_layernorm (note the clash on post_attention_layernorm).
+    norm_names = ("input_layernorm", "attn_output_layernorm", "post_attention_layernorm", "mlp_output_layernorm")
+
+    def forward(self, x: torch.Tensor, position: PositionEncoding, positions: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn_output_layernorm(self.self_attn(self.input_layernorm(x), position, positions))
+        return x + self.mlp_output_layernorm(self.mlp(self.post_attention_layernorm(x)))
+
+
+@BLOCKS.register("parallel")
+class ParallelBlock(Block):
+    """x + attn(norm(x)) + ffn(norm(x)) from one shared norm: the GPT-J/PaLM layout."""
+
+    # Attention and FFN read the same input, so their input matmuls can be fused and run
+    # together; PaLM reports ~15% faster training at large scale for a small quality cost.
+    norm_names = ("input_layernorm",)
+
+    def forward(self, x: torch.Tensor, position: PositionEncoding, positions: torch.Tensor) -> torch.Tensor:
+        h = self.input_layernorm(x)
+        return x + self.self_attn(h, position, positions) + self.mlp(h)

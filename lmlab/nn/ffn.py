@@ -1,8 +1,16 @@
 """Position-wise feed-forward layers (config group `model/ffn`).
 
-Hidden width `d_ff` defaults to a rule per kind that keeps the parameter count near
-8 * d_model**2 per layer: 4 * d_model for two-matrix FFNs, 8/3 * d_model (rounded up to a
-multiple of 64) for three-matrix gated ones.
+Two families, each a base class whose entries differ only in their activation `act`:
+
+- `MLP`, two matrices: down(act(up(x))); d_ff defaults to 4 * d_model.
+- `GLU`, three matrices: down(act(gate(x)) * up(x)); d_ff defaults to 8/3 * d_model, rounded
+  up to a multiple of 64 (`glu_hidden`).
+
+Both defaults keep the parameter count near 8 * d_model**2 per layer, so swapping
+`model/ffn` compares activations at (nearly) the same size.
+
+Each entry declares its own `Config` subclass, even when it adds no field: the registry
+finds the entry of a Config instance by its class, so entries must not share one.
 """
 
 from __future__ import annotations
@@ -14,22 +22,103 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lmlab.errors import ConfigError
 from lmlab.registry import Registry
 
 FFNS = Registry("ffn", group="model/ffn", doc="feed-forward layers and their activations")
+
+GELU_APPROXIMATIONS = ("none", "tanh")
 
 
 def glu_hidden(d_model: int, multiple: int = 64) -> int:
     return multiple * math.ceil(8 * d_model / 3 / multiple)
 
 
-@FFNS.register("swiglu")
-class SwiGLU(nn.Module):
-    """down(silu(gate(x)) * up(x)), the Llama FFN; d_ff defaults to 8/3 d_model."""
+def _check_gelu_approximate(value: str) -> str:
+    # F.gelu would only complain at the first forward pass; fail while building instead.
+    if value not in GELU_APPROXIMATIONS:
+        raise ConfigError(f"ffn.approximate must be one of {', '.join(GELU_APPROXIMATIONS)}, got '{value}'")
+    return value
+
+
+class MLP(nn.Module):
+    """down(act(up(x))): the two-matrix FFN; subclasses define the activation `act`."""
 
     @dataclass
     class Config:
-        d_ff: int | None = None
+        d_ff: int | None = None  # None: 4 * d_model
+
+    def __init__(self, d_model: int, cfg: Config):
+        super().__init__()
+        d_ff = cfg.d_ff or 4 * d_model
+        self.up_proj = nn.Linear(d_model, d_ff, bias=False)
+        self.down_proj = nn.Linear(d_ff, d_model, bias=False)
+
+    def act(self, h: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.up_proj(x)))
+
+
+@FFNS.register("relu")
+class ReluMLP(MLP):
+    """down(relu(up(x))), the original Transformer FFN; d_ff defaults to 4 d_model."""
+
+    @dataclass
+    class Config(MLP.Config):
+        pass
+
+    def act(self, h):
+        return F.relu(h)
+
+
+@FFNS.register("gelu")
+class GeluMLP(MLP):
+    """down(gelu(up(x))), the GPT-2 FFN; d_ff defaults to 4 d_model."""
+
+    @dataclass
+    class Config(MLP.Config):
+        approximate: str = "tanh"  # "tanh" (GPT-2) or "none" (exact erf)
+
+    def __init__(self, d_model: int, cfg: Config):
+        super().__init__(d_model, cfg)
+        self.approximate = _check_gelu_approximate(cfg.approximate)
+
+    def act(self, h):
+        return F.gelu(h, approximate=self.approximate)
+
+
+@FFNS.register("silu")
+class SiluMLP(MLP):
+    """down(silu(up(x))), an ungated SiLU (Swish) FFN; d_ff defaults to 4 d_model."""
+
+    @dataclass
+    class Config(MLP.Config):
+        pass
+
+    def act(self, h):
+        return F.silu(h)
+
+
+@FFNS.register("squared_relu")
+class SquaredReluMLP(MLP):
+    """down(relu(up(x))**2), the Primer FFN; d_ff defaults to 4 d_model."""
+
+    @dataclass
+    class Config(MLP.Config):
+        pass
+
+    def act(self, h):
+        return F.relu(h).square()
+
+
+class GLU(nn.Module):
+    """down(act(gate(x)) * up(x)): the gated three-matrix FFN; subclasses define `act`."""
+
+    @dataclass
+    class Config:
+        d_ff: int | None = None  # None: glu_hidden(d_model), about 8/3 * d_model
 
     def __init__(self, d_model: int, cfg: Config):
         super().__init__()
@@ -38,25 +127,36 @@ class SwiGLU(nn.Module):
         self.up_proj = nn.Linear(d_model, d_ff, bias=False)
         self.down_proj = nn.Linear(d_ff, d_model, bias=False)
 
+    def act(self, h: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
 
 
-@FFNS.register("gelu")
-class GeluMLP(nn.Module):
-    """down(gelu(up(x))), the GPT-2 FFN; d_ff defaults to 4 d_model."""
+@FFNS.register("swiglu")
+class SwiGLU(GLU):
+    """down(silu(gate(x)) * up(x)), the Llama FFN; d_ff defaults to 8/3 d_model."""
 
     @dataclass
-    class Config:
-        d_ff: int | None = None
-        approximate: str = "tanh"
+    class Config(GLU.Config):
+        pass
+
+    def act(self, h):
+        return F.silu(h)
+
+
+@FFNS.register("geglu")
+class GeGLU(GLU):
+    """down(gelu(gate(x)) * up(x)), the GEGLU FFN (T5 v1.1, Gemma); d_ff defaults to 8/3 d_model."""
+
+    @dataclass
+    class Config(GLU.Config):
+        approximate: str = "tanh"  # "tanh" (T5 v1.1, Gemma) or "none" (exact erf)
 
     def __init__(self, d_model: int, cfg: Config):
-        super().__init__()
-        d_ff = cfg.d_ff or 4 * d_model
-        self.approximate = cfg.approximate
-        self.up_proj = nn.Linear(d_model, d_ff, bias=False)
-        self.down_proj = nn.Linear(d_ff, d_model, bias=False)
+        super().__init__(d_model, cfg)
+        self.approximate = _check_gelu_approximate(cfg.approximate)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.gelu(self.up_proj(x), approximate=self.approximate))
+    def act(self, h):
+        return F.gelu(h, approximate=self.approximate)

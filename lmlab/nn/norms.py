@@ -50,3 +50,21 @@ class LayerNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.layer_norm(x, (x.shape[-1],), self.weight, self.bias, self.eps)
+
+
+@NORMS.register("none")
+class NoNorm(nn.Module):
+    """Identity: no normalisation and no parameters, for ablations that remove the norm."""
+
+    # Lets `model/norm=none` answer "what does the norm buy?" without touching the block
+    # layouts: every norm slot stays in place and simply passes its input through.
+
+    @dataclass
+    class Config:
+        pass
+
+    def __init__(self, dim: int, cfg: Config):
+        super().__init__()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x

@@ -58,8 +58,8 @@ class Transformer(nn.Module):
 
         self.embed_tokens = nn.Embedding(self.vocab_size, cfg.d_model)
         self.position = POSITIONS.build(cfg.position, cfg.max_seq_len, cfg.d_model, head_dim, n_heads)
-        self.layers = nn.ModuleList(BLOCKS.build(cfg.block, cfg) for _ in range(cfg.n_layers))
-        self.norm = NORMS.build(cfg.norm, cfg.d_model)
+        self.layers = nn.ModuleList(BLOCKS.build(cfg.block, cfg, layer_idx=i) for i in range(cfg.n_layers))
+        self.norm = NORMS.build(cfg.norm, cfg.d_model) if self.layers[0].final_norm else nn.Identity()
         self.lm_head = nn.Linear(cfg.d_model, self.vocab_size, bias=False)
         self.logit_softcap = cfg.logit_softcap
         self._init_weights(cfg.init_std, cfg.n_layers)
@@ -82,16 +82,15 @@ class Transformer(nn.Module):
         return sum(p.numel() for p in params.values())
 
     def flops_per_token(self, seq_len: int) -> float:
-        """Training FLOPs per token: 6 per matmul weight (forward + backward) plus attention scores.
+        """Training FLOPs per token: 6 per matmul weight (forward + backward), plus each attention
+        layer's score and value products (see `score_flops_per_token`). Embedding lookups, norms
+        and activations are not counted (the PaLM appendix's convention)."""
+        matmul_params = sum(m.weight.numel() for m in self.modules() if isinstance(m, nn.Linear))
+        return 6 * matmul_params + sum(layer.self_attn.score_flops_per_token(seq_len) for layer in self.layers)
 
-        The attention term is 12 * n_layers * d_attn * seq_len (QK^T and AV, forward and
-        backward), as in the PaLM appendix; the input embedding is a lookup and not counted.
-        """
-        matmul_params = self.num_parameters(exclude_embeddings=True)
-        if self.lm_head.weight is self.embed_tokens.weight:
-            matmul_params += self.lm_head.weight.numel()
-        d_attn = sum(layer.self_attn.q_proj.out_features for layer in self.layers)
-        return 6 * matmul_params + 12 * d_attn * seq_len
+    def kv_cache_bytes_per_token(self, bytes_per_element: int = 2) -> int:
+        """Bytes of keys and values cached per generated token, over all layers (bf16 by default)."""
+        return bytes_per_element * sum(layer.self_attn.kv_cache_elements_per_token() for layer in self.layers)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         seq_len = input_ids.shape[1]

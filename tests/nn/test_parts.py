@@ -149,7 +149,16 @@ def test_transformer_rejects_too_long_input():
 
 def test_flops_per_token_counts_matmul_weights_and_attention():
     model = Transformer(_model_cfg(), vocab_size=256)
-    non_embedding = model.num_parameters(exclude_embeddings=True)
-    assert model.flops_per_token(16) == 6 * non_embedding + 12 * 2 * D * 16
+    gains = sum(p.numel() for n, p in model.named_parameters() if n.endswith("norm.weight"))
+    assert model.flops_per_token(16) == 6 * (model.num_parameters(exclude_embeddings=True) - gains) + 12 * 2 * D * 16
     tied = Transformer(_model_cfg(tie_embeddings=True), vocab_size=256)
-    assert tied.flops_per_token(16) == 6 * tied.num_parameters() + 12 * 2 * D * 16
+    assert tied.flops_per_token(16) == 6 * (tied.num_parameters() - gains) + 12 * 2 * D * 16
+    windowed = Transformer(_model_cfg(attention={"name": "mha", "window": 4}), vocab_size=256)
+    assert windowed.flops_per_token(16) == model.flops_per_token(16) - 12 * 2 * D * (16 - 4)
+
+
+def test_kv_cache_bytes_follow_kv_heads():
+    mha = Transformer(_model_cfg(), vocab_size=256)
+    gqa = Transformer(_model_cfg(attention={"name": "mha", "n_heads": 4, "n_kv_heads": 1}), vocab_size=256)
+    assert mha.kv_cache_bytes_per_token() == 2 * 2 * 2 * D  # bf16 x (k, v) x layers x d_model
+    assert gqa.kv_cache_bytes_per_token() == mha.kv_cache_bytes_per_token() // 4

@@ -143,3 +143,15 @@ def test_output_logit_softcap_bounds_logits():
     out = capped(ids)
     assert out.abs().max() <= 2.0
     torch.testing.assert_close(out, 2.0 * torch.tanh(plain(ids) / 2.0))
+
+
+def test_layer_pattern_reaches_the_model_and_postnorm_has_no_second_final_norm():
+    from lmlab.nn import ModelConfig, Transformer
+
+    parts = dict(norm="rmsnorm", ffn="swiglu", position="rope", block="prenorm")
+    attention = {"name": "mha", "n_heads": H, "window": 4, "global_every": 2}
+    model = Transformer(ModelConfig(d_model=D, n_layers=4, max_seq_len=16, attention=attention, **parts), 64)
+    assert [layer.self_attn.window for layer in model.layers] == [4, None, 4, None]
+    post = Transformer(ModelConfig(d_model=D, n_layers=2, max_seq_len=16, attention="mha",
+                                   **{**parts, "block": "postnorm"}), 64)
+    assert isinstance(post.norm, torch.nn.Identity)
