@@ -187,6 +187,8 @@ def _check_llama_parts(model: Transformer) -> None:
                               f"equivalent; only {registry.group}={_entry_name(registry, cls)} converts")
     if getattr(model, "logit_softcap", None) is not None:
         raise ConfigError(f"model.logit_softcap={model.logit_softcap} has no Llama equivalent")
+    if model.output_multiplier != 1.0 or any(getattr(m, "score_scale", None) for m in model.modules()):
+        raise ConfigError("a model with muP multipliers (model/init=mup) has no Llama equivalent")
     for i, layer in enumerate(model.layers):
         attn = layer.self_attn
         for option in ("window", "softcap"):  # options that change the computation without adding weights

@@ -34,14 +34,14 @@ def attention_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None,
     return mask if bias is None else bias + mask
 
 
-def softcapped_attention(q, k, v, mask: torch.Tensor | None, cap: float) -> torch.Tensor:
+def softcapped_attention(q, k, v, mask: torch.Tensor | None, cap: float, scale: float | None = None) -> torch.Tensor:
     """Attention whose scores are squashed by cap * tanh(s / cap) before the softmax (Gemma 2).
 
     Written out because the fused kernels have no hook between the scores and the softmax.
     """
     groups = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-    scores = (q @ k.transpose(-2, -1)).float() * q.shape[-1] ** -0.5
+    scores = (q @ k.transpose(-2, -1)).float() * (scale or q.shape[-1] ** -0.5)
     scores = cap * torch.tanh(scores / cap)
     if mask is None:
         mask = attention_mask(torch.arange(q.shape[2], device=q.device), torch.arange(k.shape[2], device=q.device),
@@ -78,6 +78,7 @@ class MultiHeadAttention(nn.Module):
         is_global = cfg.global_every is not None and (layer_idx + 1) % cfg.global_every == 0
         self.window = None if is_global else cfg.window
         self.softcap = cfg.softcap
+        self.score_scale: float | None = None  # None: 1/sqrt(head_dim); muP sets its own
         self.q_proj = nn.Linear(d_model, self.n_heads * self.head_dim, bias=False)
         self.k_proj = nn.Linear(d_model, self.n_kv_heads * self.head_dim, bias=False)
         self.v_proj = nn.Linear(d_model, self.n_kv_heads * self.head_dim, bias=False)
@@ -91,6 +92,9 @@ class MultiHeadAttention(nn.Module):
     @staticmethod
     def shape_for(d_model: int, cfg: Config) -> tuple[int, int]:
         return d_model // cfg.n_heads, cfg.n_heads
+
+    def set_score_scale(self, scale: float) -> None:
+        self.score_scale = scale
 
     def score_flops_per_token(self, seq_len: int) -> float:
         """QK^T and AV, forward and backward: 12 * d_attn * (keys attended), keys capped by the window."""
@@ -115,13 +119,14 @@ class MultiHeadAttention(nn.Module):
         if self.window is not None or bias is not None:
             mask = attention_mask(positions, positions, self.window, bias).to(q.dtype)
         if self.softcap is not None:
-            out = softcapped_attention(q, k, v, mask, self.softcap)
+            out = softcapped_attention(q, k, v, mask, self.softcap, self.score_scale)
         else:
             out = F.scaled_dot_product_attention(
                 q, k, v,
                 attn_mask=mask,
                 is_causal=mask is None,
                 dropout_p=self.dropout if self.training else 0.0,
+                scale=self.score_scale,
                 enable_gqa=self.n_kv_heads != self.n_heads,
             )
         return self.o_proj(rearrange(out, "b h s d -> b s (h d)"))

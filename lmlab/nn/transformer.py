@@ -18,6 +18,7 @@ from torch import nn
 from lmlab.errors import ConfigError
 from lmlab.nn.attention import ATTENTION
 from lmlab.nn.blocks import BLOCKS
+from lmlab.nn.init import INITS
 from lmlab.nn.norms import NORMS
 from lmlab.nn.positions import POSITIONS
 
@@ -32,7 +33,7 @@ class ModelConfig:
     vocab_size: int | None = None  # None: the tokenizer's, rounded up to a multiple of 64
     tie_embeddings: bool = False
     logit_softcap: float | None = None  # squash output logits with c * tanh(logits / c) (Gemma 2)
-    init_std: float = 0.02
+    init: Any = "gpt2"  # an entry of model/init
     norm: Any = MISSING
     ffn: Any = MISSING
     position: Any = MISSING
@@ -62,18 +63,11 @@ class Transformer(nn.Module):
         self.norm = NORMS.build(cfg.norm, cfg.d_model) if self.layers[0].final_norm else nn.Identity()
         self.lm_head = nn.Linear(cfg.d_model, self.vocab_size, bias=False)
         self.logit_softcap = cfg.logit_softcap
-        self._init_weights(cfg.init_std, cfg.n_layers)
+        self.output_multiplier = 1.0  # muP sets 1/width_mult
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-
-    def _init_weights(self, std: float, n_layers: int) -> None:
-        # GPT-2: normal(0, std) everywhere; projections that write into the residual stream are
-        # scaled by 1/sqrt(2 * n_layers) so the stream's variance does not grow with depth.
-        for name, p in self.named_parameters():
-            if p.dim() < 2 or name.startswith("position."):
-                continue
-            scale = 1 / math.sqrt(2 * n_layers) if name.endswith(("o_proj.weight", "down_proj.weight")) else 1.0
-            nn.init.normal_(p, mean=0.0, std=std * scale)
+        # Learning-rate multipliers by parameter name (muP); the optimizer makes groups of them.
+        self.lr_multipliers: dict[str, float] = INITS.build(cfg.init).apply(self)
 
     def num_parameters(self, exclude_embeddings: bool = False) -> int:
         params = {id(p): p for p in self.parameters()}
@@ -100,7 +94,7 @@ class Transformer(nn.Module):
         x = self.position.embed(self.embed_tokens(input_ids), positions)
         for layer in self.layers:
             x = layer(x, self.position, positions)
-        logits = self.lm_head(self.norm(x))
+        logits = self.lm_head(self.norm(x)) * self.output_multiplier
         if self.logit_softcap is not None:
             logits = self.logit_softcap * torch.tanh(logits / self.logit_softcap)
         return logits

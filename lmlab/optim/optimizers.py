@@ -13,13 +13,16 @@ from lmlab.registry import Registry
 OPTIMIZERS = Registry("optim", group="optim", doc="optimizers; built as target(model, cfg=Config)")
 
 
-def decay_groups(model: nn.Module, weight_decay: float) -> list[dict]:
-    """Weight decay on matrices (linear and embedding weights) only, not on gains and biases."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    return [
-        {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
-        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
-    ]
+def decay_groups(model: nn.Module, weight_decay: float, lr: float) -> list[dict]:
+    """Parameter groups: weight decay on matrices only (not gains and biases), and the learning
+    rate times the model's per-parameter multiplier (`model.lr_multipliers`, set by muP)."""
+    multipliers = getattr(model, "lr_multipliers", {})
+    groups: dict[tuple[bool, float], list] = {}
+    for name, p in model.named_parameters():  # tied weights come once
+        if p.requires_grad:
+            groups.setdefault((p.dim() >= 2, multipliers.get(name, 1.0)), []).append(p)
+    return [{"params": params, "weight_decay": weight_decay if decays else 0.0, "lr": lr * mult}
+            for (decays, mult), params in sorted(groups.items(), key=lambda kv: (not kv[0][0], -kv[0][1]))]
 
 
 @dataclass
@@ -33,4 +36,4 @@ class AdamWConfig:
 @OPTIMIZERS.register("adamw", config=AdamWConfig)
 def adamw(model: nn.Module, cfg: AdamWConfig) -> torch.optim.Optimizer:
     """AdamW (lmlab's own, matches torch.optim.AdamW); decay on matrices only."""
-    return AdamW(decay_groups(model, cfg.weight_decay), lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps)
+    return AdamW(decay_groups(model, cfg.weight_decay, cfg.lr), lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps)

@@ -74,6 +74,8 @@ def test_wrong_field_type_fails_at_composition(make_cfg, tiny_overrides):
 
 
 def test_group_choice_swaps_the_part(make_cfg, tiny_overrides):
-    cfg = make_cfg([*tiny_overrides, "model/norm=layernorm", "model/ffn=gelu", "model/position=learned"])
+    cfg = make_cfg([*tiny_overrides, "model/norm=layernorm", "model/ffn=gelu", "model/position=learned",
+                    "model/init=mup", "model.init.base_d_model=16"])
     assert (cfg.model.norm.name, cfg.model.ffn.name, cfg.model.position.name) == ("layernorm", "gelu", "learned")
+    assert cfg.model.init.name == "mup" and cfg.model.init.base_d_model == 16
     assert OmegaConf.select(cfg, "model.norm.bias") is True

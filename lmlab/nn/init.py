@@ -1,0 +1,97 @@
+"""Weight initialisation schemes (config group `model/init`).
+
+A scheme is applied once to a freshly built model (`scheme.apply(model)`). It may also set the
+model's forward multipliers (output logits, attention scale) and return learning-rate
+multipliers per parameter name, which the optimizer turns into parameter groups: that is how
+muP's per-layer learning rates reach the optimizer without the optimizer knowing about muP.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from torch import nn
+
+from lmlab.registry import Registry
+
+INITS = Registry("init", group="model/init", doc="weight initialisation (and muP's width multipliers)")
+
+RESIDUAL_OUTPUTS = ("o_proj.weight", "down_proj.weight")  # projections that write into the residual stream
+
+
+def _matrices(model: nn.Module):
+    """(name, weight) of every Linear and Embedding, tied weights once."""
+    seen = set()
+    for name, module in model.named_modules():
+        if isinstance(module, (nn.Linear, nn.Embedding)) and id(module.weight) not in seen:
+            seen.add(id(module.weight))
+            yield f"{name}.weight", module
+
+
+@INITS.register("standard")
+class StandardInit:
+    """PyTorch-style: Linear weights N(0, 1/fan_in), embeddings N(0, 1)."""
+
+    def __init__(self, cfg=None):
+        pass
+
+    def apply(self, model: nn.Module) -> dict[str, float]:
+        for _, module in _matrices(model):
+            std = 1.0 if isinstance(module, nn.Embedding) else module.in_features ** -0.5
+            nn.init.normal_(module.weight, std=std)
+        return {}
+
+
+@INITS.register("gpt2")
+class GPT2Init:
+    """N(0, std) everywhere; residual-stream outputs scaled by 1/sqrt(2 n_layers) (GPT-2)."""
+
+    @dataclass
+    class Config:
+        std: float = 0.02
+
+    def __init__(self, cfg: Config):
+        self.std = cfg.std
+
+    def apply(self, model: nn.Module) -> dict[str, float]:
+        # Each layer adds two residual branches; shrinking their outputs keeps the residual
+        # stream's variance from growing with depth.
+        depth_scale = 1 / math.sqrt(2 * len(model.layers))
+        for name, module in _matrices(model):
+            nn.init.normal_(module.weight, std=self.std * (depth_scale if name.endswith(RESIDUAL_OUTPUTS) else 1.0))
+        return {}
+
+
+@INITS.register("mup")
+class MuPInit:
+    """muP (Tensor Programs V): hyperparameters tuned at base_d_model transfer to wider models."""
+
+    @dataclass
+    class Config:
+        base_d_model: int = 128  # the width at which muP equals the gpt2 scheme
+        std: float = 0.02
+        readout_zero_init: bool = False
+
+    def __init__(self, cfg: Config):
+        self.cfg = cfg
+
+    def apply(self, model: nn.Module) -> dict[str, float]:
+        """With m = d_model / base_d_model: hidden matrices get std / sqrt(m) (variance ~ 1/fan_in)
+        and learning rate / m (Adam); embeddings and the readout keep std and learning rate; the
+        logits are multiplied by 1/m; attention scores use 1/head_dim scaling (1/sqrt(head_dim * m)
+        here, which equals 1/sqrt(head_dim) at the base width)."""
+        m = model.embed_tokens.embedding_dim / self.cfg.base_d_model
+        lr_multipliers = {}
+        for name, module in _matrices(model):
+            if module is model.lm_head or isinstance(module, nn.Embedding):
+                std = 0.0 if module is model.lm_head and self.cfg.readout_zero_init else self.cfg.std
+            else:
+                std = self.cfg.std / math.sqrt(m)
+                lr_multipliers[name] = 1 / m
+            nn.init.normal_(module.weight, std=std) if std else nn.init.zeros_(module.weight)
+        model.output_multiplier = 1 / m
+        for module in model.modules():
+            if hasattr(module, "set_score_scale"):
+                module.set_score_scale(1 / math.sqrt(module.head_dim * m))
+        return lr_multipliers
