@@ -60,6 +60,9 @@ class Transformer(nn.Module):
         self.embed_tokens = nn.Embedding(self.vocab_size, cfg.d_model)
         self.position = POSITIONS.build(cfg.position, cfg.max_seq_len, cfg.d_model, head_dim, n_heads)
         self.layers = nn.ModuleList(BLOCKS.build(cfg.block, cfg, layer_idx=i) for i in range(cfg.n_layers))
+        for layer in self.layers:  # attention that cannot use this position scheme says so now
+            if hasattr(layer.self_attn, "check_position"):
+                layer.self_attn.check_position(self.position)
         self.norm = NORMS.build(cfg.norm, cfg.d_model) if self.layers[0].final_norm else nn.Identity()
         self.lm_head = nn.Linear(cfg.d_model, self.vocab_size, bias=False)
         self.logit_softcap = cfg.logit_softcap
