@@ -5,13 +5,14 @@ from lmlab.nn.blocks import BLOCKS, Block, ParallelBlock, PostNormBlock, PreNorm
 from lmlab.nn.init import INITS, GPT2Init, MuPInit, StandardInit
 from lmlab.nn.ffn import FFNS, GLU, MLP, GeGLU, GeluMLP, ReluMLP, SiluMLP, SquaredReluMLP, SwiGLU
 from lmlab.nn.linear_attention import LinearAttention
+from lmlab.nn.mla import MultiHeadLatentAttention
 from lmlab.nn.norms import NORMS, LayerNorm, NoNorm, RMSNorm
 from lmlab.nn.positions import POSITIONS, LearnedPosition, PositionEncoding, RoPE
 from lmlab.nn.transformer import ModelConfig, Transformer
 
 __all__ = [
     "ATTENTION", "BLOCKS", "FFNS", "INITS", "NORMS", "POSITIONS", "GPT2Init", "MuPInit", "StandardInit",
-    "MultiHeadAttention", "LinearAttention",
+    "MultiHeadAttention", "LinearAttention", "MultiHeadLatentAttention",
     "Block", "PreNormBlock", "PostNormBlock", "SandwichBlock", "ParallelBlock",
     "MLP", "ReluMLP", "GeluMLP", "SiluMLP", "SquaredReluMLP", "GLU", "SwiGLU", "GeGLU",
     "LayerNorm", "RMSNorm", "NoNorm",
