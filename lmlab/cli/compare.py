@@ -8,6 +8,7 @@ and the median tokens/s; the plot of validation loss is written next to the runs
 from __future__ import annotations
 
 import argparse
+import re
 import statistics
 import sys
 from dataclasses import dataclass
@@ -39,9 +40,14 @@ def read_scalars(tb_dir: Path) -> dict[str, list[tuple[int, float]]]:
     return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()[KIND]}
 
 
+def _natural_key(path: Path) -> list:
+    """Job folders in numeric order: 2 before 10."""
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", str(path))]
+
+
 def find_runs(root: Path) -> list[Run]:
     runs = []
-    for overrides_file in sorted(root.rglob(".hydra/overrides.yaml")):
+    for overrides_file in sorted(root.rglob(".hydra/overrides.yaml"), key=_natural_key):
         run_dir = overrides_file.parent.parent
         if not (run_dir / "tb").is_dir():
             continue
@@ -80,10 +86,12 @@ def plot(runs: list[Run], path: Path, tag: str = "val/loss") -> Path:
 
     keys = differing_keys(runs)
     fig, ax = plt.subplots(figsize=(8, 5))
-    for run in runs:
+    for i, run in enumerate(runs):
         points = run.scalars.get(tag, [])
         label = ", ".join(f"{k}={run.overrides.get(k, '')}" for k in keys) or run.path.name
-        ax.plot([s for s, _ in points], [v for _, v in points], marker="o", markersize=3, label=label)
+        # The colour cycle has 10 colours; a new line style tells the next ten apart.
+        ax.plot([s for s, _ in points], [v for _, v in points], marker="o", markersize=3, label=label,
+                linestyle=("-", "--", ":", "-.")[i // 10 % 4])
     ax.set(xlabel="step", ylabel=tag, title=f"{tag}: {path.parent.name}")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
