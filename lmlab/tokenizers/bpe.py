@@ -13,8 +13,6 @@ import hashlib
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
-import numpy as np
-
 from lmlab.errors import ConfigError
 from lmlab.tokenizers import gpt2_files
 from lmlab.tokenizers.base import Tokenizer
@@ -134,9 +132,6 @@ class BPETokenizer(Tokenizer):
                     i += 1
             word = out
         return word
-
-    def encode_array(self, text: str) -> np.ndarray:
-        return np.asarray(self.encode(text), dtype=np.int64)
 
     def encode_iterable(self, iterable: Iterable[str], block_chars: int = 1 << 16) -> Iterator[int]:
         """Ids of the concatenated strings, yielded lazily.
