@@ -16,14 +16,14 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
+from lmlab.atomic import atomic_write, atomic_write_text
 from lmlab.errors import ConfigError
 from lmlab.nn import (ATTENTION, BLOCKS, FFNS, NORMS, POSITIONS, ModelConfig, MultiHeadAttention, PreNormBlock,
                       RMSNorm, RoPE, SwiGLU, Transformer)
@@ -85,7 +85,7 @@ def to_hf_llama(model: Transformer) -> tuple[dict[str, Any], dict[str, Tensor]]:
     attn, mlp = model.layers[0].self_attn, model.layers[0].mlp
     d = model.embed_tokens.embedding_dim
     dtype = model.embed_tokens.weight.dtype
-    theta = _rope_theta(model.position, attn.head_dim, dtype)
+    theta = model.position.theta
     config = {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama",
         "vocab_size": model.vocab_size, "hidden_size": d, "intermediate_size": mlp.gate_proj.out_features,
@@ -118,8 +118,8 @@ def save_pretrained(model: Transformer, directory: str | os.PathLike) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
     tensors = {k: v.detach().cpu().contiguous() for k, v in state.items()}
     # HF rejects a safetensors file whose metadata lacks format=pt.
-    _atomic_write(directory / "model.safetensors", lambda p: save_file(tensors, p, metadata={"format": "pt"}))
-    _atomic_write(directory / "config.json", lambda p: Path(p).write_text(json.dumps(config, indent=2) + "\n"))
+    atomic_write(directory / "model.safetensors", lambda p: save_file(tensors, str(p), metadata={"format": "pt"}))
+    atomic_write_text(directory / "config.json", json.dumps(config, indent=2) + "\n")
     return directory
 
 
@@ -185,6 +185,9 @@ def _check_llama_parts(model: Transformer) -> None:
         if type(module) is not cls:
             raise ConfigError(f"{registry.group}={_entry_name(registry, type(module))} has no Hugging Face Llama "
                               f"equivalent; only {registry.group}={_entry_name(registry, cls)} converts")
+    if model.position.layout != "half":
+        raise ConfigError(f"model.position.layout={model.position.layout} has no Llama equivalent; HF Llama pairs "
+                          "feature i with i + head_dim/2 (layout=half)")
     if getattr(model, "logit_softcap", None) is not None:
         raise ConfigError(f"model.logit_softcap={model.logit_softcap} has no Llama equivalent")
     if model.output_multiplier != 1.0 or any(getattr(m, "score_scale", None) for m in model.modules()):
@@ -208,58 +211,3 @@ def _check_llama_parts(model: Transformer) -> None:
 
 def _entry_name(registry, cls: type) -> str:
     return next((e.name for e in registry if e.target is cls), cls.__name__)
-
-
-def _rope_theta(rope: nn.Module, head_dim: int, dtype: torch.dtype) -> float:
-    """theta of a built RoPE, checked against its rotations; raises unless they are HF Llama's.
-
-    The model keeps no config, and what RoPE keeps is its own business, so we rotate basis
-    vectors: e_i at position p comes back as cos/sin(p * theta**(-2i/head_dim)) in the
-    half-split layout. Candidates: `rope.theta` if the module has one, else the shortest
-    decimal near the estimate from the slowest frequency at position 1 (so 500000.0 comes back
-    exactly, not as 499999.97). A candidate must reproduce every feature at many positions
-    within the tables' rounding, which also rejects the interleaved layout and scaled variants.
-    """
-    n, half = rope.max_seq_len, head_dim // 2
-    positions = torch.cat([torch.arange(min(n, 8)), torch.linspace(0, n - 1, 32).long()]).unique()
-    device = next((b.device for b in rope.buffers()), torch.device("cpu"))
-    probe = torch.eye(head_dim, device=device).view(1, head_dim, 1, head_dim).expand(1, -1, len(positions), -1)
-    with torch.no_grad():
-        got = rope.rotate(probe, probe, positions.to(device))[0][0].double().cpu()  # (basis vector, pos, feature)
-    candidates = [float(rope.theta)] if isinstance(getattr(rope, "theta", None), (int, float)) else []
-    if half > 1 and n > 1:
-        angle = torch.atan2(got[half - 1, 1, -1], got[half - 1, 1, half - 1]).item()
-        if angle > 0:  # else not Llama's layout; the check below says so
-            estimate = angle ** (-head_dim / (2 * (half - 1)))
-            candidates += [float(f"{estimate:.{digits}g}") for digits in range(1, 18)]
-    else:
-        candidates.append(10000.0)  # the only frequency is theta**0 = 1: every theta rotates alike
-    tolerance = 2 * torch.finfo(dtype).eps
-    for theta in candidates:
-        if (got - _llama_rotations(theta, head_dim, positions)).abs().max() <= tolerance:
-            return theta
-    raise ConfigError("model.position does not rotate like Hugging Face Llama's RoPE; "
-                      "use model.position.layout=half (the interleaved layout pairs other features)")
-
-
-def _llama_rotations(theta: float, head_dim: int, positions: Tensor) -> Tensor:
-    """What HF Llama's RoPE makes of basis vector e_j at each position: (j, pos, feature)."""
-    half = head_dim // 2
-    angles = torch.outer(positions.double(), theta ** (-torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
-    cos, sin = angles.cos().T, angles.sin().T  # (half, pos)
-    out = torch.zeros(head_dim, len(positions), head_dim, dtype=torch.float64)
-    i = torch.arange(half)
-    out[i, :, i], out[i, :, i + half] = cos, sin  # e_i -> cos e_i + sin e_(i+half)
-    out[i + half, :, i + half], out[i + half, :, i] = cos, -sin  # e_(i+half) -> cos e_(i+half) - sin e_i
-    return out
-
-
-def _atomic_write(path: Path, write) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    os.close(fd)
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise

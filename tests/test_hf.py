@@ -9,7 +9,7 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 
 from lmlab.errors import ConfigError  # noqa: E402
-from lmlab.hf import _rope_theta, from_hf_llama, save_pretrained, to_hf_llama  # noqa: E402
+from lmlab.hf import from_hf_llama, save_pretrained, to_hf_llama  # noqa: E402
 from lmlab.nn import ModelConfig, Transformer  # noqa: E402
 
 VOCAB, SEQ = 101, 32  # a vocabulary that is no multiple of 64, so no padding may creep in
@@ -103,11 +103,10 @@ def test_save_pretrained_loads_in_transformers(tmp_path, tied):
     assert json.loads((folder / "config.json").read_text())["rope_theta"] == 500000.0
 
 
-@pytest.mark.parametrize("theta", [10000.0, 500000.0, 12345.6, 1e6])
-def test_rope_theta_is_read_back_from_the_rotations(theta):
-    model = lmlab_model(theta=theta)
-    model.position.__dict__.pop("theta", None)  # as if RoPE kept no theta: only its tables are left
-    assert _rope_theta(model.position, 16, torch.float32) == theta
+@pytest.mark.parametrize("theta", [10000.0, 500000.0, 12345.6])
+def test_rope_theta_goes_into_the_config(theta):
+    config, _ = to_hf_llama(lmlab_model(theta=theta))
+    assert config["rope_theta"] == theta and config["rope_parameters"]["rope_theta"] == theta
 
 
 @pytest.mark.parametrize("field, value", [

@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
+from lmlab.atomic import atomic_write_text
 from lmlab.data.sources import DataSourceError, TextSource
 from lmlab.tokenizers import Tokenizer
 
@@ -82,6 +83,4 @@ def _build(source: TextSource, tokenizer: Tokenizer, bin_path: Path, meta_path: 
         tmp_bin.unlink(missing_ok=True)
     meta = {"dtype": dtype.name, "n_tokens": n_tokens, "n_bytes": n_bytes, "source": source.fingerprint(),
             "tokenizer": tokenizer.fingerprint()}
-    tmp_meta = meta_path.with_suffix(f".json.tmp-{os.getpid()}")
-    tmp_meta.write_text(json.dumps(meta, indent=2))
-    os.replace(tmp_meta, meta_path)
+    atomic_write_text(meta_path, json.dumps(meta, indent=2))

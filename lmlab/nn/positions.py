@@ -74,7 +74,7 @@ class RoPE(PositionEncoding):
             raise ConfigError(f"position=rope needs an even head dim, but model.d_model / attention.n_heads = {head_dim}")
         if cfg.layout not in ROPE_LAYOUTS:
             raise ConfigError(f"model.position.layout={cfg.layout!r}; choose one of {sorted(ROPE_LAYOUTS)}")
-        self.theta = cfg.theta
+        self.theta, self.layout = cfg.theta, cfg.layout
         self._rotate = ROPE_LAYOUTS[cfg.layout]
         inv_freq = cfg.theta ** (-torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
         angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float64), inv_freq)  # (seq, head_dim/2)

@@ -9,10 +9,10 @@ as the two strings separated by a space, after a `#version` header.
 from __future__ import annotations
 
 import json
-import os
 from functools import cache
 from pathlib import Path
 
+from lmlab.atomic import atomic_write_text
 from lmlab.errors import ConfigError
 
 
@@ -43,21 +43,15 @@ def from_text(text: str, where: str) -> bytes:
         raise ConfigError(f"{where}: {text!r} holds {err.args[0]!r}, which is not a GPT-2 byte character") from None
 
 
-def _atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
-
-
 def write(directory: str | Path, vocab: dict[int, bytes], merges: list[tuple[bytes, bytes]],
           special_tokens: list[str]) -> None:
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     specials = {tok.encode("utf-8"): tok for tok in special_tokens}
     entries = {specials.get(b) or to_text(b): i for i, b in sorted(vocab.items())}
-    _atomic_write(directory / "vocab.json", json.dumps(entries, ensure_ascii=False, indent=0))
+    atomic_write_text(directory / "vocab.json", json.dumps(entries, ensure_ascii=False, indent=0))
     lines = [f"{to_text(a)} {to_text(b)}" for a, b in merges]
-    _atomic_write(directory / "merges.txt", "#version: 0.2\n" + "\n".join(lines) + "\n")
+    atomic_write_text(directory / "merges.txt", "#version: 0.2\n" + "\n".join(lines) + "\n")
 
 
 def read(vocab_path: str | Path, merges_path: str | Path,
