@@ -14,8 +14,7 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from lmlab.catalog import load_catalog
-from lmlab.cli.overrides import CONF_DIR, check_choices, parse, plugin_modules
+from lmlab.cli.overrides import CONF_DIR, prepare
 from lmlab.errors import ConfigError
 
 
@@ -29,9 +28,7 @@ def run_hydra_app(prog: str, config_name: str, job: Callable[[DictConfig, str], 
     if not (CONF_DIR / f"{config_name}.yaml").is_file():
         fail(prog, ConfigError(f"no config tree at {CONF_DIR}; install lmlab from its checkout with `pip install -e .`"))
     try:
-        overrides = parse(argv)
-        load_catalog(plugin_modules(overrides, config_name=config_name))
-        check_choices(overrides)
+        prepare(argv, config_name)
     except ConfigError as err:
         fail(prog, err)
 

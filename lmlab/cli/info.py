@@ -13,8 +13,7 @@ import argparse
 import torch
 from hydra import compose, initialize_config_dir
 
-from lmlab.catalog import load_catalog
-from lmlab.cli.overrides import CONF_DIR, check_choices, parse, plugin_modules
+from lmlab.cli.overrides import CONF_DIR, prepare
 from lmlab.training.hardware import BF16_PEAK_FLOPS
 
 
@@ -63,9 +62,7 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     if not 0 < args.mfu <= 1:
         parser.error(f"--mfu must be in (0, 1], got {args.mfu}")
-    overrides = parse(args.overrides)
-    load_catalog(plugin_modules(overrides))
-    check_choices(overrides)
+    prepare(args.overrides)
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         cfg = compose("train", overrides=args.overrides)
     vocab = args.vocab_size or cfg.model.vocab_size or cfg.tokenizer.get("vocab_size") or 256

@@ -57,3 +57,14 @@ def check_choices(overrides: list[Override], conf_dir: Path = CONF_DIR) -> None:
         for name in _values(override):
             if name not in choices:
                 raise ConfigError(unknown_name_message(f"choice for config group '{group}'", name, choices))
+
+
+def prepare(argv: list[str], config_name: str = "train") -> list[Override]:
+    """Everything before Hydra composes `config_name`: import lmlab's parts and the plugins, then
+    check every `GROUP=NAME` of `argv`. Returns the parsed overrides."""
+    from lmlab.catalog import load_catalog
+
+    overrides = parse(argv)
+    load_catalog(plugin_modules(overrides, config_name=config_name))
+    check_choices(overrides)
+    return overrides
