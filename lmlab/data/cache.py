@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 from tqdm import tqdm
 
-from lmlab.atomic import atomic_write_text
+from lmlab.atomic import atomic_write, atomic_write_text
 from lmlab.data.sources import DataSourceError, TextSource
 from lmlab.tokenizers import Tokenizer
 
@@ -55,32 +54,34 @@ def load_or_build(source: TextSource, tokenizer: Tokenizer, cache_dir: str | Pat
 
 def _build(source: TextSource, tokenizer: Tokenizer, bin_path: Path, meta_path: Path, progress: bool) -> None:
     dtype = token_dtype(tokenizer.vocab_size)
+    counts: dict[str, int] = {}
+    atomic_write(bin_path, lambda tmp: counts.update(_write_tokens(source, tokenizer, tmp, dtype, progress)))
+    meta = {"dtype": dtype.name, "n_tokens": counts["n_tokens"], "n_bytes": counts["n_bytes"],
+            "source": source.fingerprint(), "tokenizer": tokenizer.fingerprint()}
+    atomic_write_text(meta_path, json.dumps(meta, indent=2))
+
+
+def _write_tokens(source: TextSource, tokenizer: Tokenizer, path: Path, dtype: np.dtype,
+                  progress: bool) -> dict[str, int]:
+    """Stream every document's ids (each followed by end-of-text, if the tokenizer has one) to `path`."""
     eot = tokenizer.eot_id
-    tmp_bin = bin_path.with_suffix(f".bin.tmp-{os.getpid()}")
     n_tokens = n_bytes = n_pending = 0
     pending: list[np.ndarray] = []
-    try:
-        with tmp_bin.open("wb") as out:
-            docs = tqdm(source.documents(), desc="tokenizing", unit="doc", disable=not progress)
-            for doc in docs:
-                if not doc:
-                    continue
-                ids = tokenizer.encode_array(doc)
-                pending.append(ids if eot is None else np.append(ids, eot))
-                n_bytes += len(doc.encode("utf-8"))
-                n_tokens += len(pending[-1])
-                n_pending += len(pending[-1])
-                if n_pending >= _FLUSH_TOKENS:
-                    out.write(np.concatenate(pending).astype(dtype).tobytes())
-                    pending.clear()
-                    n_pending = 0
-            if pending:
+    with path.open("wb") as out:
+        for doc in tqdm(source.documents(), desc="tokenizing", unit="doc", disable=not progress):
+            if not doc:
+                continue
+            ids = tokenizer.encode_array(doc)
+            pending.append(ids if eot is None else np.append(ids, eot))
+            n_bytes += len(doc.encode("utf-8"))
+            n_tokens += len(pending[-1])
+            n_pending += len(pending[-1])
+            if n_pending >= _FLUSH_TOKENS:
                 out.write(np.concatenate(pending).astype(dtype).tobytes())
-        if n_tokens == 0:
-            raise DataSourceError("the corpus is empty: the data source yielded no text")
-        os.replace(tmp_bin, bin_path)
-    finally:
-        tmp_bin.unlink(missing_ok=True)
-    meta = {"dtype": dtype.name, "n_tokens": n_tokens, "n_bytes": n_bytes, "source": source.fingerprint(),
-            "tokenizer": tokenizer.fingerprint()}
-    atomic_write_text(meta_path, json.dumps(meta, indent=2))
+                pending.clear()
+                n_pending = 0
+        if pending:
+            out.write(np.concatenate(pending).astype(dtype).tobytes())
+    if n_tokens == 0:
+        raise DataSourceError("the corpus is empty: the data source yielded no text")
+    return {"n_tokens": n_tokens, "n_bytes": n_bytes}
