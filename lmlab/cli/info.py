@@ -14,6 +14,7 @@ import torch
 from hydra import compose, initialize_config_dir
 
 from lmlab.cli.overrides import CONF_DIR, prepare
+from lmlab.tokenizers.base import expected_vocab_size
 from lmlab.training.hardware import BF16_PEAK_FLOPS
 
 
@@ -29,6 +30,7 @@ def cost_model(cfg, vocab_size: int) -> dict[str, float]:
     return {
         "params": model.num_parameters(),
         "non_embedding_params": model.num_parameters(exclude_embeddings=True),
+        "active_params": model.num_active_parameters(),
         "flops_per_token": flops_per_token,
         "kv_cache_bytes_per_token": model.kv_cache_bytes_per_token(),
         "tokens_per_step": tokens_per_step,
@@ -42,6 +44,7 @@ def report(c: dict[str, float], accelerator: str, mfu: float) -> str:
     step_s = c["flops_per_step"] / (peak * mfu)
     rows = [
         ("parameters", f"{c['params'] / 1e6:,.2f}M ({c['non_embedding_params'] / 1e6:,.2f}M without the token embedding)"),
+        ("active parameters", f"{c['active_params'] / 1e6:,.2f}M per token (fewer than all with MoE)"),
         ("training FLOPs per token", f"{c['flops_per_token'] / 1e6:,.2f} MFLOP (6 x matmul weights + attention)"),
         ("KV cache per token", f"{c['kv_cache_bytes_per_token'] / 1024:,.2f} KiB in bf16"),
         ("tokens per step", f"{c['tokens_per_step']:,}"),
@@ -58,13 +61,13 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--accelerator", default="H100", choices=sorted(BF16_PEAK_FLOPS))
     parser.add_argument("--mfu", type=float, default=0.4, help="assumed model FLOPs utilisation (default 0.4)")
     parser.add_argument("--vocab-size", type=int, default=None,
-                        help="tokenizer vocab (default: model.vocab_size, else tokenizer.vocab_size, else 256)")
+                        help="tokenizer vocab (default: model.vocab_size, else what the tokenizer config asks for)")
     args = parser.parse_args(argv)
     if not 0 < args.mfu <= 1:
         parser.error(f"--mfu must be in (0, 1], got {args.mfu}")
     prepare(args.overrides)
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         cfg = compose("train", overrides=args.overrides)
-    vocab = args.vocab_size or cfg.model.vocab_size or cfg.tokenizer.get("vocab_size") or 256
+    vocab = args.vocab_size or cfg.model.vocab_size or expected_vocab_size(cfg.tokenizer)
     print(report(cost_model(cfg, vocab), args.accelerator, args.mfu))
     return 0

@@ -51,7 +51,7 @@ def cmd_list(args: argparse.Namespace) -> int:
 
 
 # `lmlab bench NAME ...` runs the `main(argv)` of the module named here.
-BENCHMARKS = {"tokenizer": "lmlab.tokenizers.bench"}
+BENCHMARKS = {"tokenizer": "lmlab.tokenizers.bench", "moe": "lmlab.nn.moe.bench"}
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -69,6 +69,10 @@ def main(argv: list[str] | None = None) -> int:
                             add_help=False)
     p_info.add_argument("args", nargs=argparse.REMAINDER)
     p_info.set_defaults(func=lambda args: importlib.import_module("lmlab.cli.info").main(args.args))
+    p_upcycle = sub.add_parser("upcycle", help="dense checkpoint -> MoE checkpoint whose experts copy the FFN",
+                               add_help=False)
+    p_upcycle.add_argument("args", nargs=argparse.REMAINDER)
+    p_upcycle.set_defaults(func=lambda args: importlib.import_module("lmlab.cli.upcycle").main(args.args))
     p_bench = sub.add_parser("bench", help="benchmarks that compare lmlab with its reference in one run")
     p_bench.add_argument("name", choices=sorted(BENCHMARKS))
     p_bench.add_argument("args", nargs=argparse.REMAINDER, help="passed to the benchmark (try --help)")

@@ -11,11 +11,16 @@ Both defaults keep the parameter count near 8 * d_model**2 per layer, so swappin
 
 Each entry declares its own `Config` subclass, even when it adds no field: the registry
 finds the entry of a Config instance by its class, so entries must not share one.
+
+An FFN writes its formula once, in `combine(x, proj)`, in terms of its named projections
+(`projections`); `forward` applies its own Linear layers. A mixture of experts runs the same
+formula with each projection replaced by E stacked expert matrices (lmlab.nn.moe.experts).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -23,6 +28,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from lmlab.errors import ConfigError
+
+Projection = Callable[[str, torch.Tensor], torch.Tensor]  # (projection name, input) -> input @ W.T
 from lmlab.registry import Registry
 
 FFNS = Registry("ffn", group="model/ffn", doc="feed-forward layers and their activations")
@@ -41,8 +48,25 @@ def _check_gelu_approximate(value: str) -> str:
     return value
 
 
-class MLP(nn.Module):
+class FFN(nn.Module):
+    """Base of the FFN families: `forward` runs `combine` with the module's own Linear layers."""
+
+    projections: tuple[str, ...] = ()
+
+    def act(self, h: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def combine(self, x: torch.Tensor, proj: Projection) -> torch.Tensor:
+        raise NotImplementedError
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.combine(x, lambda name, h: getattr(self, name)(h))
+
+
+class MLP(FFN):
     """down(act(up(x))): the two-matrix FFN; subclasses define the activation `act`."""
+
+    projections = ("up_proj", "down_proj")
 
     @dataclass
     class Config:
@@ -54,11 +78,8 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(d_model, d_ff, bias=False)
         self.down_proj = nn.Linear(d_ff, d_model, bias=False)
 
-    def act(self, h: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.up_proj(x)))
+    def combine(self, x: torch.Tensor, proj: Projection) -> torch.Tensor:
+        return proj("down_proj", self.act(proj("up_proj", x)))
 
 
 @FFNS.register("relu")
@@ -113,8 +134,10 @@ class SquaredReluMLP(MLP):
         return F.relu(h).square()
 
 
-class GLU(nn.Module):
+class GLU(FFN):
     """down(act(gate(x)) * up(x)): the gated three-matrix FFN; subclasses define `act`."""
+
+    projections = ("gate_proj", "up_proj", "down_proj")
 
     @dataclass
     class Config:
@@ -127,11 +150,8 @@ class GLU(nn.Module):
         self.up_proj = nn.Linear(d_model, d_ff, bias=False)
         self.down_proj = nn.Linear(d_ff, d_model, bias=False)
 
-    def act(self, h: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+    def combine(self, x: torch.Tensor, proj: Projection) -> torch.Tensor:
+        return proj("down_proj", self.act(proj("gate_proj", x)) * proj("up_proj", x))
 
 
 @FFNS.register("swiglu")

@@ -9,24 +9,42 @@ muP's per-layer learning rates reach the optimizer without the optimizer knowing
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import NamedTuple
 
+import torch
 from torch import nn
 
+from lmlab.nn.moe.experts import Experts
 from lmlab.registry import Registry
 
 INITS = Registry("init", group="model/init", doc="weight initialisation (and muP's width multipliers)")
 
-RESIDUAL_OUTPUTS = ("o_proj.weight", "down_proj.weight")  # projections that write into the residual stream
+# Projections that write into the residual stream (dense and expert FFNs, attention).
+RESIDUAL_OUTPUTS = ("o_proj.weight", "down_proj.weight", "experts.down_proj")
 
 
-def _matrices(model: nn.Module):
-    """(name, weight) of every Linear and Embedding, tied weights once."""
+class Matrix(NamedTuple):
+    name: str
+    weight: torch.Tensor
+    fan_in: int
+    embedding: bool
+
+
+def _matrices(model: nn.Module) -> Iterator[Matrix]:
+    """Every weight matrix: Linear and Embedding weights (tied ones once) and each stack of
+    expert matrices (one initialisation per expert, by the fan-in of one expert)."""
     seen = set()
     for name, module in model.named_modules():
         if isinstance(module, (nn.Linear, nn.Embedding)) and id(module.weight) not in seen:
             seen.add(id(module.weight))
-            yield f"{name}.weight", module
+            embedding = isinstance(module, nn.Embedding)
+            yield Matrix(f"{name}.weight", module.weight, 0 if embedding else module.in_features, embedding)
+        elif isinstance(module, Experts):
+            for proj in module.ffn.projections:
+                weight = getattr(module, proj)
+                yield Matrix(f"{name}.{proj}", weight, weight.shape[-1], False)
 
 
 @INITS.register("standard")
@@ -37,9 +55,8 @@ class StandardInit:
         pass
 
     def apply(self, model: nn.Module) -> dict[str, float]:
-        for _, module in _matrices(model):
-            std = 1.0 if isinstance(module, nn.Embedding) else module.in_features ** -0.5
-            nn.init.normal_(module.weight, std=std)
+        for m in _matrices(model):
+            nn.init.normal_(m.weight, std=1.0 if m.embedding else m.fan_in**-0.5)
         return {}
 
 
@@ -58,8 +75,8 @@ class GPT2Init:
         # Each layer adds two residual branches; shrinking their outputs keeps the residual
         # stream's variance from growing with depth.
         depth_scale = 1 / math.sqrt(2 * len(model.layers))
-        for name, module in _matrices(model):
-            nn.init.normal_(module.weight, std=self.std * (depth_scale if name.endswith(RESIDUAL_OUTPUTS) else 1.0))
+        for m in _matrices(model):
+            nn.init.normal_(m.weight, std=self.std * (depth_scale if m.name.endswith(RESIDUAL_OUTPUTS) else 1.0))
         return {}
 
 
@@ -83,13 +100,14 @@ class MuPInit:
         here, which equals 1/sqrt(head_dim) at the base width)."""
         m = model.embed_tokens.embedding_dim / self.cfg.base_d_model
         lr_multipliers = {}
-        for name, module in _matrices(model):
-            if module is model.lm_head or isinstance(module, nn.Embedding):
-                std = 0.0 if module is model.lm_head and self.cfg.readout_zero_init else self.cfg.std
+        for matrix in _matrices(model):
+            readout = not matrix.embedding and matrix.weight is model.lm_head.weight
+            if readout or matrix.embedding:
+                std = 0.0 if readout and self.cfg.readout_zero_init else self.cfg.std
             else:
                 std = self.cfg.std / math.sqrt(m)
-                lr_multipliers[name] = 1 / m
-            nn.init.normal_(module.weight, std=std) if std else nn.init.zeros_(module.weight)
+                lr_multipliers[matrix.name] = 1 / m
+            nn.init.normal_(matrix.weight, std=std) if std else nn.init.zeros_(matrix.weight)
         model.output_multiplier = 1 / m
         for module in model.modules():
             if hasattr(module, "set_score_scale"):

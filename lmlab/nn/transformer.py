@@ -8,7 +8,9 @@ thin adapter.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from collections import defaultdict
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -19,6 +21,8 @@ from lmlab.errors import ConfigError
 from lmlab.nn.attention import ATTENTION
 from lmlab.nn.blocks import BLOCKS
 from lmlab.nn.init import INITS
+from lmlab.nn.moe import MoELayer
+from lmlab.nn.mtp import MTPConfig, MTPModule, check_mtp
 from lmlab.nn.norms import NORMS
 from lmlab.nn.positions import POSITIONS
 
@@ -39,6 +43,17 @@ class ModelConfig:
     position: Any = MISSING
     attention: Any = MISSING
     block: Any = MISSING
+    moe: Any = None  # an entry of model/moe turns FFNs into mixtures of experts; None: dense
+    mtp: MTPConfig = field(default_factory=MTPConfig)
+
+
+@dataclass
+class ModelOutput:
+    """What a training step needs from the model."""
+
+    logits: torch.Tensor  # (B, S, V), predicting token t+1
+    mtp_logits: list[torch.Tensor]  # depth d (1-based): (B, S-d, V), predicting token t+d+1
+    aux_losses: dict[str, tuple[float, torch.Tensor]]  # name -> (weight, unweighted value)
 
 
 def padded_vocab_size(n: int, multiple: int = 64) -> int:
@@ -60,10 +75,17 @@ class Transformer(nn.Module):
         self.embed_tokens = nn.Embedding(self.vocab_size, cfg.d_model)
         self.position = POSITIONS.build(cfg.position, cfg.max_seq_len, cfg.d_model, head_dim, n_heads)
         self.layers = nn.ModuleList(BLOCKS.build(cfg.block, cfg, layer_idx=i) for i in range(cfg.n_layers))
-        for layer in self.layers:  # attention that cannot use this position scheme says so now
-            if hasattr(layer.self_attn, "check_position"):
-                layer.self_attn.check_position(self.position)
         self.norm = NORMS.build(cfg.norm, cfg.d_model) if self.layers[0].final_norm else nn.Identity()
+        check_mtp(cfg.mtp)
+        self.mtp_layers = nn.ModuleList(MTPModule(cfg, layer_idx=cfg.n_layers + d) for d in range(cfg.mtp.depth))
+        self.mtp_loss_weight = cfg.mtp.loss_weight
+        for block in self._blocks():  # attention that cannot use this position scheme says so now
+            if hasattr(block.self_attn, "check_position"):
+                block.self_attn.check_position(self.position)
+        for module in self.modules():  # parts sized by the vocabulary (the hash router's table)
+            if hasattr(module, "bind_vocab"):
+                module.bind_vocab(self.vocab_size)
+        self._routes_by_token = any(not moe.router.learned for _, moe in self._moe_layers())
         self.lm_head = nn.Linear(cfg.d_model, self.vocab_size, bias=False)
         self.logit_softcap = cfg.logit_softcap
         self.output_multiplier = 1.0  # muP sets 1/width_mult
@@ -72,32 +94,97 @@ class Transformer(nn.Module):
         # Learning-rate multipliers by parameter name (muP); the optimizer makes groups of them.
         self.lr_multipliers: dict[str, float] = INITS.build(cfg.init).apply(self)
 
+    def _blocks(self) -> list[nn.Module]:
+        return [*self.layers, *(m.layer for m in self.mtp_layers)]
+
+    def _moe_layers(self) -> Iterator[tuple[str, MoELayer]]:
+        return ((name.removesuffix(".mlp"), m) for name, m in self.named_modules() if isinstance(m, MoELayer))
+
     def num_parameters(self, exclude_embeddings: bool = False) -> int:
         params = {id(p): p for p in self.parameters()}
         if exclude_embeddings:
             params.pop(id(self.embed_tokens.weight), None)
         return sum(p.numel() for p in params.values())
 
+    def num_active_parameters(self, exclude_embeddings: bool = False) -> int:
+        """Parameters one token meets: with MoE, its k routed experts instead of all of them."""
+        inactive = sum(moe.experts.params_per_expert() * (moe.router.n_experts - moe.router.k)
+                       for _, moe in self._moe_layers())
+        return self.num_parameters(exclude_embeddings) - inactive
+
     def flops_per_token(self, seq_len: int) -> float:
-        """Training FLOPs per token: 6 per matmul weight (forward + backward), plus each attention
-        layer's score and value products (see `score_flops_per_token`). Embedding lookups, norms
-        and activations are not counted (the PaLM appendix's convention)."""
-        matmul_params = sum(m.weight.numel() for m in self.modules() if isinstance(m, nn.Linear))
-        return 6 * matmul_params + sum(layer.self_attn.score_flops_per_token(seq_len) for layer in self.layers)
+        """Training FLOPs per token: 6 per matmul weight a token meets (forward + backward; with MoE
+        its k experts, with MTP the output head once more per depth), plus each attention layer's
+        score and value products (see `score_flops_per_token`). Embedding lookups, norms and
+        activations are not counted (the PaLM appendix's convention)."""
+        linear = sum(m.weight.numel() for m in self.modules() if isinstance(m, nn.Linear))
+        experts = sum(moe.router.k * moe.experts.params_per_expert() for _, moe in self._moe_layers())
+        head_reuse = len(self.mtp_layers) * self.lm_head.weight.numel()
+        attention = sum(block.self_attn.score_flops_per_token(seq_len) for block in self._blocks())
+        return 6 * (linear + experts + head_reuse) + attention
 
     def kv_cache_bytes_per_token(self, bytes_per_element: int = 2) -> int:
         """Bytes of keys and values cached per generated token, over all layers (bf16 by default)."""
         return bytes_per_element * sum(layer.self_attn.kv_cache_elements_per_token() for layer in self.layers)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Logits of the next token (the main head only: MTP modules are not run)."""
+        hidden, _ = self._hidden(input_ids)
+        return self._head(self.norm(hidden))
+
+    def forward_train(self, input_ids: torch.Tensor) -> ModelOutput:
+        """Logits of the main head and of every MTP depth, and the MoE layers' auxiliary losses."""
+        hidden, positions = self._hidden(input_ids)
+        logits = self._head(self.norm(hidden))
+        mtp_logits = []
+        for d, module in enumerate(self.mtp_layers, start=1):
+            ahead = input_ids[:, d:]
+            self._route_by(module, ahead)
+            hidden = module(hidden[:, :-1], self.embed_tokens(ahead), self.position, positions[:-d])
+            mtp_logits.append(self._head(module.norm(hidden)))
+        return ModelOutput(logits, mtp_logits, self._aux_losses())
+
+    def _hidden(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         seq_len = input_ids.shape[1]
         if seq_len > self.max_seq_len:
             raise ValueError(f"sequence length {seq_len} exceeds model.max_seq_len={self.max_seq_len}")
         positions = torch.arange(seq_len, device=input_ids.device)
+        self._route_by(self.layers, input_ids)
         x = self.position.embed(self.embed_tokens(input_ids), positions)
         for layer in self.layers:
             x = layer(x, self.position, positions)
-        logits = self.lm_head(self.norm(x)) * self.output_multiplier
+        return x, positions
+
+    def _head(self, x: torch.Tensor) -> torch.Tensor:
+        logits = self.lm_head(x) * self.output_multiplier
         if self.logit_softcap is not None:
             logits = self.logit_softcap * torch.tanh(logits / self.logit_softcap)
         return logits
+
+    def _route_by(self, module: nn.Module, token_ids: torch.Tensor) -> None:
+        """Tell the MoE layers under `module` which tokens they see (for routers that hash token ids)."""
+        if self._routes_by_token:
+            for m in module.modules():
+                if isinstance(m, MoELayer):
+                    m.token_ids = token_ids
+
+    def _aux_losses(self) -> dict[str, tuple[float, torch.Tensor]]:
+        """Each auxiliary loss averaged over the MoE layers, with its weight."""
+        values, weights = defaultdict(list), {}
+        for _, moe in self._moe_layers():
+            for name, value in moe.losses.items():
+                values[name].append(value)
+                weights[name] = moe.loss_weights[name]
+        return {name: (weights[name], torch.stack(v).mean()) for name, v in values.items()}
+
+    def moe_stats(self) -> dict[str, torch.Tensor]:
+        """Per-layer expert load, dropped-token fraction and router entropy of the last forward,
+        and the dropped fraction and entropy averaged over layers."""
+        stats, per_name = {}, defaultdict(list)
+        for layer, moe in self._moe_layers():
+            for name, value in moe.stats().items():
+                stats[f"moe/{layer}/{name}"] = value
+                if "/" not in name:
+                    per_name[name].append(value)
+        stats.update({f"moe/{name}": torch.stack(v).mean() for name, v in per_name.items()})
+        return stats

@@ -18,6 +18,14 @@ TOKENIZERS = Registry("tokenizer", group="tokenizer",
 EOT = "<|endoftext|>"
 
 
+def expected_vocab_size(tokenizer_cfg) -> int:
+    """The vocabulary a tokenizer config asks for, known before it is built or trained: its
+    `vocab_size` field where it has one (a trained tokenizer may stop short of it), else the 256
+    byte ids plus its special tokens."""
+    vocab_size = tokenizer_cfg.get("vocab_size")
+    return vocab_size or 256 + len(tokenizer_cfg.get("special_tokens") or [])
+
+
 class Tokenizer(ABC):
     """Maps text to token ids and back. Special tokens are matched before anything else."""
 

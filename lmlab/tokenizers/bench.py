@@ -15,28 +15,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import time
 import tracemalloc
-from collections.abc import Callable
 from pathlib import Path
 
+from lmlab.timing import median_time
 from lmlab.tokenizers.bpe import BPETokenizer
 from lmlab.tokenizers.bpe_train import train_bpe
 
 DEFAULT_FILE = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "tinyshakespeare.txt"
 EOT = "<|endoftext|>"
-
-
-def median_time(fn: Callable[[], object], repeats: int) -> tuple[float, object]:
-    result = fn()  # warm-up
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        result = fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times), result
 
 
 def train_hf(path: Path, vocab_size: int):

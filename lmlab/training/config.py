@@ -39,7 +39,8 @@ class TrainConfig:
     loss: Any = MISSING
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     seed: int = 0
-    ckpt_path: str | None = None  # resume from this checkpoint
+    ckpt_path: str | None = None  # resume from this checkpoint (weights, optimizer, step)
+    init_from: str | None = None  # start from this checkpoint's weights only (e.g. from `lmlab upcycle`)
     cache_dir: str = "${oc.env:LMLAB_CACHE,'~/.cache/lmlab'}"  # tokenized corpora, shared by runs
     plugins: list[str] = field(default_factory=list)  # modules imported before the config is composed
 

@@ -17,6 +17,7 @@ from torch.optim.lr_scheduler import LambdaLR
 from lmlab.nn.transformer import Transformer
 from lmlab.optim import OPTIMIZERS, SCHEDULERS
 from lmlab.training.losses import LOSSES
+from lmlab.training.objective import training_terms
 
 CONFIG_KEY = "lmlab_config"  # where checkpoints keep the run's resolved config
 
@@ -37,11 +38,21 @@ class LanguageModelTask(L.LightningModule):
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         inputs, targets = batch
-        terms = self.loss_fn(self.model(inputs), targets)
+        terms = training_terms(self.loss_fn, self.model.forward_train(inputs), targets, self.model.mtp_loss_weight)
         self.log("train/loss", terms["loss"], prog_bar=True)
         self.log_dict({f"train/{name}": value for name, value in terms.items() if name != "loss"})
         self.log("lr", self.optimizers().param_groups[0]["lr"])
+        self._log_moe_stats()
         return terms["loss"]
+
+    def _log_moe_stats(self) -> None:
+        """Expert loads and router statistics, straight to the logger on logging steps only: a deep
+        MoE has hundreds of them, and reading them costs a device sync."""
+        if self.logger is None or self.global_step % self.trainer.log_every_n_steps:
+            return
+        stats = self.model.moe_stats()
+        if stats:
+            self.logger.log_metrics({name: float(value) for name, value in stats.items()}, step=self.global_step)
 
     def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
         inputs, targets = batch

@@ -21,6 +21,7 @@ from lmlab.errors import ConfigError
 from lmlab.nn.transformer import Transformer
 from lmlab.optim import OPTIMIZERS, SCHEDULERS
 from lmlab.tokenizers import TOKENIZERS
+from lmlab.tokenizers.base import expected_vocab_size
 from lmlab.training.module import CONFIG_KEY, LanguageModelTask
 from lmlab.training.throughput import Throughput
 
@@ -33,11 +34,11 @@ def resolve_precision(precision: str) -> str:
     return "bf16-mixed" if torch.cuda.is_available() else "32-true"
 
 
-def check_checkpoint(cfg: DictConfig) -> None:
-    """The checkpoint exists and was written by a run of the same model and tokenizer."""
-    path = Path(cfg.ckpt_path)
+def check_checkpoint(cfg: DictConfig, key: str) -> None:
+    """The checkpoint at `cfg[key]` exists and was written by a run of the same model and tokenizer."""
+    path = Path(cfg[key])
     if not path.is_file():
-        raise ConfigError(f"ckpt_path={cfg.ckpt_path} is not a file")
+        raise ConfigError(f"{key}={cfg[key]} is not a file")
     saved = torch.load(path, map_location="cpu", weights_only=False).get(CONFIG_KEY)
     if saved is None:
         raise ConfigError(f"{path} was not written by lmlab-train (it has no '{CONFIG_KEY}')")
@@ -47,7 +48,7 @@ def check_checkpoint(cfg: DictConfig) -> None:
         if diffs:
             raise ConfigError(
                 f"checkpoint {path} was trained with a different {group} config:\n  " + "\n  ".join(diffs)
-                + f"\nrun with the checkpoint's {group} settings, or start without ckpt_path")
+                + f"\nrun with the checkpoint's {group} settings, or start without {key}")
 
 
 def _differences(old, new, prefix: str) -> list[str]:
@@ -65,10 +66,13 @@ def preflight(cfg: DictConfig):
         raise ConfigError(
             f"data.context_length={data_cfg.context_length} is larger than model.max_seq_len={cfg.model.max_seq_len}; "
             "raise model.max_seq_len or shorten the context")
-    if cfg.ckpt_path:
-        check_checkpoint(cfg)
+    if cfg.ckpt_path and cfg.init_from:
+        raise ConfigError("set ckpt_path (resume a run) or init_from (new run from saved weights), not both")
+    for key in ("ckpt_path", "init_from"):
+        if cfg[key]:
+            check_checkpoint(cfg, key)
     with torch.device("meta"):  # shapes and head counts, without allocating the model
-        model = Transformer(cfg.model, vocab_size=256)
+        model = Transformer(cfg.model, vocab_size=cfg.model.vocab_size or expected_vocab_size(cfg.tokenizer))
     for module in model.modules():  # parts whose settings depend on the context (e.g. a sliding window)
         if hasattr(module, "check_context"):
             module.check_context(data_cfg.context_length)
@@ -89,6 +93,10 @@ def train(cfg: DictConfig, output_dir: str | Path) -> dict[str, float]:
 
     tokenizer = TOKENIZERS.build(cfg.tokenizer, source, cfg.cache_dir, cfg.trainer.progress_bar)
     task = LanguageModelTask(cfg, tokenizer.vocab_size)
+    if cfg.init_from:
+        saved = torch.load(cfg.init_from, map_location="cpu", weights_only=False)["state_dict"]
+        task.model.load_state_dict({k.removeprefix("model."): v for k, v in saved.items() if k.startswith("model.")})
+        log.info("model weights from %s", cfg.init_from)
     log.info("model: %.2fM parameters (%.2fM without embeddings)",
              task.model.num_parameters() / 1e6, task.model.num_parameters(exclude_embeddings=True) / 1e6)
 

@@ -1,0 +1,84 @@
+"""`lmlab upcycle ckpt=PATH model/moe=NAME [model.moe.FIELD=VALUE ...] [out=PATH] [noise=X] [seed=N]`
+
+Turns a dense checkpoint written by lmlab-train into an MoE one whose experts start as copies of
+the dense FFN; continue training it with `lmlab-train init_from=OUT` and the same model/moe overrides.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from lmlab.atomic import atomic_write
+from lmlab.cli.overrides import CONF_DIR, prepare
+from lmlab.errors import ConfigError
+
+OWN_KEYS = {"ckpt", "out", "noise", "seed"}
+MODEL_PREFIX = "model."
+
+
+def _split(argv: list[str]) -> tuple[dict[str, str], list[str]]:
+    own, moe = {}, []
+    for arg in argv:
+        key, sep, value = arg.partition("=")
+        if not sep:
+            raise ConfigError(f"expected KEY=VALUE, got '{arg}'")
+        if key in OWN_KEYS:
+            own[key] = value
+        elif key.lstrip("+") in ("model/moe",) or key.startswith("model.moe."):
+            moe.append(arg)
+        else:
+            raise ConfigError(f"'{key}': only model/moe and model.moe.* may change when upcycling "
+                              f"(and {', '.join(sorted(OWN_KEYS))})")
+    if "ckpt" not in own or not any(a.lstrip("+").startswith("model/moe=") for a in moe):
+        raise ConfigError("upcycle needs ckpt=PATH and model/moe=NAME")
+    return own, moe
+
+
+def upcycle_checkpoint(ckpt: Path, moe_overrides: list[str], out: Path, noise: float, seed: int) -> dict:
+    """Write the upcycled checkpoint to `out`; returns its config."""
+    from lmlab.nn.moe.upcycle import upcycle
+    from lmlab.nn.transformer import Transformer
+    from lmlab.training.module import CONFIG_KEY
+
+    if not ckpt.is_file():
+        raise ConfigError(f"ckpt={ckpt} is not a file")
+    checkpoint = torch.load(ckpt, map_location="cpu", weights_only=False)
+    if CONFIG_KEY not in checkpoint:
+        raise ConfigError(f"{ckpt} was not written by lmlab-train (it has no '{CONFIG_KEY}')")
+    config = checkpoint[CONFIG_KEY]
+    if config["model"].get("moe") is not None:
+        raise ConfigError(f"{ckpt} is an MoE model already (model.moe.name={config['model']['moe']['name']})")
+    prepare(moe_overrides)
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        moe_cfg = compose("train", overrides=moe_overrides).model.moe
+    state = {k.removeprefix(MODEL_PREFIX): v for k, v in checkpoint["state_dict"].items() if k.startswith(MODEL_PREFIX)}
+    vocab_size = state["embed_tokens.weight"].shape[0]
+    dense = Transformer(OmegaConf.create(config["model"]), vocab_size)
+    dense.load_state_dict(state)
+    config["model"]["moe"] = OmegaConf.to_container(moe_cfg, resolve=True)
+    moe = Transformer(OmegaConf.create(config["model"]), vocab_size)
+    upcycle(dense, moe, noise, seed)
+    payload = {"state_dict": {MODEL_PREFIX + k: v for k, v in moe.state_dict().items()}, CONFIG_KEY: config,
+               "upcycled_from": str(ckpt)}
+    atomic_write(out, lambda tmp: torch.save(payload, tmp))
+    return config
+
+
+def main(argv: list[str]) -> int:
+    if any(a in ("-h", "--help") for a in argv):
+        print(__doc__)
+        return 0
+    own, moe_overrides = _split(argv)
+    ckpt = Path(own["ckpt"])
+    out = Path(own.get("out") or ckpt.with_name(f"{ckpt.stem}-upcycled.ckpt"))
+    try:
+        noise, seed = float(own.get("noise", 0.0)), int(own.get("seed", 0))
+    except ValueError as err:
+        raise ConfigError(f"noise must be a number and seed an integer: {err}") from None
+    upcycle_checkpoint(ckpt, moe_overrides, out, noise, seed)
+    print(f"wrote {out}\ncontinue training with:\n  lmlab-train init_from={out} {' '.join(moe_overrides)}")
+    return 0

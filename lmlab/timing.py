@@ -1,0 +1,46 @@
+"""Wall-clock timing for benchmarks: medians after warm-up, with CUDA work finished before each clock read."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def median_time(fn: Callable[[], object], repeats: int, warmup: int = 1) -> tuple[float, object]:
+    """Median seconds of `repeats` calls of `fn` after `warmup` calls, and the last call's result."""
+    result = None
+    for _ in range(warmup):
+        result = fn()
+    times = []
+    for _ in range(repeats):
+        _sync()
+        start = time.perf_counter()
+        result = fn()
+        _sync()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times), result
+
+
+def interleaved_medians(fns: dict[str, Callable[[], object]], repeats: int, warmup: int = 1) -> dict[str, float]:
+    """Median seconds of each function, timed in turns (a, b, c, a, b, c, ...) so that a slow
+    stretch of the machine hits every contender alike."""
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            _sync()
+            start = time.perf_counter()
+            fn()
+            _sync()
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) for name, t in times.items()}
