@@ -2,7 +2,8 @@
 
 A run is any folder with Hydra's `.hydra/overrides.yaml` and TensorBoard events under `tb/`.
 The table shows the overrides that differ between runs, the final train/val loss, val bpb
-and the median tokens/s; the plot of validation loss is written next to the runs.
+and the median tokens/s; the plot of validation loss is written next to the runs, and for MoE
+runs a grid of each layer's expert loads over training (`expert_load.png`).
 """
 
 from __future__ import annotations
@@ -11,12 +12,14 @@ import argparse
 import re
 import statistics
 import sys
+import textwrap
 from dataclasses import dataclass
 from pathlib import Path
 
 from omegaconf import OmegaConf
 
 SCALARS = ("train/loss", "val/loss", "val/bpb", "perf/tokens_per_s")
+LOAD_TAG = re.compile(r"moe/(?P<layer>.+)/load/expert(?P<expert>\d+)$")  # logged by MoE layers
 
 
 @dataclass
@@ -78,17 +81,19 @@ def table(runs: list[Run], root: Path) -> str:
     return "\n".join([line(header), "|" + "|".join("-" * (w + 2) for w in widths) + "|", *map(line, rows)])
 
 
-def plot(runs: list[Run], path: Path, tag: str = "val/loss") -> Path:
-    import matplotlib
+def _label(run: Run, keys: list[str]) -> str:
+    return ", ".join(f"{k}={run.overrides.get(k, '')}" for k in keys) or run.path.name
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+
+def plot(runs: list[Run], path: Path, tag: str = "val/loss") -> Path:
+    from matplotlib.figure import Figure  # renders with Agg, no display needed
 
     keys = differing_keys(runs)
-    fig, ax = plt.subplots(figsize=(8, 5))
+    fig = Figure(figsize=(8, 5))
+    ax = fig.subplots()
     for i, run in enumerate(runs):
         points = run.scalars.get(tag, [])
-        label = ", ".join(f"{k}={run.overrides.get(k, '')}" for k in keys) or run.path.name
+        label = _label(run, keys)
         # The colour cycle has 10 colours; a new line style tells the next ten apart.
         ax.plot([s for s, _ in points], [v for _, v in points], marker="o", markersize=3, label=label,
                 linestyle=("-", "--", ":", "-.")[i // 10 % 4])
@@ -97,7 +102,38 @@ def plot(runs: list[Run], path: Path, tag: str = "val/loss") -> Path:
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
-    plt.close(fig)
+    return path
+
+
+def plot_expert_load(runs: list[Run], path: Path) -> Path | None:
+    """One row per MoE run, one panel per MoE layer: each expert's share of the tokens over
+    training, against the balanced share (dashed). None when no run has expert loads."""
+    from matplotlib.figure import Figure
+
+    loads = [(run, [(m["layer"], int(m["expert"]), tag) for tag in run.scalars if (m := LOAD_TAG.match(tag))])
+             for run in runs]
+    loads = [(run, tags) for run, tags in loads if tags]
+    if not loads:
+        return None
+    layers = sorted({layer for _, tags in loads for layer, _, _ in tags}, key=lambda s: _natural_key(Path(s)))
+    keys = differing_keys([run for run, _ in loads])
+    fig = Figure(figsize=(2.8 * len(layers), 2.2 * len(loads) + 0.6))
+    axes = fig.subplots(len(loads), len(layers), squeeze=False, sharex=True, sharey=True)
+    for row, (run, tags) in enumerate(loads):
+        for col, layer in enumerate(layers):
+            ax = axes[row][col]
+            experts = sorted((e, tag) for name, e, tag in tags if name == layer)
+            for e, tag in experts:
+                ax.plot([s for s, _ in run.scalars[tag]], [v for _, v in run.scalars[tag]], linewidth=1)
+            if experts:
+                ax.axhline(1 / len(experts), color="black", linestyle="--", linewidth=0.8)
+            ax.set_title(layer if row == 0 else "", fontsize=9)
+            ax.grid(alpha=0.3)
+        axes[row][0].set_ylabel(textwrap.fill(_label(run, keys), 28), fontsize=7)
+    fig.suptitle(f"expert load (fraction of routed tokens per expert): {path.parent.name}", fontsize=10)
+    fig.supxlabel("step", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
     return path
 
 
@@ -117,8 +153,10 @@ def main(argv: list[str] | None = None) -> int:
     text = table(runs, args.root)
     print(text)
     (args.root / "comparison.md").write_text(text + "\n")
-    png = plot(runs, args.root / f"{args.metric.replace('/', '_')}.png", args.metric)
-    print(f"\nwrote {args.root / 'comparison.md'} and {png}")
+    written = [args.root / "comparison.md", plot(runs, args.root / f"{args.metric.replace('/', '_')}.png", args.metric)]
+    load_png = plot_expert_load(runs, args.root / "expert_load.png")
+    written += [load_png] if load_png else []
+    print(f"\nwrote {', '.join(map(str, written))}")
     return 0
 
 

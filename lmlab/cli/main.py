@@ -69,6 +69,10 @@ def main(argv: list[str] | None = None) -> int:
                             add_help=False)
     p_info.add_argument("args", nargs=argparse.REMAINDER)
     p_info.set_defaults(func=lambda args: importlib.import_module("lmlab.cli.info").main(args.args))
+    p_lr = sub.add_parser("plot-lr", help="PNG of the learning-rate schedule a training config would use",
+                          add_help=False)
+    p_lr.add_argument("args", nargs=argparse.REMAINDER)
+    p_lr.set_defaults(func=lambda args: importlib.import_module("lmlab.cli.plot_lr").main(args.args))
     p_upcycle = sub.add_parser("upcycle", help="dense checkpoint -> MoE checkpoint whose experts copy the FFN",
                                add_help=False)
     p_upcycle.add_argument("args", nargs=argparse.REMAINDER)

@@ -21,7 +21,10 @@ class TrainerConfig:
     val_every: int = 50  # steps between validations
     val_batches: int = 8
     log_every: int = 10
-    grad_clip: float = 1.0  # max global gradient norm; 0 disables clipping
+    grad_clip: float = 1.0  # max global gradient norm; 0 disables clipping (the pre-clip norm is logged either way)
+    skip_nonfinite: bool = True  # skip optimizer steps whose loss or gradient norm is inf or nan
+    spike_factor: float | None = None  # also skip steps whose loss or gradient norm exceeds this x the running median
+    spike_window: int = 50  # steps in that running median
     precision: str = "auto"  # auto: bf16-mixed on GPU, 32-true on CPU; or any Lightning precision
     accelerator: str = "auto"
     devices: Any = 1

@@ -5,6 +5,7 @@ It never knows which norm, loss or optimizer it got; it only calls what the conf
 
 from __future__ import annotations
 
+import logging
 import math
 
 import lightning as L
@@ -15,11 +16,15 @@ from omegaconf import DictConfig, OmegaConf
 from torch.optim.lr_scheduler import LambdaLR
 
 from lmlab.nn.transformer import Transformer
-from lmlab.optim import OPTIMIZERS, SCHEDULERS
+from lmlab.optim import OPTIMIZERS, SCHEDULERS, describe_groups
 from lmlab.training.losses import LOSSES
 from lmlab.training.objective import training_terms
+from lmlab.training.step_guard import StepGuard
+
+log = logging.getLogger(__name__)
 
 CONFIG_KEY = "lmlab_config"  # where checkpoints keep the run's resolved config
+GUARD_KEY = "lmlab_step_guard"  # the skipped-step counter and its running medians
 
 
 class LanguageModelTask(L.LightningModule):
@@ -32,6 +37,9 @@ class LanguageModelTask(L.LightningModule):
         self.val_loss = torchmetrics.MeanMetric()
         self.val_ppl = torchmetrics.text.Perplexity()
         self.last_val_step: int | None = None
+        t = cfg.trainer
+        self.guard = StepGuard(t.skip_nonfinite, t.spike_factor, t.spike_window)
+        self._loss: torch.Tensor | None = None  # this step's loss, for the guard
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids)
@@ -41,9 +49,35 @@ class LanguageModelTask(L.LightningModule):
         terms = training_terms(self.loss_fn, self.model.forward_train(inputs), targets, self.model.mtp_loss_weight)
         self.log("train/loss", terms["loss"], prog_bar=True)
         self.log_dict({f"train/{name}": value for name, value in terms.items() if name != "loss"})
-        self.log("lr", self.optimizers().param_groups[0]["lr"])
+        self._log_learning_rates()
         self._log_moe_stats()
+        self._loss = terms["loss"].detach()
         return terms["loss"]
+
+    def _log_learning_rates(self) -> None:
+        """`lr` is the first group's; with several optimizers (Muon + AdamW) also `lr/<optimizer>`."""
+        groups = self.optimizers().param_groups
+        self.log("lr", groups[0]["lr"])
+        first_of = {}
+        for group in groups:
+            first_of.setdefault(group.get("optimizer"), group["lr"])
+        if len(first_of) > 1:
+            self.log_dict({f"lr/{name}": lr for name, lr in first_of.items()})
+
+    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None) -> None:
+        """Clip to trainer.grad_clip by global norm, log the norm before clipping, and empty the
+        gradients of a step the guard rejects, so that the optimizer step changes nothing."""
+        params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        norm = torch.nn.utils.clip_grad_norm_(params, self.cfg.trainer.grad_clip or math.inf)
+        self.log("train/grad_norm", norm)
+        if not self.guard.active:
+            return
+        reason = self.guard.reason_to_skip(float(self._loss), float(norm))
+        if reason:
+            optimizer.zero_grad(set_to_none=True)
+            log.warning("step %d skipped (%s): loss %.4g, gradient norm %.4g; %d skipped so far",
+                        self.global_step, reason, float(self._loss), float(norm), self.guard.skipped)
+        self.log("train/skipped_steps", float(self.guard.skipped))
 
     def _log_moe_stats(self) -> None:
         """Expert loads and router statistics, straight to the logger on logging steps only: a deep
@@ -78,7 +112,13 @@ class LanguageModelTask(L.LightningModule):
         max_lr = self.cfg.optim.lr
         lr_at = SCHEDULERS.build(self.cfg.sched, max_lr, self.cfg.trainer.max_steps)
         scheduler = LambdaLR(optimizer, lambda step: lr_at(step) / max_lr)
+        log.info("optimizer parameter groups (peak learning rates):\n%s", describe_groups(optimizer))
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         checkpoint[CONFIG_KEY] = OmegaConf.to_container(self.cfg, resolve=True)
+        checkpoint[GUARD_KEY] = self.guard.state_dict()
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        if GUARD_KEY in checkpoint:
+            self.guard.load_state_dict(checkpoint[GUARD_KEY])

@@ -23,6 +23,7 @@ from lmlab.optim import OPTIMIZERS, SCHEDULERS
 from lmlab.tokenizers import TOKENIZERS
 from lmlab.tokenizers.base import expected_vocab_size
 from lmlab.training.module import CONFIG_KEY, LanguageModelTask
+from lmlab.training.step_guard import StepGuard
 from lmlab.training.throughput import Throughput
 
 log = logging.getLogger(__name__)
@@ -76,8 +77,9 @@ def preflight(cfg: DictConfig):
     for module in model.modules():  # parts whose settings depend on the context (e.g. a sliding window)
         if hasattr(module, "check_context"):
             module.check_context(data_cfg.context_length)
-    try:  # optimizer and schedule arguments, on a stand-in parameter
-        OPTIMIZERS.build(cfg.optim, torch.nn.Linear(1, 1))
+    StepGuard(cfg.trainer.skip_nonfinite, cfg.trainer.spike_factor, cfg.trainer.spike_window)
+    try:  # optimizer arguments and group rules on the (meta) model itself, and the schedule
+        OPTIMIZERS.build(cfg.optim, model)
         SCHEDULERS.build(cfg.sched, cfg.optim.lr, cfg.trainer.max_steps)
     except ConfigError:
         raise
@@ -117,7 +119,6 @@ def train(cfg: DictConfig, output_dir: str | Path) -> dict[str, float]:
         check_val_every_n_epoch=None,
         num_sanity_val_steps=0,
         log_every_n_steps=t.log_every,
-        gradient_clip_val=t.grad_clip or None,
         precision=resolve_precision(t.precision),
         accelerator=t.accelerator,
         devices=t.devices,

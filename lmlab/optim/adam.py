@@ -1,4 +1,4 @@
-"""AdamW (Loshchilov & Hutter), written out so every step of the update is visible."""
+"""Adam (Kingma & Ba) and AdamW (Loshchilov & Hutter), written out so every step of the update is visible."""
 
 from __future__ import annotations
 
@@ -7,9 +7,15 @@ from collections.abc import Callable, Iterable
 
 import torch
 
+from lmlab.optim.checks import check_betas, check_lr, check_non_negative
 
-class AdamW(torch.optim.Optimizer):
-    """Adam with decoupled weight decay; same arguments and numerics as `torch.optim.AdamW`."""
+
+class Adam(torch.optim.Optimizer):
+    """Adam with an L2 penalty added to the gradient; same arguments and numerics as `torch.optim.Adam`."""
+
+    # AdamW's one change: decay shrinks the weight directly instead of passing through the
+    # moments, where Adam's normalisation would shrink it for parameters with large gradients.
+    decoupled_weight_decay = False
 
     def __init__(
         self,
@@ -17,14 +23,12 @@ class AdamW(torch.optim.Optimizer):
         lr: float = 1e-3,
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
-        weight_decay: float = 1e-2,
+        weight_decay: float = 0.0,
     ):
-        if not lr > 0:
-            raise ValueError(f"AdamW: learning rate must be > 0, got {lr}")
-        if not all(0.0 <= b < 1.0 for b in betas) or len(betas) != 2:
-            raise ValueError(f"AdamW: betas must be two numbers in [0, 1), got {tuple(betas)}")
-        if not eps >= 0 or not weight_decay >= 0:
-            raise ValueError(f"AdamW: eps and weight_decay must be >= 0, got eps={eps}, weight_decay={weight_decay}")
+        name = type(self).__name__
+        check_lr(name, lr)
+        check_betas(name, betas)
+        check_non_negative(name, eps=eps, weight_decay=weight_decay)
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
 
     @torch.no_grad()
@@ -45,7 +49,10 @@ class AdamW(torch.optim.Optimizer):
                     state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                 state["step"] += 1
                 t, m, v, g = state["step"], state["exp_avg"], state["exp_avg_sq"], p.grad
-                p.mul_(1 - lr * wd)  # decoupled decay: shrink the weight, not the gradient
+                if self.decoupled_weight_decay:
+                    p.mul_(1 - lr * wd)
+                elif wd:
+                    g = g.add(p, alpha=wd)  # gradient of the penalty wd/2 |p|^2
                 m.lerp_(g, 1 - beta1)  # m = beta1 m + (1 - beta1) g
                 v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
                 # Bias corrections for the zero-initialised moments, folded into step size and denominator.
@@ -53,3 +60,19 @@ class AdamW(torch.optim.Optimizer):
                 denom = (v.sqrt() / math.sqrt(1 - beta2**t)).add_(eps)
                 p.addcdiv_(m, denom, value=-step_size)
         return loss
+
+
+class AdamW(Adam):
+    """Adam with decoupled weight decay; same arguments and numerics as `torch.optim.AdamW`."""
+
+    decoupled_weight_decay = True
+
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor] | Iterable[dict],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+    ):
+        super().__init__(params, lr, betas, eps, weight_decay)

@@ -1,0 +1,29 @@
+"""`lmlab plot-lr [OVERRIDES...] [--out lr.png]`: the learning-rate curve a training config would use.
+
+Composes the same config as `lmlab-train` (same overrides) and plots the schedule `sched` of
+peak `optim.lr` over `trainer.max_steps`, e.g. `lmlab plot-lr sched=wsd sched.decay_start=800
+trainer.max_steps=1000`.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from hydra import compose, initialize_config_dir
+
+from lmlab.cli.overrides import CONF_DIR, prepare
+
+
+def main(argv: list[str]) -> int:
+    from lmlab.optim.plot import plot_schedule
+
+    parser = argparse.ArgumentParser(prog="lmlab plot-lr", description=__doc__.splitlines()[0])
+    parser.add_argument("overrides", nargs="*", help="lmlab-train overrides, e.g. sched=wsd trainer.max_steps=1000")
+    parser.add_argument("--out", type=Path, default=Path("lr.png"), help="PNG to write (default lr.png)")
+    args = parser.parse_args(argv)
+    prepare(args.overrides)
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose("train", overrides=args.overrides)
+    print(f"wrote {plot_schedule(cfg.sched, cfg.optim.lr, cfg.trainer.max_steps, args.out)}")
+    return 0
