@@ -16,14 +16,15 @@ This is the variant of `torch.optim.Adafactor` (same arguments, same numerics), 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 
 import torch
 
+from lmlab.optim.base import ParamwiseOptimizer
 from lmlab.optim.checks import check_lr, check_non_negative
 
 
-class Adafactor(torch.optim.Optimizer):
+class Adafactor(ParamwiseOptimizer):
     """Factored second moment, relative step size, update clipping, no momentum."""
 
     def __init__(
@@ -44,43 +45,33 @@ class Adafactor(torch.optim.Optimizer):
             raise ValueError(f"Adafactor: clipping threshold d must be >= 1, got {d}")
         super().__init__(params, dict(lr=lr, beta2_decay=beta2_decay, eps=tuple(eps), d=d, weight_decay=weight_decay))
 
-    @torch.no_grad()
-    def step(self, closure: Callable[[], float] | None = None) -> float | None:
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            lr, wd, d = group["lr"], group["weight_decay"], group["d"]
-            eps1, eps2 = group["eps"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                g, state = p.grad, self.state[p]
-                factored = g.dim() >= 2
-                if not state:
-                    state["step"] = 0
-                    if factored:
-                        state["row_var"] = g.new_zeros((*g.shape[:-1], 1))
-                        state["col_var"] = g.new_zeros((*g.shape[:-2], 1, g.shape[-1]))
-                    else:
-                        state["variance"] = torch.zeros_like(g)
-                state["step"] += 1
-                t = state["step"]
-                tiny = torch.finfo(p.dtype).eps if eps1 is None else eps1
-                one_minus_beta2 = t**group["beta2_decay"]
-                step_size = max(eps2, p.norm().item() / math.sqrt(p.numel())) * min(lr, 1 / math.sqrt(t))
+    def update(self, p: torch.Tensor, grad: torch.Tensor, state: dict, group: dict) -> None:
+        lr, wd, d = group["lr"], group["weight_decay"], group["d"]
+        eps1, eps2 = group["eps"]
+        g = grad
+        factored = g.dim() >= 2
+        if not state:
+            state["step"] = 0
+            if factored:
+                state["row_var"] = g.new_zeros((*g.shape[:-1], 1))
+                state["col_var"] = g.new_zeros((*g.shape[:-2], 1, g.shape[-1]))
+            else:
+                state["variance"] = torch.zeros_like(g)
+        state["step"] += 1
+        t = state["step"]
+        tiny = torch.finfo(p.dtype).eps if eps1 is None else eps1
+        one_minus_beta2 = t**group["beta2_decay"]
+        step_size = max(eps2, p.norm().item() / math.sqrt(p.numel())) * min(lr, 1 / math.sqrt(t))
 
-                p.mul_(1 - lr * wd)
-                if factored:
-                    row, col = state["row_var"], state["col_var"]
-                    row.lerp_(g.square().mean(dim=-1, keepdim=True), one_minus_beta2)
-                    col.lerp_(g.square().mean(dim=-2, keepdim=True), one_minus_beta2)
-                    v = row * col / row.mean(dim=-2, keepdim=True).clamp(min=tiny)
-                else:
-                    v = state["variance"].lerp_(g.square(), one_minus_beta2).clone()
-                # eps1 is squared because it guards V, and the update divides by sqrt(V).
-                update = v.clamp_(min=tiny * tiny).rsqrt_().mul_(g)
-                clip = max(1.0, update.norm().item() / (math.sqrt(update.numel()) * d))
-                p.add_(update, alpha=-step_size / clip)
-        return loss
+        p.mul_(1 - lr * wd)
+        if factored:
+            row, col = state["row_var"], state["col_var"]
+            row.lerp_(g.square().mean(dim=-1, keepdim=True), one_minus_beta2)
+            col.lerp_(g.square().mean(dim=-2, keepdim=True), one_minus_beta2)
+            v = row * col / row.mean(dim=-2, keepdim=True).clamp(min=tiny)
+        else:
+            v = state["variance"].lerp_(g.square(), one_minus_beta2).clone()
+        # eps1 is squared because it guards V, and the update divides by sqrt(V).
+        update = v.clamp_(min=tiny * tiny).rsqrt_().mul_(g)
+        clip = max(1.0, update.norm().item() / (math.sqrt(update.numel()) * d))
+        p.add_(update, alpha=-step_size / clip)

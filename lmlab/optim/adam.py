@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 
 import torch
 
+from lmlab.optim.base import ParamwiseOptimizer
 from lmlab.optim.checks import check_betas, check_lr, check_non_negative
 
 
-class Adam(torch.optim.Optimizer):
+class Adam(ParamwiseOptimizer):
     """Adam with an L2 penalty added to the gradient; same arguments and numerics as `torch.optim.Adam`."""
 
     # AdamW's one change: decay shrinks the weight directly instead of passing through the
@@ -31,35 +32,24 @@ class Adam(torch.optim.Optimizer):
         check_non_negative(name, eps=eps, weight_decay=weight_decay)
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
 
-    @torch.no_grad()
-    def step(self, closure: Callable[[], float] | None = None) -> float | None:
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            lr, (beta1, beta2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                state = self.state[p]
-                if not state:
-                    state["step"] = 0
-                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                state["step"] += 1
-                t, m, v, g = state["step"], state["exp_avg"], state["exp_avg_sq"], p.grad
-                if self.decoupled_weight_decay:
-                    p.mul_(1 - lr * wd)
-                elif wd:
-                    g = g.add(p, alpha=wd)  # gradient of the penalty wd/2 |p|^2
-                m.lerp_(g, 1 - beta1)  # m = beta1 m + (1 - beta1) g
-                v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
-                # Bias corrections for the zero-initialised moments, folded into step size and denominator.
-                step_size = lr / (1 - beta1**t)
-                denom = (v.sqrt() / math.sqrt(1 - beta2**t)).add_(eps)
-                p.addcdiv_(m, denom, value=-step_size)
-        return loss
+    def update(self, p: torch.Tensor, grad: torch.Tensor, state: dict, group: dict) -> None:
+        lr, (beta1, beta2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
+        if not state:
+            state["step"] = 0
+            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        state["step"] += 1
+        t, m, v, g = state["step"], state["exp_avg"], state["exp_avg_sq"], grad
+        if self.decoupled_weight_decay:
+            p.mul_(1 - lr * wd)
+        elif wd:
+            g = g.add(p, alpha=wd)  # gradient of the penalty wd/2 |p|^2
+        m.lerp_(g, 1 - beta1)  # m = beta1 m + (1 - beta1) g
+        v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+        # Bias corrections for the zero-initialised moments, folded into step size and denominator.
+        step_size = lr / (1 - beta1**t)
+        denom = (v.sqrt() / math.sqrt(1 - beta2**t)).add_(eps)
+        p.addcdiv_(m, denom, value=-step_size)
 
 
 class AdamW(Adam):

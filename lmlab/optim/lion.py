@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 
 import torch
 
+from lmlab.optim.base import ParamwiseOptimizer
 from lmlab.optim.checks import check_betas, check_lr, check_non_negative
 
 
-class Lion(torch.optim.Optimizer):
+class Lion(ParamwiseOptimizer):
     """Sign of an interpolated momentum: every coordinate moves by exactly lr; one state tensor per weight.
 
     Because the update has unit size per coordinate (larger than Adam's), the paper uses a
@@ -28,24 +29,13 @@ class Lion(torch.optim.Optimizer):
         check_non_negative("Lion", weight_decay=weight_decay)
         super().__init__(params, dict(lr=lr, betas=tuple(betas), weight_decay=weight_decay))
 
-    @torch.no_grad()
-    def step(self, closure: Callable[[], float] | None = None) -> float | None:
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            lr, (beta1, beta2), wd = group["lr"], group["betas"], group["weight_decay"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                state = self.state[p]
-                if not state:
-                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                m, g = state["exp_avg"], p.grad
-                p.mul_(1 - lr * wd)  # decoupled, as in AdamW
-                # The step uses beta1 to mix in the fresh gradient; the stored momentum uses the
-                # slower beta2, so the update reacts quickly but the memory is long.
-                p.add_(m.lerp(g, 1 - beta1).sign_(), alpha=-lr)
-                m.lerp_(g, 1 - beta2)
-        return loss
+    def update(self, p: torch.Tensor, grad: torch.Tensor, state: dict, group: dict) -> None:
+        lr, (beta1, beta2), wd = group["lr"], group["betas"], group["weight_decay"]
+        if not state:
+            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        m, g = state["exp_avg"], grad
+        p.mul_(1 - lr * wd)  # decoupled, as in AdamW
+        # The step uses beta1 to mix in the fresh gradient; the stored momentum uses the
+        # slower beta2, so the update reacts quickly but the memory is long.
+        p.add_(m.lerp(g, 1 - beta1).sign_(), alpha=-lr)
+        m.lerp_(g, 1 - beta2)

@@ -18,10 +18,11 @@ each matrix of the stack is orthogonalised on its own, in one batched iteration.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 
 import torch
 
+from lmlab.optim.base import ParamwiseOptimizer
 from lmlab.optim.checks import check_lr, check_momentum, check_non_negative
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
@@ -43,7 +44,7 @@ def orthogonalise(g: torch.Tensor, steps: int = 5) -> torch.Tensor:
     return (x if wide else x.mT).to(g.dtype)
 
 
-class Muon(torch.optim.Optimizer):
+class Muon(ParamwiseOptimizer):
     """Nesterov momentum, then the update of every matrix orthogonalised by Newton-Schulz."""
 
     def __init__(
@@ -68,23 +69,12 @@ class Muon(torch.optim.Optimizer):
                     raise ValueError(f"Muon: only matrices can be orthogonalised, got a tensor of shape "
                                      f"{tuple(p.shape)}; give embeddings, gains and biases to AdamW")
 
-    @torch.no_grad()
-    def step(self, closure: Callable[[], float] | None = None) -> float | None:
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            lr, mu, wd = group["lr"], group["momentum"], group["weight_decay"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                state = self.state[p]
-                if not state:
-                    state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                buf = state["momentum_buffer"].lerp_(p.grad, 1 - mu)  # buf = mu buf + (1 - mu) g
-                update = p.grad.lerp(buf, mu) if group["nesterov"] else buf
-                update = orthogonalise(update, group["ns_steps"])
-                p.mul_(1 - lr * wd)  # decoupled weight decay
-                p.add_(update, alpha=-lr * max(1.0, p.size(-2) / p.size(-1)) ** 0.5)
-        return loss
+    def update(self, p: torch.Tensor, grad: torch.Tensor, state: dict, group: dict) -> None:
+        lr, mu, wd = group["lr"], group["momentum"], group["weight_decay"]
+        if not state:
+            state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        buf = state["momentum_buffer"].lerp_(grad, 1 - mu)  # buf = mu buf + (1 - mu) g
+        direction = grad.lerp(buf, mu) if group["nesterov"] else buf
+        direction = orthogonalise(direction, group["ns_steps"])
+        p.mul_(1 - lr * wd)  # decoupled weight decay
+        p.add_(direction, alpha=-lr * max(1.0, p.size(-2) / p.size(-1)) ** 0.5)
