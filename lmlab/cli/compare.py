@@ -19,6 +19,7 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 SCALARS = ("train/loss", "val/loss", "val/bpb", "perf/tokens_per_s")
+BOOLS = {"True": "true", "False": "false"}
 LOAD_TAG = re.compile(r"moe/(?P<layer>.+)/load/expert(?P<expert>\d+)$")  # logged by MoE layers
 
 
@@ -55,7 +56,8 @@ def find_runs(root: Path) -> list[Run]:
         if not (run_dir / "tb").is_dir():
             continue
         pairs = (str(o).split("=", 1) for o in OmegaConf.load(overrides_file))
-        runs.append(Run(run_dir, {k.lstrip("+~"): v for k, v in pairs}, read_scalars(run_dir / "tb")))
+        # A sweep records booleans as Python spells them (False), a single run as typed (false).
+        runs.append(Run(run_dir, {k.lstrip("+~"): BOOLS.get(v, v) for k, v in pairs}, read_scalars(run_dir / "tb")))
     return runs
 
 
