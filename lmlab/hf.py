@@ -25,7 +25,7 @@ from torch import Tensor
 
 from lmlab.atomic import atomic_write, atomic_write_text
 from lmlab.errors import ConfigError
-from lmlab.nn import (ATTENTION, BLOCKS, FFNS, NORMS, POSITIONS, ModelConfig, MultiHeadAttention, PreNormBlock,
+from lmlab.nn import (ATTENTION, BLOCKS, FFNS, NORMS, POSITIONS, ModelConfig, MoELayer, MultiHeadAttention, PreNormBlock,
                       RMSNorm, RoPE, SwiGLU, Transformer)
 
 # LlamaConfig's defaults, used where a config.json leaves a field out.
@@ -80,6 +80,7 @@ def to_hf_llama(model: Transformer) -> tuple[dict[str, Any], dict[str, Tensor]]:
     `LlamaForCausalLM(LlamaConfig(**config)).load_state_dict(state_dict)` loads it. The tensors
     share memory with the model, as `state_dict()` does; with tied embeddings `lm_head.weight`
     is the embedding tensor itself. A model with non-Llama parts raises `ConfigError`.
+    Multi-token-prediction modules are left out: they only add training signal.
     """
     _check_llama_parts(model)
     attn, mlp = model.layers[0].self_attn, model.layers[0].mlp
@@ -100,7 +101,7 @@ def to_hf_llama(model: Transformer) -> tuple[dict[str, Any], dict[str, Tensor]]:
         "bos_token_id": None, "eos_token_id": None,
         "torch_dtype": str(dtype).removeprefix("torch."),
     }
-    state = {k if k == "lm_head.weight" else f"model.{k}": v for k, v in model.state_dict().items()}
+    state = {k if k == "lm_head.weight" else f"model.{k}": v for k, v in _inference_state(model).items()}
     return config, state
 
 
@@ -173,8 +174,14 @@ def _few(keys: list[str], n: int = 5) -> str:
     return "none" if not keys else ", ".join(keys[:n]) + (f" (+{len(keys) - n} more)" if len(keys) > n else "")
 
 
+def _inference_state(model: Transformer) -> dict[str, Tensor]:
+    return {k: v for k, v in model.state_dict().items() if not k.startswith("mtp_layers.")}
+
+
 def _check_llama_parts(model: Transformer) -> None:
     """Raise ConfigError unless every part is one HF Llama has (exact classes: subclasses may compute otherwise)."""
+    if any(isinstance(layer.mlp, MoELayer) for layer in model.layers):
+        raise ConfigError("model/moe (a mixture of experts) has no Hugging Face Llama equivalent; export a dense model")
     parts = [(POSITIONS, model.position, RoPE), (NORMS, model.norm, RMSNorm)]
     for layer in model.layers:
         parts.append((BLOCKS, layer, PreNormBlock))
@@ -202,7 +209,7 @@ def _check_llama_parts(model: Transformer) -> None:
         f"layers.{i}.{name}.weight" for i in range(len(model.layers)) for name in (
             "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
             "mlp.up_proj", "mlp.down_proj", "input_layernorm", "post_attention_layernorm")}
-    if extra := sorted(set(model.state_dict()) - expected):
+    if extra := sorted(set(_inference_state(model)) - expected):
         raise ConfigError(f"weights with no Llama equivalent: {_few(extra)} (e.g. attention.qk_norm=true)")
     norms = [model.norm, *(n for layer in model.layers for n in (layer.input_layernorm, layer.post_attention_layernorm))]
     if len({n.eps for n in norms}) > 1:

@@ -146,7 +146,19 @@ def test_state_dict_mismatches_raise():
     ("attention", {"name": "mha", "n_heads": 4, "window": 8}, "attention.window=8"),
     ("attention", {"name": "mha", "n_heads": 4, "qk_norm": True}, "q_norm"),
     ("logit_softcap", 30.0, "logit_softcap=30.0"),
+    ("moe", {"name": "topk", "n_experts": 4}, "model/moe"),
 ])
 def test_non_llama_models_are_refused(group, value, match):
     with pytest.raises(ConfigError, match=match):
         to_hf_llama(lmlab_model(**{group: value}))
+
+
+def test_mtp_modules_are_left_out_of_the_llama_export():
+    from lmlab.nn.mtp import MTPConfig
+
+    model = lmlab_model(mtp=MTPConfig(depth=2))
+    config, state = to_hf_llama(model)
+    assert not any("mtp" in k for k in state)
+    hf_model = hf_llama(**{k: config[k] for k in ("num_key_value_heads",)})
+    hf_model.load_state_dict(state)
+    assert max_logit_diff(hf_model.eval(), model) < 1e-5
