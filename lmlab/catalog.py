@@ -16,6 +16,7 @@ BUILTIN_MODULES = (
     "lmlab.nn",
     "lmlab.data",
     "lmlab.optim",
+    "lmlab.parallel.strategies",
     "lmlab.training",
     "lmlab.training.config",  # the schema of train.yaml
 )

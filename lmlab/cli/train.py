@@ -10,9 +10,9 @@ from lmlab.cli.app import run_hydra_app
 
 
 def _train(cfg: DictConfig, output_dir: str) -> float:
-    from lmlab.training.run import train
+    from lmlab.training.launch import launch
 
-    return train(cfg, output_dir)["val_loss"]
+    return launch(cfg, output_dir)["val_loss"]
 
 
 def main() -> None:

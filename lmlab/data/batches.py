@@ -15,13 +15,17 @@ def get_batch(
     context_length: int,
     device: str | torch.device = "cpu",
     generator: torch.Generator | None = None,
+    rows: slice = slice(None),
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Random windows: inputs (batch, context) and the targets shifted one token to the left."""
+    """Random windows: inputs (batch, context) and the targets shifted one token to the left.
+
+    `rows` keeps part of the batch (a data-parallel rank's share); the draw is the whole batch's,
+    so the shares of all ranks together are exactly the batch one process would get."""
     n = len(tokens)
     if n <= context_length:
         raise ValueError(f"{n} tokens cannot hold a window of context_length={context_length} plus one target")
     starts = torch.randint(0, n - context_length, (batch_size,), generator=generator)
-    return _windows(tokens, starts, context_length, device)
+    return _windows(tokens, starts[rows], context_length, device)
 
 
 def _windows(tokens, starts: torch.Tensor, context_length: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -42,19 +46,25 @@ class RandomWindows(IterableDataset):
     """An endless stream of `get_batch` batches; batch i depends only on (seed, i).
 
     Starting from `start_step` makes a resumed run draw exactly the batches the uninterrupted
-    run would have drawn.
+    run would have drawn. With `world_size` > 1, rank r gets the r-th of `world_size` equal
+    slices of each batch, so `batch_size` is the global batch whatever the number of ranks.
     """
 
-    def __init__(self, tokens: np.ndarray, batch_size: int, context_length: int, seed: int, start_step: int = 0):
+    def __init__(self, tokens: np.ndarray, batch_size: int, context_length: int, seed: int, start_step: int = 0,
+                 rank: int = 0, world_size: int = 1):
+        if batch_size % world_size:
+            raise ValueError(f"data.batch_size={batch_size} is not divisible by the {world_size} data-parallel ranks")
         self.tokens, self.batch_size, self.context_length = tokens, batch_size, context_length
         self.seed, self.start_step = seed, start_step
+        share = batch_size // world_size
+        self.rows = slice(rank * share, (rank + 1) * share)
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         generator = torch.Generator()
         step = self.start_step
         while True:
             generator.manual_seed(self.seed * 1_000_003 + step)
-            yield get_batch(self.tokens, self.batch_size, self.context_length, generator=generator)
+            yield get_batch(self.tokens, self.batch_size, self.context_length, generator=generator, rows=self.rows)
             step += 1
 
 

@@ -34,8 +34,10 @@ class LMDataModule(L.LightningDataModule):
 
     def train_dataloader(self) -> DataLoader:
         # global_step is restored before the loader is made, so a resumed run continues the stream.
-        start = self.trainer.global_step if self.trainer is not None else 0
-        windows = RandomWindows(self.train_tokens, self.cfg.batch_size, self.cfg.context_length, self.seed, start)
+        trainer = self.trainer
+        start, rank, world = (trainer.global_step, trainer.global_rank, trainer.world_size) if trainer else (0, 0, 1)
+        windows = RandomWindows(self.train_tokens, self.cfg.batch_size, self.cfg.context_length, self.seed, start,
+                                rank, world)
         return DataLoader(windows, batch_size=None)
 
     def val_dataloader(self) -> DataLoader:

@@ -121,8 +121,8 @@ def run_processes(fn: Callable[..., Any], world_size: int, backend: str = "gloo"
                 missing = sorted(set(range(world_size)) - set(reports))
                 raise TimeoutError(f"run_processes: rank(s) {missing} of {world_size} gave no result within "
                                    f"{deadline - start:g} s; all ranks were terminated")
-        for p in processes:
-            p.join(timeout=max(1.0, deadline - time.monotonic()))
+        for p in processes:  # every rank has reported; give each a moment to exit cleanly
+            p.join(timeout=min(max(1.0, deadline - time.monotonic()), 60.0))
     finally:
         _stop(processes)
     return [pickle.loads(reports[rank][1]) for rank in range(world_size)]

@@ -53,8 +53,11 @@ def assign_owners(sizes: Sequence[int], world_size: int) -> list[int]:
 
 
 def optimizer_state_numel(optimizer: torch.optim.Optimizer) -> int:
-    """Elements in the tensors of an optimizer's state (for ZeRO1: this rank's shard)."""
-    return sum(v.numel() for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor))
+    """Elements of an optimizer's state held by this rank (ZeRO1: its shard; FSDP: the local shards of DTensors)."""
+    from torch.distributed.tensor import DTensor
+
+    return sum((v.to_local() if isinstance(v, DTensor) else v).numel()
+               for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor))
 
 
 class ZeRO1(torch.optim.Optimizer):

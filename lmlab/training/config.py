@@ -27,7 +27,8 @@ class TrainerConfig:
     spike_window: int = 50  # steps in that running median
     precision: str = "auto"  # auto: bf16-mixed on GPU, 32-true on CPU; or any Lightning precision
     accelerator: str = "auto"
-    devices: Any = 1
+    devices: Any = 1  # processes per node for a data-parallel `parallel` strategy
+    num_nodes: int = 1
     checkpoint_every: int = 500  # steps; a checkpoint is also written at the end
     progress_bar: bool = True
 
@@ -40,6 +41,7 @@ class TrainConfig:
     optim: Any = MISSING
     sched: Any = MISSING
     loss: Any = MISSING
+    parallel: Any = MISSING
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     seed: int = 0
     ckpt_path: str | None = None  # resume from this checkpoint (weights, optimizer, step)

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 import torchmetrics
 from omegaconf import DictConfig, OmegaConf
+from torch.distributed.tensor import DTensor
 from torch.optim.lr_scheduler import LambdaLR
 
 from lmlab.nn.transformer import Transformer
@@ -40,6 +41,7 @@ class LanguageModelTask(L.LightningModule):
         t = cfg.trainer
         self.guard = StepGuard(t.skip_nonfinite, t.spike_factor, t.spike_window)
         self._loss: torch.Tensor | None = None  # this step's loss, for the guard
+        self._parallelized = False
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids)
@@ -69,6 +71,8 @@ class LanguageModelTask(L.LightningModule):
         gradients of a step the guard rejects, so that the optimizer step changes nothing."""
         params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
         norm = torch.nn.utils.clip_grad_norm_(params, self.cfg.trainer.grad_clip or math.inf)
+        if isinstance(norm, DTensor):  # sharded gradients (fsdp): the norm over all shards
+            norm = norm.full_tensor()
         self.log("train/grad_norm", norm)
         if not self.guard.active:
             return
@@ -107,8 +111,17 @@ class LanguageModelTask(L.LightningModule):
         self.val_ppl.reset()
         self.last_val_step = self.global_step
 
+    def configure_model(self) -> None:
+        """Let a sharding strategy (fsdp) shard the model; others have nothing to do here."""
+        parallelize = getattr(self.trainer.strategy, "parallelize_model", None)
+        if parallelize is not None and not self._parallelized:
+            parallelize(self.model)
+            self._parallelized = True
+
     def configure_optimizers(self):
-        optimizer = OPTIMIZERS.build(self.cfg.optim, self.model)
+        # A strategy that shards optimizer state (zero1) builds the optimizer itself.
+        build = getattr(self.trainer.strategy, "build_optimizer", OPTIMIZERS.build)
+        optimizer = build(self.cfg.optim, self.model)
         max_lr = self.cfg.optim.lr
         lr_at = SCHEDULERS.build(self.cfg.sched, max_lr, self.cfg.trainer.max_steps)
         scheduler = LambdaLR(optimizer, lambda step: lr_at(step) / max_lr)

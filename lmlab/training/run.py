@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 from pathlib import Path
 
 import lightning as L
@@ -20,6 +21,7 @@ from lmlab.data import SOURCES, LMDataModule
 from lmlab.errors import ConfigError
 from lmlab.nn.transformer import Transformer
 from lmlab.optim import OPTIMIZERS, SCHEDULERS
+from lmlab.parallel.strategies import PARALLEL, Parallel
 from lmlab.tokenizers import TOKENIZERS
 from lmlab.tokenizers.base import expected_vocab_size
 from lmlab.training.module import CONFIG_KEY, LanguageModelTask
@@ -88,12 +90,49 @@ def preflight(cfg: DictConfig):
     return source, data_cfg
 
 
+def check_parallel(cfg: DictConfig, batch_size: int) -> Parallel:
+    """The parallel entry, after the checks that must pass before any process group exists."""
+    parallel = PARALLEL.build(cfg.parallel)
+    t = cfg.trainer
+    if not isinstance(t.devices, int) or t.devices < 1 or t.num_nodes < 1:
+        raise ConfigError(f"trainer.devices and trainer.num_nodes must be positive integers, got {t.devices} and {t.num_nodes}")
+    world = t.devices * t.num_nodes
+    if not parallel.distributed and world > 1:
+        raise ConfigError(f"parallel=single runs one process, but trainer.devices={t.devices} and trainer.num_nodes="
+                          f"{t.num_nodes}; pick a data-parallel strategy, e.g. parallel=ddp")
+    cuda = uses_cuda(t.accelerator)
+    if t.accelerator in ("gpu", "cuda") and not cuda:
+        raise ConfigError(f"trainer.accelerator={t.accelerator} needs CUDA GPUs; this machine has none")
+    available = torch.cuda.device_count() if cuda else os.cpu_count() or 1
+    if t.devices > available:
+        what = "GPUs" if cuda else "CPU cores (one per process)"
+        raise ConfigError(f"trainer.devices={t.devices} is more than the {available} {what} of this machine")
+    if batch_size % world:
+        raise ConfigError(f"data.batch_size={batch_size} is not divisible by the world size {world} "
+                          f"(trainer.devices x trainer.num_nodes); each rank trains on an equal slice")
+    return parallel
+
+
+def uses_cuda(accelerator: str) -> bool:
+    return torch.cuda.is_available() and accelerator in ("auto", "gpu", "cuda")
+
+
+def load_data(cfg: DictConfig, source, data_cfg) -> tuple:
+    """The tokenizer (trained or loaded) and the data module (tokenized corpus, from cache when there)."""
+    tokenizer = TOKENIZERS.build(cfg.tokenizer, source, cfg.cache_dir, cfg.trainer.progress_bar)
+    datamodule = LMDataModule(source, tokenizer, data_cfg, cfg.cache_dir, cfg.seed, cfg.trainer.val_batches,
+                              progress=cfg.trainer.progress_bar)
+    return tokenizer, datamodule
+
+
 def train(cfg: DictConfig, output_dir: str | Path) -> dict[str, float]:
+    """One process's training run: the whole job, or one rank of a distributed one."""
     output_dir = Path(output_dir)
     L.seed_everything(cfg.seed, workers=True, verbose=False)
     source, data_cfg = preflight(cfg)
+    parallel = check_parallel(cfg, data_cfg.batch_size)
 
-    tokenizer = TOKENIZERS.build(cfg.tokenizer, source, cfg.cache_dir, cfg.trainer.progress_bar)
+    tokenizer, datamodule = load_data(cfg, source, data_cfg)
     task = LanguageModelTask(cfg, tokenizer.vocab_size)
     if cfg.init_from:
         saved = torch.load(cfg.init_from, map_location="cpu", weights_only=False)["state_dict"]
@@ -102,11 +141,8 @@ def train(cfg: DictConfig, output_dir: str | Path) -> dict[str, float]:
     log.info("model: %.2fM parameters (%.2fM without embeddings)",
              task.model.num_parameters() / 1e6, task.model.num_parameters(exclude_embeddings=True) / 1e6)
 
-    datamodule = LMDataModule(source, tokenizer, data_cfg, cfg.cache_dir, cfg.seed, cfg.trainer.val_batches,
-                              progress=cfg.trainer.progress_bar)
     log.info("corpus: %d training tokens, %d validation tokens, %.2f bytes/token",
              len(datamodule.train_tokens), len(datamodule.val_tokens), datamodule.bytes_per_token)
-    tokenizer.save(output_dir)
 
     t = cfg.trainer
     if torch.cuda.is_available():
@@ -122,6 +158,8 @@ def train(cfg: DictConfig, output_dir: str | Path) -> dict[str, float]:
         precision=resolve_precision(t.precision),
         accelerator=t.accelerator,
         devices=t.devices,
+        num_nodes=t.num_nodes,
+        strategy=parallel.lightning_strategy(t.devices * t.num_nodes, uses_cuda(t.accelerator)),
         logger=logger,
         callbacks=[
             throughput,
@@ -134,6 +172,8 @@ def train(cfg: DictConfig, output_dir: str | Path) -> dict[str, float]:
         # validation must stay updatable in the validations inside fit.
         inference_mode=False,
     )
+    if trainer.is_global_zero:
+        tokenizer.save(output_dir)
 
     initial = None
     if not cfg.ckpt_path:

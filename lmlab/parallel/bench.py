@@ -1,0 +1,179 @@
+"""Benchmark: one training step of the same model under each data-parallel strategy, in one run.
+
+    python -m lmlab.parallel.bench [--world-size N] [--d-model D] [--n-layers L] [--batch B] [--seq S]
+    lmlab bench parallel ...
+
+Each strategy trains an lmlab Transformer (SwiGLU, RoPE, AdamW) in N fresh processes on the same
+global batch (B sequences, B/N per rank): `single` runs it in one process. Reported per strategy:
+the median step time after warm-up (the slowest rank's), tokens/s per rank, scaling efficiency
+(tokens/s per rank over the single process's), and per rank the
+optimizer-state memory and the peak memory of the step (CUDA: max allocated; CPU: the rise of
+the process's peak resident set over what it held before the model was built).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lmlab.atomic import atomic_write_text
+from lmlab.nn.transformer import ModelConfig, Transformer
+from lmlab.optim import AdamW
+from lmlab.parallel.bucketed_ddp import BucketedDDP
+from lmlab.parallel.launch import device_for, run_processes
+from lmlab.parallel.naive_ddp import NaiveDDP
+from lmlab.parallel.zero1 import ZeRO1, optimizer_state_numel
+
+VOCAB = 8192
+Setup = Callable[[Transformer], tuple[nn.Module, torch.optim.Optimizer, Callable[[], None]]]
+
+
+def _adamw(params) -> torch.optim.Optimizer:
+    return AdamW(params, lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1)
+
+
+def _plain(model):
+    return model, _adamw(model.parameters()), lambda: None
+
+
+def _torch_ddp(model):
+    device_ids = [model.lm_head.weight.device.index] if model.lm_head.weight.is_cuda else None
+    wrapped = nn.parallel.DistributedDataParallel(model, device_ids=device_ids)
+    return wrapped, _adamw(model.parameters()), lambda: None
+
+
+def _lmlab_wrapper(wrap, shard: bool = False):
+    def setup(model):
+        wrapped = wrap(model)
+        optimizer = ZeRO1(model.parameters(), AdamW, lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1) if shard \
+            else _adamw(model.parameters())
+        return wrapped, optimizer, wrapped.finish_gradient_synchronization
+    return setup
+
+
+def _fsdp(model):
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    return model, _adamw(model.parameters()), lambda: None
+
+
+STRATEGIES: dict[str, Setup] = {
+    "single": _plain,
+    "ddp": _torch_ddp,
+    "naive_ddp": _lmlab_wrapper(NaiveDDP),
+    "bucketed_ddp": _lmlab_wrapper(BucketedDDP),
+    "zero1": _lmlab_wrapper(BucketedDDP, shard=True),
+    "fsdp": _fsdp,
+}
+
+
+def _rss_peak_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+
+
+def _current_rss_mb() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * resource.getpagesize() / 2**20
+
+
+def _bench_rank(rank: int, world_size: int, strategy: str, model_cfg: dict, batch: int, seq: int, steps: int,
+                backend: str) -> dict:
+    device = device_for(backend, rank)
+    before = _current_rss_mb()
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(**model_cfg), VOCAB).to(device)
+    wrapped, optimizer, synchronize = STRATEGIES[strategy](model)
+    share = batch // world_size
+    generator = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, VOCAB, (batch, seq + 1), generator=generator)[rank * share:(rank + 1) * share].to(device)
+    autocast = torch.autocast("cuda", torch.bfloat16, enabled=device.type == "cuda")
+    times = []
+    for step in range(steps):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        with autocast:
+            logits = wrapped(ids[:, :-1])
+        F.cross_entropy(logits.flatten(0, 1).float(), ids[:, 1:].flatten()).backward()
+        synchronize()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    peak = torch.cuda.max_memory_allocated() / 2**20 if device.type == "cuda" else _rss_peak_mb() - before
+    element = next(iter(optimizer.state.values()))["exp_avg"].element_size() if optimizer.state else 4
+    return {"step_s": statistics.median(times[2:]), "peak_mb": peak,
+            "optimizer_state_mb": optimizer_state_numel(optimizer) * element / 2**20}
+
+
+def run(strategies: list[str], world_size: int, model_cfg: dict, batch: int, seq: int, steps: int) -> dict:
+    backend = "nccl" if torch.cuda.device_count() >= world_size else "gloo"
+    rows = {}
+    for name in strategies:
+        world = 1 if name == "single" else world_size
+        per_rank = run_processes(_bench_rank, world, backend, args=(name, model_cfg, batch, seq, steps, backend))
+        step_s = max(r["step_s"] for r in per_rank)
+        rows[name] = {"world_size": world, "step_s": step_s, "tokens_per_s_per_rank": batch * seq / world / step_s,
+                      "peak_mb": [r["peak_mb"] for r in per_rank],
+                      "optimizer_state_mb": [r["optimizer_state_mb"] for r in per_rank]}
+    if "single" in rows:
+        for row in rows.values():  # tokens/s per rank against one process's: 1.0 is perfect scaling
+            row["scaling_efficiency"] = row["tokens_per_s_per_rank"] / rows["single"]["tokens_per_s_per_rank"]
+    return {"backend": backend, "model": model_cfg, "batch": batch, "seq": seq, "steps": steps, "strategies": rows}
+
+
+def report(r: dict) -> str:
+    m = r["model"]
+    lines = [f"{r['backend']}: d_model {m['d_model']}, {m['n_layers']} layers, global batch {r['batch']} x {r['seq']} "
+             f"tokens, AdamW; median of {r['steps'] - 2} steps after 2 warm-up steps (slowest rank)",
+             f"  {'strategy':<13} {'ranks':>5} {'step ms':>9} {'tok/s/rank':>11} {'scaling':>8} "
+             f"{'peak MB/rank':>16} {'opt state MB/rank':>20}"]
+    for name, row in r["strategies"].items():
+        peak = "/".join(f"{v:.0f}" for v in row["peak_mb"])
+        state = "/".join(f"{v:.1f}" for v in row["optimizer_state_mb"])
+        scaling = f"{row['scaling_efficiency']:.2f}" if "scaling_efficiency" in row else "-"
+        lines.append(f"  {name:<13} {row['world_size']:>5} {row['step_s'] * 1e3:>9.1f} "
+                     f"{row['tokens_per_s_per_rank']:>11,.0f} {scaling:>8} {peak:>16} {state:>20}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="lmlab bench parallel", description=__doc__.splitlines()[0])
+    parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument("--strategies", nargs="+", default=list(STRATEGIES), choices=list(STRATEGIES))
+    parser.add_argument("--d-model", type=int, default=256)
+    parser.add_argument("--n-layers", type=int, default=4)
+    parser.add_argument("--n-heads", type=int, default=4)
+    parser.add_argument("--batch", type=int, default=8, help="global batch (sequences), split over the ranks")
+    parser.add_argument("--seq", type=int, default=256)
+    parser.add_argument("--steps", type=int, default=7, help="steps per strategy, the first two are warm-up")
+    parser.add_argument("--json", type=Path, help="also write the results here")
+    args = parser.parse_args(argv)
+    if args.world_size < 2 or args.batch % args.world_size or args.steps < 3:
+        parser.error("--world-size must be >= 2 and divide --batch, and --steps must be >= 3")
+    model_cfg = {"d_model": args.d_model, "n_layers": args.n_layers, "max_seq_len": args.seq, "norm": "rmsnorm",
+                 "ffn": "swiglu", "position": "rope", "attention": {"name": "mha", "n_heads": args.n_heads},
+                 "block": "prenorm"}
+    result = run(args.strategies, args.world_size, model_cfg, args.batch, args.seq, args.steps)
+    print(report(result))
+    if args.json:
+        atomic_write_text(args.json, json.dumps(result, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

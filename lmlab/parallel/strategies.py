@@ -1,0 +1,191 @@
+"""Parallel strategies (config group `parallel`): how `lmlab-train` spreads a run over devices.
+
+Each entry turns its Config into a Lightning strategy. Lightning's own `ddp` and `fsdp` sit next
+to lmlab's readable `naive_ddp`, `bucketed_ddp` and `zero1`, which run through the same Lightning
+plumbing (processes, ranks, samplers, checkpoints) with lmlab's wrappers doing the communication.
+The model code never changes: a strategy wraps or shards the model it is handed, and the
+LightningModule only asks its strategy, if the strategy offers it, to build the optimizer
+(`build_optimizer`) or to shard the model (`parallelize_model`).
+
+`data.batch_size` is the global batch: each of the world_size ranks trains on its slice.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy, Strategy
+from torch import nn
+
+from lmlab.errors import ConfigError
+from lmlab.optim import OPTIMIZERS
+from lmlab.parallel.bucketed_ddp import BucketedDDP
+from lmlab.parallel.naive_ddp import NaiveDDP
+from lmlab.parallel.zero1 import ZeRO1
+from lmlab.registry import Registry
+
+PARALLEL = Registry("parallel", group="parallel",
+                    doc="how training is spread over devices (trainer.devices processes per node)")
+
+BACKENDS = ("gloo", "nccl")
+
+
+@dataclass
+class DistributedConfig:
+    backend: str | None = None  # None: nccl on GPUs, gloo on CPUs
+
+
+class Parallel:
+    """Base of the entries: `distributed` says whether the run has one process per device."""
+
+    distributed = True
+
+    def __init__(self, cfg: DistributedConfig | None = None):
+        self.cfg = cfg
+        backend = getattr(cfg, "backend", None)
+        if backend is not None and backend not in BACKENDS:
+            raise ConfigError(f"parallel.backend must be one of {', '.join(BACKENDS)} (or null), got '{backend}'")
+        if backend == "nccl" and not torch.cuda.is_available():
+            raise ConfigError("parallel.backend=nccl needs CUDA GPUs; this machine has none (use gloo)")
+        self.backend = backend
+
+    def backend_for(self, accelerator_is_cuda: bool) -> str:
+        return self.backend or ("nccl" if accelerator_is_cuda else "gloo")
+
+    def lightning_strategy(self, world_size: int, cuda: bool) -> Strategy | str:
+        raise NotImplementedError
+
+
+@PARALLEL.register("single")
+class Single(Parallel):
+    """One device, one process (the default)."""
+
+    distributed = False
+
+    def lightning_strategy(self, world_size: int, cuda: bool) -> str:
+        return "auto"
+
+
+@PARALLEL.register("ddp")
+class LightningDDP(Parallel):
+    """Lightning's DistributedDataParallel: gradients all-reduced in buckets during backward."""
+
+    @dataclass
+    class Config(DistributedConfig):
+        bucket_cap_mb: float = 25.0
+        find_unused_parameters: bool = False
+
+    def lightning_strategy(self, world_size: int, cuda: bool) -> Strategy:
+        return DDPStrategy(process_group_backend=self.backend_for(cuda), bucket_cap_mb=self.cfg.bucket_cap_mb,
+                           find_unused_parameters=self.cfg.find_unused_parameters)
+
+
+class WrappedDDPStrategy(DDPStrategy):
+    """Lightning's DDP plumbing with an lmlab wrapper (NaiveDDP, BucketedDDP) instead of torch's DDP,
+    and optionally the optimizer sharded by ZeRO1."""
+
+    def __init__(self, wrap: Callable[[nn.Module], nn.Module], shard_optimizer: bool, **kwargs):
+        super().__init__(**kwargs)
+        self._wrap = wrap
+        self._shard_optimizer = shard_optimizer
+
+    def _setup_model(self, model: nn.Module) -> nn.Module:
+        return self._wrap(model)
+
+    def _register_ddp_hooks(self) -> None:
+        """torch DDP's communication hooks do not apply to lmlab's wrappers."""
+
+    def post_backward(self, closure_loss: torch.Tensor) -> None:
+        self.model.finish_gradient_synchronization()  # before clipping and the optimizer step
+
+    def build_optimizer(self, optim_cfg, model: nn.Module) -> torch.optim.Optimizer:
+        return ZeRO1.from_registry(optim_cfg, model) if self._shard_optimizer else OPTIMIZERS.build(optim_cfg, model)
+
+    def teardown(self) -> None:
+        if isinstance(self.model, (NaiveDDP, BucketedDDP)):
+            self.model = self.lightning_module
+        super().teardown()
+
+
+@PARALLEL.register("naive_ddp")
+class NaiveDataParallel(Parallel):
+    """lmlab's NaiveDDP: one all-reduce per gradient after backward (no overlap; a baseline)."""
+
+    @dataclass
+    class Config(DistributedConfig):
+        pass
+
+    def lightning_strategy(self, world_size: int, cuda: bool) -> Strategy:
+        return WrappedDDPStrategy(NaiveDDP, shard_optimizer=False, process_group_backend=self.backend_for(cuda))
+
+
+@dataclass
+class BucketConfig(DistributedConfig):
+    bucket_size_mb: float = 25.0  # gradients per asynchronous all-reduce
+
+    def __post_init__(self):
+        if not self.bucket_size_mb > 0:
+            raise ConfigError(f"parallel.bucket_size_mb must be > 0, got {self.bucket_size_mb}")
+
+
+@PARALLEL.register("bucketed_ddp")
+class BucketedDataParallel(Parallel):
+    """lmlab's BucketedDDP: bucket all-reduces start from backward hooks, overlapping backward."""
+
+    @dataclass
+    class Config(BucketConfig):
+        pass
+
+    def lightning_strategy(self, world_size: int, cuda: bool) -> Strategy:
+        wrap = partial(BucketedDDP, bucket_size_mb=self.cfg.bucket_size_mb)
+        return WrappedDDPStrategy(wrap, shard_optimizer=False, process_group_backend=self.backend_for(cuda))
+
+
+@PARALLEL.register("zero1")
+class ZeroStage1(Parallel):
+    """ZeRO-1: BucketedDDP gradients, and each rank keeps the optimizer state of its share of the parameters."""
+
+    @dataclass
+    class Config(BucketConfig):
+        pass
+
+    def lightning_strategy(self, world_size: int, cuda: bool) -> Strategy:
+        wrap = partial(BucketedDDP, bucket_size_mb=self.cfg.bucket_size_mb)
+        return WrappedDDPStrategy(wrap, shard_optimizer=True, process_group_backend=self.backend_for(cuda))
+
+
+class FullyShardedStrategy(ModelParallelStrategy):
+    """Lightning's ModelParallelStrategy used for pure data-parallel FSDP2: every block, then the
+    whole model, is `fully_shard`ed over all ranks (ZeRO-3); checkpoints hold full state dicts."""
+
+    def __init__(self, world_size: int, backend: str):
+        super().__init__(data_parallel_size=world_size, tensor_parallel_size=1, save_distributed_checkpoint=False,
+                         process_group_backend=backend)
+
+    def parallelize_model(self, model: nn.Module) -> None:
+        from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
+
+        from lmlab.nn.blocks import Block
+
+        mesh = self.device_mesh["data_parallel"]
+        for module in model.modules():  # one unit per block: gathered just before it runs, freed after
+            if isinstance(module, Block):
+                fully_shard(module, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        # Training calls forward_train, not forward: it too must gather the root's parameters first.
+        register_fsdp_forward_method(model, "forward_train")
+
+
+@PARALLEL.register("fsdp")
+class FullySharded(Parallel):
+    """FSDP2 through Lightning: parameters, gradients and optimizer state sharded (ZeRO-3)."""
+
+    @dataclass
+    class Config(DistributedConfig):
+        pass
+
+    def lightning_strategy(self, world_size: int, cuda: bool) -> Strategy:
+        return FullyShardedStrategy(world_size, self.backend_for(cuda))

@@ -1,0 +1,49 @@
+"""Starting a training job: in this process, or in one fresh process per device.
+
+`lmlab-train parallel=ddp trainer.devices=2` on one machine checks everything and prepares the
+tokenizer and token cache here, then spawns one new process per device (`run_processes`); each
+runs `train` as one rank and the job returns rank 0's results. Fresh processes per job are what
+make a Hydra multirun of distributed jobs work, and a rank that crashes ends the job with its
+traceback. Under torchrun or SLURM (srun), which start the processes themselves, every process
+runs `train` directly and Lightning reads its rank from the environment.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+from lightning.fabric.plugins.environments import SLURMEnvironment, TorchElasticEnvironment
+from omegaconf import DictConfig, OmegaConf
+
+from lmlab.catalog import load_catalog
+from lmlab.errors import ConfigError
+from lmlab.parallel.launch import run_processes
+from lmlab.training.run import check_parallel, load_data, preflight, train, uses_cuda
+
+COLLECTIVE_TIMEOUT_S = 1800.0  # a rank stuck this long in one collective has lost its peers
+
+
+def launched_externally() -> bool:
+    return TorchElasticEnvironment.detect() or SLURMEnvironment.detect()
+
+
+def launch(cfg: DictConfig, output_dir: str | Path) -> dict[str, float]:
+    source, data_cfg = preflight(cfg)
+    parallel = check_parallel(cfg, data_cfg.batch_size)
+    if not parallel.distributed or launched_externally():
+        return train(cfg, output_dir)
+    if cfg.trainer.num_nodes > 1:
+        raise ConfigError(f"trainer.num_nodes={cfg.trainer.num_nodes}: start one lmlab-train per node with torchrun "
+                          "or srun (SLURM); lmlab starts processes on this machine only")
+    load_data(cfg, source, data_cfg)  # train or tokenize once here, so the ranks find it all in the cache
+    backend = parallel.backend_for(uses_cuda(cfg.trainer.accelerator))
+    container = OmegaConf.to_container(cfg, resolve=True)
+    results = run_processes(_train_rank, cfg.trainer.devices, backend, args=(container, str(output_dir)),
+                            timeout=COLLECTIVE_TIMEOUT_S, job_timeout=math.inf)
+    return results[0]
+
+
+def _train_rank(rank: int, world_size: int, container: dict, output_dir: str) -> dict[str, float]:
+    load_catalog(container.get("plugins", []))  # a fresh process: the config's plugins register again
+    return train(OmegaConf.create(container), output_dir)

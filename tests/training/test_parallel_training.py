@@ -1,0 +1,48 @@
+"""lmlab-train with each parallel strategy in 2 gloo processes equals one process on the same global batch."""
+
+import pytest
+import torch
+
+from lmlab.errors import ConfigError
+from lmlab.training.launch import launch
+
+STEPS = ["trainer.max_steps=4", "trainer.val_every=4", "trainer.checkpoint_every=100", "sched.warmup_steps=1"]
+
+
+def final_state(run_dir):
+    state = torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=False, map_location="cpu")["state_dict"]
+    return {k: v for k, v in state.items() if k.startswith("model.")}
+
+
+@pytest.fixture
+def single_run(make_cfg, tiny_overrides, tmp_path):
+    out = tmp_path / "single"
+    launch(make_cfg([*tiny_overrides, *STEPS]), out)
+    return final_state(out)
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "naive_ddp", "bucketed_ddp", "zero1", "fsdp"])
+def test_two_processes_match_one(make_cfg, tiny_overrides, tmp_path, single_run, strategy):
+    extra = [f"parallel={strategy}", "trainer.devices=2"]
+    if strategy in ("bucketed_ddp", "zero1"):
+        extra.append("parallel.bucket_size_mb=0.01")  # several buckets
+    out = tmp_path / strategy
+    results = launch(make_cfg([*tiny_overrides, *STEPS, *extra]), out)
+    assert results["val_loss"] < 6.0
+    state = final_state(out)
+    assert state.keys() == single_run.keys()
+    for key, value in single_run.items():
+        torch.testing.assert_close(state[key], value, rtol=1e-4, atol=1e-5, msg=key)
+
+
+@pytest.mark.parametrize("extra,match", [
+    (["parallel=ddp", "trainer.devices=2", "data.batch_size=7"], "data.batch_size=7 is not divisible by the world size 2"),
+    (["parallel=ddp", "trainer.devices=4096"], "more than the"),
+    (["trainer.devices=2"], "parallel=single runs one process"),
+    (["parallel=ddp", "parallel.backend=nccl"], "needs CUDA GPUs"),
+    (["parallel=zero1", "parallel.bucket_size_mb=0"], "bucket_size_mb must be > 0"),
+])
+def test_bad_parallel_settings_fail_before_any_process_starts(make_cfg, tiny_overrides, tmp_path, extra, match):
+    with pytest.raises(ConfigError, match=match):
+        launch(make_cfg([*tiny_overrides, *extra]), tmp_path / "run")
+    assert not (tmp_path / "run").exists()
