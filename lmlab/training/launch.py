@@ -10,6 +10,7 @@ runs `train` directly and Lightning reads its rank from the environment.
 
 from __future__ import annotations
 
+import logging
 import math
 from pathlib import Path
 
@@ -46,4 +47,15 @@ def launch(cfg: DictConfig, output_dir: str | Path) -> dict[str, float]:
 
 def _train_rank(rank: int, world_size: int, container: dict, output_dir: str) -> dict[str, float]:
     load_catalog(container.get("plugins", []))  # a fresh process: the config's plugins register again
+    _log_like_the_job(rank, Path(output_dir))
     return train(OmegaConf.create(container), output_dir)
+
+
+def _log_like_the_job(rank: int, output_dir: Path) -> None:
+    """A spawned rank has none of Hydra's logging set up: rank 0 logs as the job does, to the console
+    and the job's train.log; the other ranks only warnings and errors."""
+    handlers = [logging.StreamHandler()]
+    if rank == 0:
+        handlers.append(logging.FileHandler(output_dir / "train.log"))
+    logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING, handlers=handlers, force=True,
+                        format=f"[%(asctime)s][%(name)s][%(levelname)s][rank {rank}] - %(message)s")
