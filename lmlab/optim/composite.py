@@ -12,6 +12,8 @@ from collections.abc import Callable
 
 import torch
 
+from lmlab.optim.base import evaluate_closure
+
 
 class CompositeOptimizer(torch.optim.Optimizer):
     """Steps each param group with the part named by the group's "optimizer" key."""
@@ -36,10 +38,7 @@ class CompositeOptimizer(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
-        loss = None
-        if closure is not None:  # evaluated once, not once per part
-            with torch.enable_grad():
-                loss = closure()
+        loss = evaluate_closure(closure)  # once, not once per part
         for part in self.parts.values():
             part.step()
         return loss

@@ -38,6 +38,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lmlab.optim import OPTIMIZERS
+from lmlab.optim.base import evaluate_closure
 
 
 def assign_owners(sizes: Sequence[int], world_size: int) -> list[int]:
@@ -96,10 +97,7 @@ class ZeRO1(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = evaluate_closure(closure)
         self._copy_settings()
         self.optimizer.step()
         self._consolidated = None  # stale now
