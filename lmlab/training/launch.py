@@ -56,6 +56,7 @@ def _log_like_the_job(rank: int, output_dir: Path) -> None:
     and the job's train.log; the other ranks only warnings and errors."""
     handlers = [logging.StreamHandler()]
     if rank == 0:
+        output_dir.mkdir(parents=True, exist_ok=True)  # Hydra made it for lmlab-train; a direct call may not
         handlers.append(logging.FileHandler(output_dir / "train.log"))
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING, handlers=handlers, force=True,
                         format=f"[%(asctime)s][%(name)s][%(levelname)s][rank {rank}] - %(message)s")
