@@ -17,7 +17,6 @@ from lmlab.cli.overrides import CONF_DIR, prepare
 from lmlab.errors import ConfigError
 
 OWN_KEYS = {"ckpt", "out", "noise", "seed"}
-MODEL_PREFIX = "model."
 
 
 def _split(argv: list[str]) -> tuple[dict[str, str], list[str]]:
@@ -42,27 +41,23 @@ def upcycle_checkpoint(ckpt: Path, moe_overrides: list[str], out: Path, noise: f
     """Write the upcycled checkpoint to `out`; returns its config."""
     from lmlab.nn.moe.upcycle import upcycle
     from lmlab.nn.transformer import Transformer
-    from lmlab.training.module import CONFIG_KEY
+    from lmlab.training.checkpoints import CONFIG_KEY, model_weights, read_checkpoint, with_model_prefix
 
-    if not ckpt.is_file():
-        raise ConfigError(f"ckpt={ckpt} is not a file")
-    checkpoint = torch.load(ckpt, map_location="cpu", weights_only=False)
-    if CONFIG_KEY not in checkpoint:
-        raise ConfigError(f"{ckpt} was not written by lmlab-train (it has no '{CONFIG_KEY}')")
+    checkpoint = read_checkpoint(ckpt, "ckpt")
     config = checkpoint[CONFIG_KEY]
     if config["model"].get("moe") is not None:
         raise ConfigError(f"{ckpt} is an MoE model already (model.moe.name={config['model']['moe']['name']})")
     prepare(moe_overrides)
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         moe_cfg = compose("train", overrides=moe_overrides).model.moe
-    state = {k.removeprefix(MODEL_PREFIX): v for k, v in checkpoint["state_dict"].items() if k.startswith(MODEL_PREFIX)}
+    state = model_weights(checkpoint)
     vocab_size = state["embed_tokens.weight"].shape[0]
     dense = Transformer(OmegaConf.create(config["model"]), vocab_size)
     dense.load_state_dict(state)
     config["model"]["moe"] = OmegaConf.to_container(moe_cfg, resolve=True)
     moe = Transformer(OmegaConf.create(config["model"]), vocab_size)
     upcycle(dense, moe, noise, seed)
-    payload = {"state_dict": {MODEL_PREFIX + k: v for k, v in moe.state_dict().items()}, CONFIG_KEY: config,
+    payload = {"state_dict": with_model_prefix(moe.state_dict()), CONFIG_KEY: config,
                "upcycled_from": str(ckpt)}
     atomic_write(out, lambda tmp: torch.save(payload, tmp))
     return config

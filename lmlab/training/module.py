@@ -18,13 +18,13 @@ from torch.optim.lr_scheduler import LambdaLR
 
 from lmlab.nn.transformer import Transformer
 from lmlab.optim import OPTIMIZERS, SCHEDULERS, describe_groups
+from lmlab.training.checkpoints import CONFIG_KEY
 from lmlab.training.losses import LOSSES
 from lmlab.training.objective import training_terms
 from lmlab.training.step_guard import StepGuard
 
 log = logging.getLogger(__name__)
 
-CONFIG_KEY = "lmlab_config"  # where checkpoints keep the run's resolved config
 GUARD_KEY = "lmlab_step_guard"  # the skipped-step counter and its running medians
 
 

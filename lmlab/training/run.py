@@ -24,7 +24,8 @@ from lmlab.optim import OPTIMIZERS, SCHEDULERS
 from lmlab.parallel.strategies import PARALLEL, Parallel
 from lmlab.tokenizers import TOKENIZERS
 from lmlab.tokenizers.base import expected_vocab_size
-from lmlab.training.module import CONFIG_KEY, LanguageModelTask
+from lmlab.training.checkpoints import CONFIG_KEY, model_weights, read_checkpoint
+from lmlab.training.module import LanguageModelTask
 from lmlab.training.step_guard import StepGuard
 from lmlab.training.throughput import Throughput
 
@@ -40,11 +41,7 @@ def resolve_precision(precision: str) -> str:
 def check_checkpoint(cfg: DictConfig, key: str) -> None:
     """The checkpoint at `cfg[key]` exists and was written by a run of the same model and tokenizer."""
     path = Path(cfg[key])
-    if not path.is_file():
-        raise ConfigError(f"{key}={cfg[key]} is not a file")
-    saved = torch.load(path, map_location="cpu", weights_only=False).get(CONFIG_KEY)
-    if saved is None:
-        raise ConfigError(f"{path} was not written by lmlab-train (it has no '{CONFIG_KEY}')")
+    saved = read_checkpoint(path, key)[CONFIG_KEY]
     for group in ("model", "tokenizer"):
         now = OmegaConf.to_container(cfg[group], resolve=True)
         diffs = _differences(saved[group], now, group)
@@ -135,8 +132,7 @@ def train(cfg: DictConfig, output_dir: str | Path) -> dict[str, float]:
     tokenizer, datamodule = load_data(cfg, source, data_cfg)
     task = LanguageModelTask(cfg, tokenizer.vocab_size)
     if cfg.init_from:
-        saved = torch.load(cfg.init_from, map_location="cpu", weights_only=False)["state_dict"]
-        task.model.load_state_dict({k.removeprefix("model."): v for k, v in saved.items() if k.startswith("model.")})
+        task.model.load_state_dict(model_weights(read_checkpoint(cfg.init_from, "init_from")))
         log.info("model weights from %s", cfg.init_from)
     log.info("model: %.2fM parameters (%.2fM without embeddings)",
              task.model.num_parameters() / 1e6, task.model.num_parameters(exclude_embeddings=True) / 1e6)

@@ -8,7 +8,7 @@ from lmlab.cli.main import main as lmlab_main
 from lmlab.errors import ConfigError
 from lmlab.nn.moe.upcycle import upcycle
 from lmlab.nn.transformer import ModelConfig, Transformer
-from lmlab.training.module import CONFIG_KEY
+from lmlab.training.checkpoints import CONFIG_KEY, model_weights, with_model_prefix
 
 
 def build(moe=None, seed=0, ffn="swiglu") -> Transformer:
@@ -47,7 +47,7 @@ def test_experts_of_another_width_cannot_be_upcycled():
 def _dense_checkpoint(make_cfg, tiny_overrides, path):
     cfg = make_cfg(tiny_overrides)
     model = Transformer(cfg.model, vocab_size=320)
-    torch.save({"state_dict": {f"model.{k}": v for k, v in model.state_dict().items()},
+    torch.save({"state_dict": with_model_prefix(model.state_dict()),
                 CONFIG_KEY: OmegaConf.to_container(cfg, resolve=True)}, path)
     return model
 
@@ -62,7 +62,7 @@ def test_lmlab_upcycle_writes_an_moe_checkpoint_with_the_dense_function(make_cfg
     config = saved[CONFIG_KEY]
     assert config["model"]["moe"]["name"] == "topk" and config["model"]["moe"]["n_experts"] == 4
     sparse = Transformer(OmegaConf.create(config["model"]), vocab_size=320)
-    sparse.load_state_dict({k.removeprefix("model."): v for k, v in saved["state_dict"].items()})
+    sparse.load_state_dict(model_weights(saved))
     ids = torch.randint(0, 320, (2, 16))
     torch.testing.assert_close(sparse(ids), dense(ids), rtol=1e-5, atol=1e-5)
 
