@@ -20,6 +20,7 @@ from omegaconf import DictConfig, OmegaConf
 from lmlab.catalog import load_catalog
 from lmlab.errors import ConfigError
 from lmlab.parallel.launch import run_processes
+from lmlab.parallel.strategies import PARALLEL
 from lmlab.training.run import check_parallel, load_data, preflight, train, uses_cuda
 
 COLLECTIVE_TIMEOUT_S = 1800.0  # a rank stuck this long in one collective has lost its peers
@@ -30,10 +31,10 @@ def launched_externally() -> bool:
 
 
 def launch(cfg: DictConfig, output_dir: str | Path) -> dict[str, float]:
-    source, data_cfg = preflight(cfg)
+    if not PARALLEL.build(cfg.parallel).distributed or launched_externally():
+        return train(cfg, output_dir)  # this process is the job (or one rank of it); train checks everything
+    source, data_cfg = preflight(cfg)  # before any process starts
     parallel = check_parallel(cfg, data_cfg.batch_size)
-    if not parallel.distributed or launched_externally():
-        return train(cfg, output_dir)
     if cfg.trainer.num_nodes > 1:
         raise ConfigError(f"trainer.num_nodes={cfg.trainer.num_nodes}: start one lmlab-train per node with torchrun "
                           "or srun (SLURM); lmlab starts processes on this machine only")
