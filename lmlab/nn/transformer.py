@@ -85,6 +85,8 @@ class Transformer(nn.Module):
         for module in self.modules():  # parts sized by the vocabulary (the hash router's table)
             if hasattr(module, "bind_vocab"):
                 module.bind_vocab(self.vocab_size)
+        # Found once: the forward pass and logging visit the MoE layers every step.
+        self._moe_names = [name for name, m in self.named_modules() if isinstance(m, MoELayer)]
         self._routes_by_token = any(not moe.router.learned for _, moe in self._moe_layers())
         self.lm_head = nn.Linear(cfg.d_model, self.vocab_size, bias=False)
         self.logit_softcap = cfg.logit_softcap
@@ -97,8 +99,10 @@ class Transformer(nn.Module):
     def _blocks(self) -> list[nn.Module]:
         return [*self.layers, *(m.layer for m in self.mtp_layers)]
 
-    def _moe_layers(self) -> Iterator[tuple[str, MoELayer]]:
-        return ((name.removesuffix(".mlp"), m) for name, m in self.named_modules() if isinstance(m, MoELayer))
+    def _moe_layers(self, prefix: str = "") -> Iterator[tuple[str, MoELayer]]:
+        """(layer name, MoE layer) of the MoE layers whose module names start with `prefix`."""
+        return ((name.removesuffix(".mlp"), self.get_submodule(name)) for name in self._moe_names
+                if name.startswith(prefix))
 
     def num_parameters(self, exclude_embeddings: bool = False) -> int:
         params = {id(p): p for p in self.parameters()}
@@ -139,7 +143,7 @@ class Transformer(nn.Module):
         mtp_logits = []
         for d, module in enumerate(self.mtp_layers, start=1):
             ahead = input_ids[:, d:]
-            self._route_by(module, ahead)
+            self._route_by(f"mtp_layers.{d - 1}.", ahead)
             hidden = module(hidden[:, :-1], self.embed_tokens(ahead), self.position, positions[:-d])
             mtp_logits.append(self._head(module.norm(hidden)))
         return ModelOutput(logits, mtp_logits, self._aux_losses())
@@ -149,7 +153,7 @@ class Transformer(nn.Module):
         if seq_len > self.max_seq_len:
             raise ValueError(f"sequence length {seq_len} exceeds model.max_seq_len={self.max_seq_len}")
         positions = torch.arange(seq_len, device=input_ids.device)
-        self._route_by(self.layers, input_ids)
+        self._route_by("layers.", input_ids)
         x = self.position.embed(self.embed_tokens(input_ids), positions)
         for layer in self.layers:
             x = layer(x, self.position, positions)
@@ -161,12 +165,11 @@ class Transformer(nn.Module):
             logits = self.logit_softcap * torch.tanh(logits / self.logit_softcap)
         return logits
 
-    def _route_by(self, module: nn.Module, token_ids: torch.Tensor) -> None:
-        """Tell the MoE layers under `module` which tokens they see (for routers that hash token ids)."""
+    def _route_by(self, prefix: str, token_ids: torch.Tensor) -> None:
+        """Tell the MoE layers under `prefix` which tokens they see (for routers that hash token ids)."""
         if self._routes_by_token:
-            for m in module.modules():
-                if isinstance(m, MoELayer):
-                    m.token_ids = token_ids
+            for _, moe in self._moe_layers(prefix):
+                moe.token_ids = token_ids
 
     def _aux_losses(self) -> dict[str, tuple[float, torch.Tensor]]:
         """Each auxiliary loss averaged over the MoE layers, with its weight."""

@@ -2,9 +2,11 @@
 
 Dispatch has no Python loop over tokens: assignments are sorted by expert (stably, so priority
 order survives), those past an expert's capacity are cut, the kept tokens are gathered into
-one contiguous array, the experts run on their slices (`grouped_linear`), and the weighted
-outputs are scattered back with `index_add_`. A token no expert kept gets zero from the routed
-experts, so it passes through the residual connection unchanged (plus any shared experts).
+one contiguous array, the experts run on their slices (`grouped_linear`), and the outputs go
+back to their tokens: for token-choice routings by placing each in its (slot, token) row and a
+weighted sum over slots, for expert choice by a weighted `index_add_`. A token no expert kept
+gets zero from the routed experts, so it passes through the residual connection unchanged
+(plus any shared experts).
 """
 
 from __future__ import annotations
