@@ -135,26 +135,27 @@ class BucketConfig(DistributedConfig):
 class BucketedDataParallel(Parallel):
     """lmlab's BucketedDDP: bucket all-reduces start from backward hooks, overlapping backward."""
 
+    shard_optimizer = False
+
     @dataclass
     class Config(BucketConfig):
         pass
 
     def lightning_strategy(self, world_size: int, cuda: bool) -> Strategy:
         wrap = partial(BucketedDDP, bucket_size_mb=self.cfg.bucket_size_mb)
-        return WrappedDDPStrategy(wrap, shard_optimizer=False, process_group_backend=self.backend_for(cuda))
+        return WrappedDDPStrategy(wrap, shard_optimizer=self.shard_optimizer,
+                                  process_group_backend=self.backend_for(cuda))
 
 
 @PARALLEL.register("zero1")
-class ZeroStage1(Parallel):
+class ZeroStage1(BucketedDataParallel):
     """ZeRO-1: BucketedDDP gradients, and each rank keeps the optimizer state of its share of the parameters."""
+
+    shard_optimizer = True
 
     @dataclass
     class Config(BucketConfig):
         pass
-
-    def lightning_strategy(self, world_size: int, cuda: bool) -> Strategy:
-        wrap = partial(BucketedDDP, bucket_size_mb=self.cfg.bucket_size_mb)
-        return WrappedDDPStrategy(wrap, shard_optimizer=True, process_group_backend=self.backend_for(cuda))
 
 
 class FullyShardedStrategy(ModelParallelStrategy):
