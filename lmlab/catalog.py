@@ -14,6 +14,7 @@ from lmlab.registry import REGISTRIES, Registry, load_plugins
 BUILTIN_MODULES = (
     "lmlab.tokenizers",
     "lmlab.nn",
+    "lmlab.kernels.registry",
     "lmlab.data",
     "lmlab.optim",
     "lmlab.parallel.strategies",

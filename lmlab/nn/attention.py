@@ -83,6 +83,7 @@ class MultiHeadAttention(nn.Module):
         self.k_proj = nn.Linear(d_model, self.n_kv_heads * self.head_dim, bias=False)
         self.v_proj = nn.Linear(d_model, self.n_kv_heads * self.head_dim, bias=False)
         self.o_proj = nn.Linear(self.n_heads * self.head_dim, d_model, bias=False)
+        self.kernel = None  # a fused causal attention(q, k, v, causal, scale) from `kernels=`; None: SDPA
         if cfg.qk_norm:
             self.q_norm = NORMS.build("rmsnorm", self.head_dim)
             self.k_norm = NORMS.build("rmsnorm", self.head_dim)
@@ -104,6 +105,22 @@ class MultiHeadAttention(nn.Module):
     def kv_cache_elements_per_token(self) -> int:
         return 2 * self.n_kv_heads * self.head_dim
 
+    def use_kernels(self, ops) -> str | None:
+        """Take the fused attention where it computes what this layer needs; else say why not."""
+        if ops.attention is None:
+            return None
+        if self.head_dim not in ops.attention_head_dims:
+            raise ConfigError(f"kernels.attention: head_dim {self.head_dim} (d_model / n_heads) is not supported by the "
+                              f"fused attention; supported: {', '.join(map(str, ops.attention_head_dims))} "
+                              "(or set kernels.attention=false)")
+        unsupported = {"a sliding window": self.window is not None, "soft-capped scores": self.softcap is not None,
+                       "attention dropout": self.dropout > 0}
+        missing = [what for what, used in unsupported.items() if used]
+        if missing:
+            return f"attention keeps SDPA where the fused kernel has no {' or '.join(missing)}"
+        self.kernel = ops.attention
+        return None
+
     def check_context(self, context_length: int) -> None:
         if self.window is not None and self.window > context_length:
             raise ConfigError(f"attention.window={self.window} is larger than data.context_length={context_length}; "
@@ -115,6 +132,8 @@ class MultiHeadAttention(nn.Module):
         v = rearrange(self.v_proj(x), "b s (h d) -> b h s d", h=self.n_kv_heads)
         q, k = position.rotate(q, k, positions)
         bias = position.attn_bias(positions, positions)
+        if self.kernel is not None and bias is None:
+            return self.o_proj(rearrange(self.kernel(q, k, v, True, self.score_scale), "b h s d -> b s (h d)"))
         mask = None
         if self.window is not None or bias is not None:
             mask = attention_mask(positions, positions, self.window, bias).to(q.dtype)

@@ -150,8 +150,16 @@ class GLU(FFN):
         self.up_proj = nn.Linear(d_model, d_ff, bias=False)
         self.down_proj = nn.Linear(d_ff, d_model, bias=False)
 
+    def gated(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        return self.act(gate) * up
+
     def combine(self, x: torch.Tensor, proj: Projection) -> torch.Tensor:
-        return proj("down_proj", self.act(proj("gate_proj", x)) * proj("up_proj", x))
+        return proj("down_proj", self.gated(proj("gate_proj", x), proj("up_proj", x)))
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """The reference SwiGLU activation, silu(gate) * up."""
+    return F.silu(gate) * up
 
 
 @FFNS.register("swiglu")
@@ -162,8 +170,19 @@ class SwiGLU(GLU):
     class Config(GLU.Config):
         pass
 
+    def __init__(self, d_model: int, cfg: Config):
+        super().__init__(d_model, cfg)
+        self.kernel = swiglu  # (gate, up) -> silu(gate) * up; `kernels=` may swap in a fused one
+
+    def use_kernels(self, ops) -> None:
+        if ops.swiglu is not None:
+            self.kernel = ops.swiglu
+
     def act(self, h):
         return F.silu(h)
+
+    def gated(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        return self.kernel(gate, up)
 
 
 @FFNS.register("geglu")

@@ -13,6 +13,13 @@ from lmlab.registry import Registry
 NORMS = Registry("norm", group="model/norm", doc="normalisation layers")
 
 
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The reference RMSNorm; normalises in float32 so bf16 activations keep the small-variance tail."""
+    x32 = x.float()
+    inv_rms = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return (x32 * inv_rms).type_as(x) * weight
+
+
 @NORMS.register("rmsnorm")
 class RMSNorm(nn.Module):
     """Root-mean-square norm with a learned gain (no mean subtraction, no bias)."""
@@ -25,12 +32,14 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = cfg.eps
         self.weight = nn.Parameter(torch.ones(dim))
+        self.kernel = rms_norm  # (x, weight, eps) -> y; `kernels=` may swap in a fused one
+
+    def use_kernels(self, ops) -> None:
+        if ops.rms_norm is not None:
+            self.kernel = ops.rms_norm
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in float32 so bf16 activations do not lose the small-variance tail.
-        x32 = x.float()
-        inv_rms = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (x32 * inv_rms).type_as(x) * self.weight
+        return self.kernel(x, self.weight, self.eps)
 
 
 @NORMS.register("layernorm")

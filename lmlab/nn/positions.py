@@ -142,6 +142,12 @@ class ALiBi(PositionEncoding):
         super().__init__(max_seq_len)
         self.register_buffer("slopes", alibi_slopes(n_heads), persistent=False)
 
+    def use_kernels(self, ops) -> str | None:
+        # The attention layers see the bias only at run time and then fall back to SDPA; say so once.
+        if ops.attention is not None:
+            return "ALiBi adds a score bias the fused attention has no input for: attention stays on SDPA"
+        return None
+
     def attn_bias(self, q_positions, k_positions):
         distance = (q_positions[:, None] - k_positions[None, :]).clamp_min(0)  # future keys are masked anyway
         return -self.slopes[:, None, None] * distance

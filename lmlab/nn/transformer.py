@@ -79,7 +79,7 @@ class Transformer(nn.Module):
         check_mtp(cfg.mtp)
         self.mtp_layers = nn.ModuleList(MTPModule(cfg, layer_idx=cfg.n_layers + d) for d in range(cfg.mtp.depth))
         self.mtp_loss_weight = cfg.mtp.loss_weight
-        for block in self._blocks():  # attention that cannot use this position scheme says so now
+        for block in self.blocks():  # attention that cannot use this position scheme says so now
             if hasattr(block.self_attn, "check_position"):
                 block.self_attn.check_position(self.position)
         for module in self.modules():  # parts sized by the vocabulary (the hash router's table)
@@ -96,7 +96,8 @@ class Transformer(nn.Module):
         # Learning-rate multipliers by parameter name (muP); the optimizer makes groups of them.
         self.lr_multipliers: dict[str, float] = INITS.build(cfg.init).apply(self)
 
-    def _blocks(self) -> list[nn.Module]:
+    def blocks(self) -> list[nn.Module]:
+        """The residual blocks: the layers, then each MTP module's block."""
         return [*self.layers, *(m.layer for m in self.mtp_layers)]
 
     def _moe_layers(self, prefix: str = "") -> Iterator[tuple[str, MoELayer]]:
@@ -124,7 +125,7 @@ class Transformer(nn.Module):
         linear = sum(m.weight.numel() for m in self.modules() if isinstance(m, nn.Linear))
         experts = sum(moe.router.k * moe.experts.params_per_expert() for _, moe in self._moe_layers())
         head_reuse = len(self.mtp_layers) * self.lm_head.weight.numel()
-        attention = sum(block.self_attn.score_flops_per_token(seq_len) for block in self._blocks())
+        attention = sum(block.self_attn.score_flops_per_token(seq_len) for block in self.blocks())
         return 6 * (linear + experts + head_reuse) + attention
 
     def kv_cache_bytes_per_token(self, bytes_per_element: int = 2) -> int:

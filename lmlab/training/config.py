@@ -31,6 +31,7 @@ class TrainerConfig:
     num_nodes: int = 1
     checkpoint_every: int = 500  # steps; a checkpoint is also written at the end
     progress_bar: bool = True
+    compile: bool = False  # torch.compile each block and the loss (see lmlab.training.compile)
 
 
 @dataclass
@@ -42,12 +43,14 @@ class TrainConfig:
     sched: Any = MISSING
     loss: Any = MISSING
     parallel: Any = MISSING
+    kernels: Any = MISSING
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     seed: int = 0
     ckpt_path: str | None = None  # resume from this checkpoint (weights, optimizer, step)
     init_from: str | None = None  # start from this checkpoint's weights only (e.g. from `lmlab upcycle`)
     cache_dir: str = "${oc.env:LMLAB_CACHE,'~/.cache/lmlab'}"  # tokenized corpora, shared by runs
     plugins: list[str] = field(default_factory=list)  # modules imported before the config is composed
+    profile: bool = False  # write a torch.profiler table and Chrome trace of a few steps into the run folder
 
 
 ConfigStore.instance().store(name="train_schema", node=TrainConfig)

@@ -17,6 +17,18 @@ from lmlab.registry import Registry
 LOSSES = Registry("loss", group="loss", doc="training objectives on the output logits")
 
 
+def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int, label_smoothing: float,
+                  z_loss: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Reference: mean cross-entropy over the non-ignored rows of (N, V) logits (in float32), and
+    with `z_loss` the mean squared log-normaliser logsumexp(logits)^2 over the same rows."""
+    logits = logits.float()
+    ce = F.cross_entropy(logits, targets, ignore_index=ignore_index, label_smoothing=label_smoothing)
+    if not z_loss:
+        return ce, None
+    keep = targets != ignore_index
+    return ce, logits[keep].logsumexp(dim=-1).pow(2).mean()
+
+
 @LOSSES.register("cross_entropy")
 class CrossEntropy(nn.Module):
     """Mean next-token cross-entropy in nats (float32), plus an optional z-loss on the logits."""
@@ -30,13 +42,16 @@ class CrossEntropy(nn.Module):
     def __init__(self, cfg: Config):
         super().__init__()
         self.cfg = cfg
+        self.kernel = cross_entropy  # `kernels=` may swap in a memory-light fused one
+
+    def use_kernels(self, ops) -> None:
+        if ops.cross_entropy is not None:
+            self.kernel = ops.cross_entropy
 
     def forward(self, logits: torch.Tensor, targets: torch.Tensor) -> dict[str, torch.Tensor]:
-        logits, targets = logits.flatten(0, -2).float(), targets.flatten()
-        ce = F.cross_entropy(logits, targets, ignore_index=self.cfg.ignore_index,
-                             label_smoothing=self.cfg.label_smoothing)
-        if not self.cfg.z_loss:
+        cfg = self.cfg
+        ce, z = self.kernel(logits.flatten(0, -2), targets.flatten(), cfg.ignore_index, cfg.label_smoothing,
+                            bool(cfg.z_loss))
+        if z is None:
             return {"loss": ce}
-        keep = targets != self.cfg.ignore_index
-        z = logits[keep].logsumexp(dim=-1).pow(2).mean()
-        return {"loss": ce + self.cfg.z_loss * z, "ce": ce, "z_loss": z}
+        return {"loss": ce + cfg.z_loss * z, "ce": ce, "z_loss": z}

@@ -16,9 +16,11 @@ from omegaconf import DictConfig, OmegaConf
 from torch.distributed.tensor import DTensor
 from torch.optim.lr_scheduler import LambdaLR
 
+from lmlab.kernels.registry import KERNELS, install_kernels
 from lmlab.nn.transformer import Transformer
 from lmlab.optim import OPTIMIZERS, SCHEDULERS, describe_groups
 from lmlab.training.checkpoints import CONFIG_KEY
+from lmlab.training.compile import compile_for_training
 from lmlab.training.losses import LOSSES
 from lmlab.training.objective import training_terms
 from lmlab.training.step_guard import StepGuard
@@ -34,6 +36,8 @@ class LanguageModelTask(L.LightningModule):
         self.cfg = cfg
         self.model = Transformer(cfg.model, vocab_size)
         self.loss_fn = LOSSES.build(cfg.loss)
+        for note in install_kernels(KERNELS.build(cfg.kernels), self.model, self.loss_fn):
+            log.info("kernels: %s", note)
         # Validation always reports plain next-token cross-entropy, whatever the training loss adds.
         self.val_loss = torchmetrics.MeanMetric()
         self.val_ppl = torchmetrics.text.Perplexity()
@@ -41,7 +45,7 @@ class LanguageModelTask(L.LightningModule):
         t = cfg.trainer
         self.guard = StepGuard(t.skip_nonfinite, t.spike_factor, t.spike_window)
         self._loss: torch.Tensor | None = None  # this step's loss, for the guard
-        self._parallelized = False
+        self._configured = False
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids)
@@ -112,11 +116,16 @@ class LanguageModelTask(L.LightningModule):
         self.last_val_step = self.global_step
 
     def configure_model(self) -> None:
-        """Let a sharding strategy (fsdp) shard the model; others have nothing to do here."""
+        """Let a sharding strategy (fsdp) shard the model, then compile it if asked (in that order,
+        so the compiled graphs see the sharded parameters)."""
+        if self._configured:
+            return
         parallelize = getattr(self.trainer.strategy, "parallelize_model", None)
-        if parallelize is not None and not self._parallelized:
+        if parallelize is not None:
             parallelize(self.model)
-            self._parallelized = True
+        if self.cfg.trainer.compile:
+            compile_for_training(self.model, self.loss_fn)
+        self._configured = True
 
     def configure_optimizers(self):
         # A strategy that shards optimizer state (zero1) builds the optimizer itself.

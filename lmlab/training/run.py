@@ -19,13 +19,16 @@ from omegaconf import DictConfig, OmegaConf
 
 from lmlab.data import SOURCES, LMDataModule
 from lmlab.errors import ConfigError
+from lmlab.kernels.registry import KERNELS, install_kernels
 from lmlab.nn.transformer import Transformer
 from lmlab.optim import OPTIMIZERS, SCHEDULERS
 from lmlab.parallel.strategies import PARALLEL, Parallel
 from lmlab.tokenizers import TOKENIZERS
 from lmlab.tokenizers.base import expected_vocab_size
 from lmlab.training.checkpoints import CONFIG_KEY, model_weights, read_checkpoint
+from lmlab.training.losses import LOSSES
 from lmlab.training.module import LanguageModelTask
+from lmlab.training.profile import StepProfiler
 from lmlab.training.step_guard import StepGuard
 from lmlab.training.throughput import Throughput
 
@@ -76,6 +79,7 @@ def preflight(cfg: DictConfig):
     for module in model.modules():  # parts whose settings depend on the context (e.g. a sliding window)
         if hasattr(module, "check_context"):
             module.check_context(data_cfg.context_length)
+    install_kernels(KERNELS.build(cfg.kernels), model, LOSSES.build(cfg.loss))  # e.g. an unsupported head dim
     StepGuard(cfg.trainer.skip_nonfinite, cfg.trainer.spike_factor, cfg.trainer.spike_window)
     try:  # optimizer arguments and group rules on the (meta) model itself, and the schedule
         OPTIMIZERS.build(cfg.optim, model)
@@ -161,6 +165,7 @@ def train(cfg: DictConfig, output_dir: str | Path) -> dict[str, float]:
             throughput,
             ModelCheckpoint(dirpath=output_dir / "checkpoints", filename="step{step:06d}", auto_insert_metric_name=False,
                             every_n_train_steps=t.checkpoint_every, save_top_k=-1),
+            *([StepProfiler(output_dir, t.max_steps)] if cfg.profile else []),
         ],
         enable_progress_bar=t.progress_bar,
         default_root_dir=str(output_dir),

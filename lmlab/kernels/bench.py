@@ -1,0 +1,236 @@
+"""`lmlab bench kernels`: each Triton kernel against its references, with a roofline verdict.
+
+    lmlab bench kernels [--only rms_norm,attention] [--repeats 30] [--json kernels.json]
+
+For every case (an operation at a fixed shape, bf16) the forward pass and forward+backward are
+timed for the Triton kernel, the plain-PyTorch reference, the reference under torch.compile, and
+the operation PyTorch ships where there is one (F.rms_norm, SDPA). Times are medians of
+`--repeats` runs bracketed by CUDA events, after warm-up. Each row reports achieved TFLOP/s and
+GB/s over the ideal traffic (every input read once, every output written once), the arithmetic
+intensity (FLOP per byte of that traffic) and, against the detected GPU's bf16 peak and memory
+bandwidth, whether the operation is memory- or compute-bound and what fraction of its roofline
+the run attains. Speed-ups are against the case's baseline: F.rms_norm for RMSNorm, SDPA for
+attention, the eager reference otherwise.
+
+Without CUDA the Triton rows are skipped, the references run on the CPU at small sizes and no
+roofline is drawn (the peaks are unknown).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from lmlab.kernels.flash_reference import FlashAttentionReference
+from lmlab.kernels.registry import triton_unavailable
+from lmlab.nn.ffn import swiglu
+from lmlab.nn.norms import rms_norm
+from lmlab.training.hardware import peak_bandwidth, peak_flops
+from lmlab.training.losses import cross_entropy
+
+BF16 = 2  # bytes per element
+
+
+@dataclass
+class Case:
+    """One operation at one shape: its inputs, implementations and ideal cost."""
+
+    op: str
+    shape: str
+    inputs: Callable[[], list[torch.Tensor]]  # fresh leaf tensors, floating ones requiring grad
+    impls: dict[str, Callable[..., torch.Tensor]]  # name -> fn(*inputs) -> one tensor to differentiate
+    baseline: str
+    flops: tuple[float, float]  # forward, backward
+    bytes: tuple[float, float]  # forward, backward (ideal traffic)
+
+
+def _leaf(*shape: int, device: torch.device, scale: float = 1.0) -> torch.Tensor:
+    return (torch.randn(*shape, device=device, dtype=torch.bfloat16) * scale).requires_grad_()
+
+
+def _triton_impls() -> dict[str, Callable]:
+    """The Triton kernels by operation, or nothing where they cannot run."""
+    if triton_unavailable():
+        return {}
+    from lmlab.kernels.cross_entropy_triton import cross_entropy_triton
+    from lmlab.kernels.flash_triton import FlashAttentionTriton
+    from lmlab.kernels.rmsnorm_triton import rms_norm_triton
+    from lmlab.kernels.swiglu_triton import swiglu_triton
+
+    return {"rms_norm": lambda x, w: rms_norm_triton(x, w, 1e-6),
+            "attention": lambda q, k, v: FlashAttentionTriton.apply(q, k, v, True),
+            "swiglu": swiglu_triton,
+            "cross_entropy": lambda logits, t: cross_entropy_triton(logits, t)[0]}
+
+
+def _impls(op: str, reference: Callable | None, extra: dict[str, Callable], compile: bool,
+           triton: dict[str, Callable]) -> dict[str, Callable]:
+    impls = {}
+    if op in triton:
+        impls["triton"] = triton[op]
+    if reference is not None:
+        impls["reference"] = reference
+        if compile:
+            impls["reference+compile"] = torch.compile(reference)
+    return {**impls, **extra}
+
+
+def cases(device: torch.device, compile: bool) -> list[Case]:
+    """The benchmark's shapes: the issue's targets on a GPU, small ones on a CPU."""
+    big = device.type == "cuda"
+    triton = _triton_impls()
+    out = []
+
+    n, d = (16384, 4096) if big else (1024, 512)
+    out.append(Case(
+        "rms_norm", f"{n}x{d}",
+        lambda: [_leaf(n, d, device=device), _leaf(d, device=device)],
+        _impls("rms_norm", lambda x, w: rms_norm(x, w, 1e-6),
+               {"F.rms_norm": lambda x, w: F.rms_norm(x, (d,), w, 1e-6)}, compile, triton),
+        "F.rms_norm",
+        flops=(4 * n * d, 8 * n * d), bytes=(2 * n * d * BF16, 3 * n * d * BF16)))
+
+    shapes = [(4, 16, 4096, 128), (1, 16, 16384, 64)] if big else [(1, 2, 256, 64)]
+    for b, h, s, hd in shapes:
+        fwd = 4 * b * h * s * s * hd / 2  # causal: half the score matrix
+        io = b * h * s * hd * BF16
+        out.append(Case(
+            "attention", f"B{b} H{h} S{s} D{hd} causal",
+            lambda b=b, h=h, s=s, hd=hd: [_leaf(b, h, s, hd, device=device) for _ in range(3)],
+            # The tiled PyTorch reference loops over blocks in Python: timed at the CPU's small size only.
+            _impls("attention", None if big else lambda q, k, v: FlashAttentionReference.apply(q, k, v, True),
+                   {"sdpa": lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True)}, compile, triton),
+            "sdpa",
+            flops=(fwd, 2.5 * fwd), bytes=(4 * io, 8 * io)))
+
+    n, f = (32768, 2816) if big else (1024, 512)
+    out.append(Case(
+        "swiglu", f"{n}x{f}",
+        lambda: [_leaf(n, f, device=device), _leaf(n, f, device=device)],
+        _impls("swiglu", swiglu, {}, compile, triton), "reference",
+        flops=(5 * n * f, 10 * n * f), bytes=(3 * n * f * BF16, 5 * n * f * BF16)))
+
+    n, v = (32768, 50304) if big else (512, 4096)
+    out.append(Case(
+        "cross_entropy", f"{n}x{v}",
+        lambda: [_leaf(n, v, device=device, scale=4.0), torch.randint(0, v, (n,), device=device)],
+        _impls("cross_entropy", lambda logits, t: cross_entropy(logits, t, -100, 0.0, False)[0], {}, compile, triton),
+        "reference",
+        flops=(4 * n * v, 4 * n * v), bytes=(n * v * BF16, 2 * n * v * BF16)))
+    return out
+
+
+def median_seconds(fn: Callable[[], object], repeats: int, warmup: int, device: torch.device) -> float:
+    """Median time of `fn`: CUDA events around each call on a GPU, the wall clock on a CPU."""
+    for _ in range(warmup):
+        fn()
+    if device.type != "cuda":
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+        return statistics.median(times)
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(repeats)]
+    torch.cuda.synchronize(device)
+    for start, end in events:
+        start.record()
+        fn()
+        end.record()
+    torch.cuda.synchronize(device)
+    return statistics.median(start.elapsed_time(end) for start, end in events) / 1e3
+
+
+def _forward(impl: Callable, inputs: list[torch.Tensor]) -> Callable[[], object]:
+    def run():
+        with torch.no_grad():
+            return impl(*inputs)
+    return run
+
+
+def _forward_backward(impl: Callable, inputs: list[torch.Tensor]) -> Callable[[], object]:
+    leaves = [t for t in inputs if t.requires_grad]
+    grad = None
+
+    def run():
+        nonlocal grad
+        for t in leaves:
+            t.grad = None
+        out = impl(*inputs)
+        grad = torch.ones_like(out) if grad is None else grad
+        out.backward(grad)
+    return run
+
+
+def measure(case: Case, repeats: int, warmup: int, device: torch.device) -> list[dict]:
+    flops_peak, bandwidth = peak_flops(device), peak_bandwidth(device)
+    inputs = case.inputs()
+    rows = []
+    for pass_name, make, flops, nbytes in (("fwd", _forward, case.flops[0], case.bytes[0]),
+                                           ("fwd+bwd", _forward_backward, sum(case.flops), sum(case.bytes))):
+        times = {name: median_seconds(make(impl, inputs), repeats, warmup, device) for name, impl in case.impls.items()}
+        for name, seconds in times.items():
+            intensity = flops / nbytes
+            row = {"op": case.op, "shape": case.shape, "pass": pass_name, "impl": name, "ms": seconds * 1e3,
+                   "tflops": flops / seconds / 1e12, "gbps": nbytes / seconds / 1e9, "flop_per_byte": intensity,
+                   "speedup": times[case.baseline] / seconds if case.baseline in times else None,
+                   "bound": None, "roofline_fraction": None}
+            if flops_peak and bandwidth:
+                row["bound"] = "compute" if intensity > flops_peak / bandwidth else "memory"
+                row["roofline_fraction"] = flops / seconds / min(flops_peak, intensity * bandwidth)
+            rows.append(row)
+    return rows
+
+
+def format_table(rows: list[dict]) -> str:
+    header = (f"{'op':<14} {'shape':<26} {'pass':<8} {'impl':<18} {'ms':>9} {'TFLOP/s':>8} {'GB/s':>8} "
+              f"{'FLOP/B':>7} {'bound':>8} {'roofline':>9} {'speed-up':>9}")
+    lines = [header]
+    for r in rows:
+        bound = r["bound"] or "-"
+        roof = f"{r['roofline_fraction']:.0%}" if r["roofline_fraction"] is not None else "-"
+        speed = f"{r['speedup']:.2f}x" if r["speedup"] is not None else "-"
+        lines.append(f"{r['op']:<14} {r['shape']:<26} {r['pass']:<8} {r['impl']:<18} {r['ms']:>9.3f} "
+                     f"{r['tflops']:>8.1f} {r['gbps']:>8.0f} {r['flop_per_byte']:>7.1f} {bound:>8} {roof:>9} {speed:>9}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="lmlab bench kernels", description=__doc__.splitlines()[0])
+    parser.add_argument("--only", default=None, help="comma-separated operations (default: all)")
+    parser.add_argument("--repeats", type=int, default=30, help="timed runs per implementation (default 30)")
+    parser.add_argument("--warmup", type=int, default=5, help="untimed runs first (default 5)")
+    parser.add_argument("--no-compile", action="store_true", help="leave out the torch.compile'd references")
+    parser.add_argument("--json", type=Path, default=None, help="also write the rows here")
+    args = parser.parse_args(argv)
+    if args.repeats < 1 or args.warmup < 1:
+        parser.error("--repeats and --warmup must be at least 1")
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    selected = cases(device, compile=not args.no_compile)
+    if args.only:
+        wanted = args.only.split(",")
+        unknown = sorted(set(wanted) - {c.op for c in selected})
+        if unknown:
+            parser.error(f"unknown operation(s) {', '.join(unknown)}; choose from "
+                         f"{', '.join(dict.fromkeys(c.op for c in selected))}")
+        selected = [c for c in selected if c.op in wanted]
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    missing = triton_unavailable()
+    print(f"lmlab bench kernels on {name}" + (f" (Triton rows skipped: {missing})" if missing else ""))
+    rows = []
+    for case in selected:
+        print(f"timing {case.op} {case.shape} ...", file=sys.stderr, flush=True)
+        rows += measure(case, args.repeats, args.warmup, device)
+    print(format_table(rows))
+    if args.json:
+        args.json.write_text(json.dumps({"device": name, "torch": torch.__version__, "rows": rows}, indent=2))
+    return 0

@@ -1,0 +1,215 @@
+"""`lmlab bench train [OVERRIDES...]`: full training steps of a config, reference path against kernels.
+
+    lmlab bench train model=llama400m tokenizer=byte model.vocab_size=50304 data.context_length=2048 \\
+        data.batch_size=16 --lmlab-train --json bench-train.json
+
+Takes the same overrides as `lmlab-train` and times a bare training loop (no Lightning) of that
+model, loss and optimizer on random tokens of the configured batch and context, for each
+variant: the reference PyTorch path and `kernels=triton`, each eager and under torch.compile
+(`trainer.compile`'s per-block compile). A step is forward, loss, backward, gradient clipping and
+the optimizer step, under bf16 autocast on a GPU as `lmlab-train` runs it. Variants are timed in
+turns (median step after warm-up), from the same initial weights. Reported per variant: step
+time, tokens/s, MFU (the model's training FLOPs per token, 6 N plus attention scores, against the
+GPU's dense bf16 peak) and the step's peak memory above the resident weights and optimizer state.
+
+`--profile DIR` writes each variant's torch.profiler table of two steps (operators and kernels by
+their own device time) to DIR/<variant>.txt. `--lmlab-train` also runs `lmlab-train` itself with the last variant's settings and compares its
+measured tokens/s with the bare loop's: the framework's cost per step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import statistics
+import sys
+import tempfile
+import time
+from contextlib import nullcontext
+from pathlib import Path
+
+import torch
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+from torch.profiler import ProfilerActivity, profile
+
+from lmlab.cli.overrides import CONF_DIR, prepare
+from lmlab.kernels.registry import KERNELS, install_kernels
+from lmlab.optim import OPTIMIZERS
+from lmlab.tokenizers.base import expected_vocab_size
+from lmlab.training.compile import compile_for_training
+from lmlab.training.hardware import peak_flops
+from lmlab.training.losses import LOSSES
+from lmlab.training.objective import training_terms
+
+VARIANTS = ("reference", "triton", "reference+compile", "triton+compile")
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class Contender:
+    """One variant's model, loss and optimizer, and its training step."""
+
+    def __init__(self, variant: str, cfg, vocab: int, device: torch.device):
+        from lmlab.nn.transformer import Transformer
+
+        kernels, _, compiled = variant.partition("+")
+        if kernels not in KERNELS or compiled not in ("", "compile"):
+            raise SystemExit(f"lmlab bench train: unknown variant '{variant}'; use KERNELS[+compile] with KERNELS in "
+                             f"{', '.join(KERNELS.names())}")
+        torch.manual_seed(cfg.seed)  # every variant starts from the same weights
+        self.model = Transformer(cfg.model, vocab).to(device)
+        self.loss_fn = LOSSES.build(cfg.loss)
+        install_kernels(KERNELS.build(kernels), self.model, self.loss_fn)
+        if compiled:
+            compile_for_training(self.model, self.loss_fn)
+        self.optimizer = OPTIMIZERS.build(cfg.optim, self.model)
+        self.grad_clip = cfg.trainer.grad_clip
+        self.autocast = torch.autocast("cuda", torch.bfloat16) if device.type == "cuda" else nullcontext()
+
+    def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> None:
+        with self.autocast:
+            terms = training_terms(self.loss_fn, self.model.forward_train(inputs), targets, self.model.mtp_loss_weight)
+        terms["loss"].backward()
+        if self.grad_clip:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+
+def _peak_step_bytes(contender: Contender, batch, device: torch.device) -> int | None:
+    if device.type != "cuda":
+        return None
+    _sync(device)
+    resident = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    contender.step(*batch)
+    _sync(device)
+    return torch.cuda.max_memory_allocated(device) - resident
+
+
+def profile_steps(contender: Contender, batch, device: torch.device, path: Path, steps: int = 2) -> None:
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        for _ in range(steps):
+            contender.step(*batch)
+        _sync(device)
+    sort_by = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    path.write_text(prof.key_averages().table(sort_by=sort_by, row_limit=40, max_name_column_width=90) + "\n")
+
+
+def time_variants(cfg, variants: list[str], vocab: int, steps: int, warmup: int, device: torch.device,
+                  profile_dir: Path | None = None) -> dict:
+    from lmlab.data import SOURCES
+
+    _, data_cfg = SOURCES.resolve(cfg.data)
+    batch, seq = data_cfg.batch_size, data_cfg.context_length
+    tokens = torch.randint(0, vocab, (batch, seq + 1), device=device)
+    data = (tokens[:, :-1], tokens[:, 1:])
+    contenders = {}
+    for variant in variants:
+        print(f"building and warming up {variant} ...", file=sys.stderr, flush=True)
+        contenders[variant] = Contender(variant, cfg, vocab, device)
+        for _ in range(warmup):  # compiles, autotunes kernels, fills the allocator's cache
+            contenders[variant].step(*data)
+    peak_bytes = {name: _peak_step_bytes(c, data, device) for name, c in contenders.items()}
+    times: dict[str, list[float]] = {name: [] for name in contenders}
+    for i in range(steps):  # in turns, so a slow stretch of the machine hits every variant alike
+        for name, contender in contenders.items():
+            _sync(device)
+            start = time.perf_counter()
+            contender.step(*data)
+            _sync(device)
+            times[name].append(time.perf_counter() - start)
+        print(f"\rtimed step {i + 1}/{steps}", end="", file=sys.stderr, flush=True)
+    print(file=sys.stderr)
+    if profile_dir is not None:
+        profile_dir.mkdir(parents=True, exist_ok=True)
+        for name, contender in contenders.items():
+            profile_steps(contender, data, device, profile_dir / f"{name}.txt")
+    model = next(iter(contenders.values())).model
+    flops_per_token = model.flops_per_token(seq)
+    peak = peak_flops(device)
+    results = {}
+    for name in contenders:
+        step_s = statistics.median(times[name])
+        tokens_per_s = batch * seq / step_s
+        results[name] = {
+            "step_ms": step_s * 1e3,
+            "tokens_per_s": tokens_per_s,
+            "mfu": tokens_per_s * flops_per_token / peak if peak else None,
+            "step_peak_gib": peak_bytes[name] / 2**30 if peak_bytes[name] is not None else None,
+        }
+    return {"parameters": model.num_parameters(), "flops_per_token": flops_per_token, "batch": batch,
+            "context_length": seq, "vocab_size": vocab, "variants": results}
+
+
+def lmlab_train_tokens_per_s(overrides: list[str], variant: str, steps: int) -> float:
+    """tokens/s that `lmlab-train` itself logs over `steps` steps, after `steps` steps of warm-up."""
+    from lmlab.training.run import train
+
+    kernels, _, compiled = variant.partition("+")
+    run_overrides = [*overrides, f"kernels={kernels}", f"trainer.compile={bool(compiled)}",
+                     f"trainer.max_steps={2 * steps}", f"trainer.log_every={steps}", f"trainer.val_every={2 * steps}",
+                     "trainer.val_batches=1", f"trainer.checkpoint_every={10 * steps}", "trainer.progress_bar=false",
+                     "sched.warmup_steps=1"]
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose("train", overrides=run_overrides)
+    with tempfile.TemporaryDirectory() as out:
+        return train(cfg, out)["tokens_per_s"]
+
+
+def format_table(result: dict) -> str:
+    rows = [f"{'variant':<20} {'step ms':>9} {'tokens/s':>11} {'MFU':>6} {'peak GiB':>9} {'vs reference':>13}"]
+    base = result["variants"].get("reference", next(iter(result["variants"].values())))["step_ms"]
+    for name, r in result["variants"].items():
+        mfu = f"{r['mfu']:.1%}" if r["mfu"] is not None else "-"
+        mem = f"{r['step_peak_gib']:.1f}" if r["step_peak_gib"] is not None else "-"
+        rows.append(f"{name:<20} {r['step_ms']:>9.1f} {r['tokens_per_s']:>11,.0f} {mfu:>6} {mem:>9} "
+                    f"{base / r['step_ms']:>12.2f}x")
+    return "\n".join(rows)
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="lmlab bench train", description=__doc__.splitlines()[0])
+    parser.add_argument("overrides", nargs="*", help="lmlab-train overrides, e.g. model=llama400m")
+    parser.add_argument("--variants", default=",".join(VARIANTS),
+                        help=f"comma-separated KERNELS[+compile] (default: {','.join(VARIANTS)})")
+    parser.add_argument("--steps", type=int, default=10, help="timed steps per variant (default 10)")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps per variant first (default 3)")
+    parser.add_argument("--lmlab-train", action="store_true",
+                        help="also run lmlab-train with the last variant and compare its tokens/s")
+    parser.add_argument("--profile", type=Path, default=None, metavar="DIR",
+                        help="write each variant's profiler table of two steps to DIR/<variant>.txt")
+    parser.add_argument("--json", type=Path, default=None, help="also write the results here")
+    args = parser.parse_args(argv)
+    if args.steps < 1 or args.warmup < 1:
+        parser.error("--steps and --warmup must be at least 1")
+    variants = [v for v in args.variants.split(",") if v]
+    prepare(args.overrides)
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose("train", overrides=args.overrides)
+    vocab = cfg.model.vocab_size or expected_vocab_size(cfg.tokenizer)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type == "cuda":
+        torch.set_float32_matmul_precision("high")  # as lmlab-train sets it
+    result = time_variants(cfg, variants, vocab, args.steps, args.warmup, device, args.profile)
+    result.update(device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+                  overrides=args.overrides, torch=torch.__version__)
+    print(f"{result['parameters'] / 1e6:.1f}M parameters, {result['batch']} x {result['context_length']} tokens per "
+          f"step, {result['flops_per_token'] / 1e9:.2f} GFLOP per token, on {result['device']}")
+    print(format_table(result))
+    if args.lmlab_train:
+        logging.getLogger("lightning").setLevel(logging.WARNING)
+        variant = variants[-1]
+        measured = lmlab_train_tokens_per_s(args.overrides, variant, args.steps)
+        bare = result["variants"][variant]["tokens_per_s"]
+        result["lmlab_train"] = {"variant": variant, "tokens_per_s": measured, "vs_bare_loop": measured / bare}
+        print(f"lmlab-train ({variant}): {measured:,.0f} tokens/s = {measured / bare:.3f}x the bare loop's {bare:,.0f}")
+    if args.json:
+        args.json.write_text(json.dumps({**result, "config": OmegaConf.to_container(cfg, resolve=True)}, indent=2))
+    return 0

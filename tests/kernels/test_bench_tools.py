@@ -1,0 +1,52 @@
+"""`lmlab bench kernels` and `lmlab bench train` run end to end (on the CPU: references only)."""
+
+import json
+
+import torch
+
+from lmlab.kernels import bench as kernel_bench
+from lmlab.training import bench as train_bench
+from lmlab.training.hardware import peak_bandwidth, peak_flops
+
+
+def test_bench_kernels_reports_every_implementation_and_pass(tmp_path, capsys):
+    out = tmp_path / "kernels.json"
+    assert kernel_bench.main(["--only", "rms_norm,attention", "--no-compile", "--repeats", "2", "--warmup", "1",
+                              "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    impls = {(r["op"], r["pass"]): set() for r in rows}
+    for r in rows:
+        impls[(r["op"], r["pass"])].add(r["impl"])
+        assert r["ms"] > 0 and r["gbps"] > 0 and r["flop_per_byte"] > 0
+    expected_triton = {"triton"} if torch.cuda.is_available() else set()
+    assert impls[("rms_norm", "fwd+bwd")] == {"reference", "F.rms_norm"} | expected_triton
+    assert "sdpa" in impls[("attention", "fwd")]
+    baseline = [r for r in rows if r["impl"] == "F.rms_norm"]
+    assert all(r["speedup"] == 1.0 for r in baseline)
+    assert "F.rms_norm" in capsys.readouterr().out
+
+
+def test_bench_kernels_rejects_an_unknown_operation(capsys):
+    try:
+        kernel_bench.main(["--only", "layernorm"])
+    except SystemExit as exit:
+        assert exit.code == 2
+    assert "unknown operation(s) layernorm" in capsys.readouterr().err
+
+
+def test_bench_train_times_each_variant_and_profiles(tmp_path, capsys):
+    out = tmp_path / "train.json"
+    assert train_bench.main(["model.d_model=32", "model.n_layers=1", "model.attention.n_heads=2",
+                             "data.context_length=32", "data.batch_size=2", "tokenizer.vocab_size=320",
+                             "--variants", "reference,triton", "--steps", "2", "--warmup", "1",
+                             "--profile", str(tmp_path / "prof"), "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert set(result["variants"]) == {"reference", "triton"}
+    assert all(v["tokens_per_s"] > 0 for v in result["variants"].values())
+    assert result["flops_per_token"] > 6 * result["parameters"] * 0.5
+    assert "aten::mm" in (tmp_path / "prof" / "reference.txt").read_text()
+    assert "vs reference" in capsys.readouterr().out
+
+
+def test_no_roofline_without_a_known_gpu():
+    assert peak_bandwidth(torch.device("cpu")) is None and peak_flops(torch.device("cpu")) is None
