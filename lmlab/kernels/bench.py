@@ -5,7 +5,8 @@
 For every case (an operation at a fixed shape, bf16) the forward pass and forward+backward are
 timed for the Triton kernel, the plain-PyTorch reference, the reference under torch.compile, and
 the operation PyTorch ships where there is one (F.rms_norm, SDPA). Times are medians of
-`--repeats` runs bracketed by CUDA events, after warm-up. Each row reports achieved TFLOP/s and
+`--repeats` runs bracketed by CUDA events, after warm-up, each from a cold L2 cache (see
+`median_seconds`). Each row reports achieved TFLOP/s and
 GB/s over the ideal traffic (every input read once, every output written once), the arithmetic
 intensity (FLOP per byte of that traffic) and, against the detected GPU's bf16 peak and memory
 bandwidth, whether the operation is memory- or compute-bound and what fraction of its roofline
@@ -130,9 +131,19 @@ def cases(device: torch.device, compile: bool) -> list[Case]:
 
 
 def median_seconds(fn: Callable[[], object], repeats: int, warmup: int, device: torch.device) -> float:
-    """Median time of `fn`: CUDA events around each call on a GPU, the wall clock on a CPU."""
-    for _ in range(warmup):
+    """Median time of `fn`: its GPU time between CUDA events on a GPU, the wall clock on a CPU.
+
+    The warm-up lasts at least `warmup` calls and 50 ms, so the GPU's clocks have ramped up. On a
+    GPU each timed call is preceded by a write of 256 MB, which empties the L2 cache (every call
+    starts cold, as in training), and by a 1 ms spin of the GPU, during which the CPU queues the
+    call: the events time the kernels, not the Python launch overhead in front of them.
+    """
+    start, calls = time.perf_counter(), 0
+    while calls < warmup or time.perf_counter() - start < 0.05:
         fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        calls += 1
     if device.type != "cuda":
         times = []
         for _ in range(repeats):
@@ -140,14 +151,17 @@ def median_seconds(fn: Callable[[], object], repeats: int, warmup: int, device: 
             fn()
             times.append(time.perf_counter() - start)
         return statistics.median(times)
+    flush = torch.empty(256 * 2**20, dtype=torch.int8, device=device)
     events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(repeats)]
     torch.cuda.synchronize(device)
-    for start, end in events:
-        start.record()
+    for begin, end in events:
+        flush.zero_()
+        torch.cuda._sleep(2_000_000)  # about 1 ms of clock cycles
+        begin.record()
         fn()
         end.record()
     torch.cuda.synchronize(device)
-    return statistics.median(start.elapsed_time(end) for start, end in events) / 1e3
+    return statistics.median(begin.elapsed_time(end) for begin, end in events) / 1e3
 
 
 def _forward(impl: Callable, inputs: list[torch.Tensor]) -> Callable[[], object]:

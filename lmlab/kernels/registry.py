@@ -3,8 +3,9 @@
 A kernel is an alternative implementation of a reference operation with the same signature.
 The model is always built with the plain-PyTorch references; an entry here returns a
 `KernelOps` of replacements, and `install_kernels` hands it to every module that owns a hot
-operation (`use_kernels(ops)`: RMSNorm, SwiGLU, causal attention, cross-entropy), which takes
-what it can use and may say why it keeps its reference (a sliding window, ALiBi, ...).
+operation (`use_kernels(ops)`: RMSNorm, SwiGLU, causal attention, cross-entropy, and the Adam
+optimizers' update), which takes what it can use and may say why it keeps its reference (a
+sliding window, ALiBi, ...).
 
     lmlab-train kernels=triton                      # all four Triton kernels
     lmlab-train kernels=triton kernels.attention=false
@@ -18,7 +19,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -41,6 +42,7 @@ class KernelOps:
     attention_head_dims: tuple[int, ...] = ()  # head dims `attention` supports
     swiglu: Callable | None = None  # (gate, up) -> silu(gate) * up
     cross_entropy: Callable | None = None  # (logits, targets, ignore_index, label_smoothing, z_loss) -> (ce, z)
+    adam: Callable | None = None  # in-place Adam step: (p, grad, m, v, step, lr, betas, eps, weight_decay, decoupled)
 
 
 @KERNELS.register("reference")
@@ -55,12 +57,13 @@ class TritonKernelsConfig:
     attention: bool = True  # FlashAttention-2 (causal layers without window, softcap, dropout or ALiBi)
     swiglu: bool = True  # silu(gate) * up in one pass each way
     cross_entropy: bool = True  # never materialises float32 logits or probabilities
+    adam: bool = True  # Adam/AdamW update in one kernel per parameter (also Muon's AdamW part)
     strict: bool = False  # without CUDA or Triton: fail instead of falling back to the references
 
 
 @KERNELS.register("triton", config=TritonKernelsConfig)
 def triton_kernels(cfg: TritonKernelsConfig) -> KernelOps:
-    """Triton kernels for RMSNorm, attention, SwiGLU and cross-entropy (CUDA; else the references)."""
+    """Triton kernels for RMSNorm, attention, SwiGLU, cross-entropy and Adam (CUDA; else the references)."""
     missing = triton_unavailable()
     if missing:
         if cfg.strict:
@@ -68,6 +71,7 @@ def triton_kernels(cfg: TritonKernelsConfig) -> KernelOps:
         _warn_fallback(missing)
         return KernelOps()
     # Imported here: Triton modules need Triton, which a CPU-only install may lack.
+    from lmlab.kernels.adam_triton import adam_update_triton
     from lmlab.kernels.cross_entropy_triton import cross_entropy_triton
     from lmlab.kernels.flash_triton import SUPPORTED_HEAD_DIMS, flash_attention_triton
     from lmlab.kernels.rmsnorm_triton import rms_norm_triton
@@ -79,6 +83,7 @@ def triton_kernels(cfg: TritonKernelsConfig) -> KernelOps:
         attention_head_dims=SUPPORTED_HEAD_DIMS,
         swiglu=swiglu_triton if cfg.swiglu else None,
         cross_entropy=cross_entropy_triton if cfg.cross_entropy else None,
+        adam=adam_update_triton if cfg.adam else None,
     )
 
 
@@ -97,13 +102,25 @@ def _warn_fallback(reason: str) -> None:
                 "(set kernels.strict=true to make this an error)", reason)
 
 
-def install_kernels(ops: KernelOps, *modules: nn.Module) -> list[str]:
-    """Offer `ops` to every submodule of `modules` that owns a hot operation; returns the distinct
-    reasons modules gave for keeping their reference."""
+def _parts(root: nn.Module | torch.optim.Optimizer) -> Iterator[object]:
+    """A module's submodules; an optimizer and the optimizers inside it (composite parts, a
+    sharding wrapper's inner optimizer)."""
+    if isinstance(root, nn.Module):
+        yield from root.modules()
+        return
+    yield root
+    for inner in [*getattr(root, "parts", {}).values(), getattr(root, "optimizer", None)]:
+        if inner is not None:
+            yield from _parts(inner)
+
+
+def install_kernels(ops: KernelOps, *roots: nn.Module | torch.optim.Optimizer) -> list[str]:
+    """Offer `ops` to every part of `roots` (modules, optimizers) that owns a hot operation;
+    returns the distinct reasons parts gave for keeping their reference."""
     notes: list[str] = []
-    for root in modules:
-        for module in root.modules():
-            use = getattr(module, "use_kernels", None)
+    for root in roots:
+        for part in _parts(root):
+            use = getattr(part, "use_kernels", None)
             note = use(ops) if use is not None else None
             if note and note not in notes:
                 notes.append(note)

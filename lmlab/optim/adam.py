@@ -31,25 +31,37 @@ class Adam(ParamwiseOptimizer):
         check_betas(name, betas)
         check_non_negative(name, eps=eps, weight_decay=weight_decay)
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
+        self.kernel = adam_update  # `kernels=` may swap in a fused update with the same signature
+
+    def use_kernels(self, ops) -> None:
+        if ops.adam is not None:
+            self.kernel = ops.adam
 
     def update(self, p: torch.Tensor, grad: torch.Tensor, state: dict, group: dict) -> None:
-        lr, (beta1, beta2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
         if not state:
             state["step"] = 0
             state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
         state["step"] += 1
-        t, m, v, g = state["step"], state["exp_avg"], state["exp_avg_sq"], grad
-        if self.decoupled_weight_decay:
-            p.mul_(1 - lr * wd)
-        elif wd:
-            g = g.add(p, alpha=wd)  # gradient of the penalty wd/2 |p|^2
-        m.lerp_(g, 1 - beta1)  # m = beta1 m + (1 - beta1) g
-        v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
-        # Bias corrections for the zero-initialised moments, folded into step size and denominator.
-        step_size = lr / (1 - beta1**t)
-        denom = (v.sqrt() / math.sqrt(1 - beta2**t)).add_(eps)
-        p.addcdiv_(m, denom, value=-step_size)
+        self.kernel(p, grad, state["exp_avg"], state["exp_avg_sq"], state["step"], group["lr"], group["betas"],
+                    group["eps"], group["weight_decay"], self.decoupled_weight_decay)
+
+
+def adam_update(p: torch.Tensor, grad: torch.Tensor, m: torch.Tensor, v: torch.Tensor, t: int, lr: float,
+                betas: tuple[float, float], eps: float, wd: float, decoupled: bool) -> None:
+    """One Adam step of `p` in place, and of its moments `m`, `v`, at step `t` (1-based)."""
+    beta1, beta2 = betas
+    g = grad
+    if decoupled:
+        p.mul_(1 - lr * wd)
+    elif wd:
+        g = g.add(p, alpha=wd)  # gradient of the penalty wd/2 |p|^2
+    m.lerp_(g, 1 - beta1)  # m = beta1 m + (1 - beta1) g
+    v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+    # Bias corrections for the zero-initialised moments, folded into step size and denominator.
+    step_size = lr / (1 - beta1**t)
+    denom = (v.sqrt() / math.sqrt(1 - beta2**t)).add_(eps)
+    p.addcdiv_(m, denom, value=-step_size)
 
 
 class AdamW(Adam):

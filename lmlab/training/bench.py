@@ -51,23 +51,37 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def parse_variant(variant: str) -> tuple[dict, bool]:
+    """`KERNELS[-OP...][+compile]` -> (kernels config, compiled); `-OP` turns one kernel off,
+    e.g. `triton-attention+compile` is kernels=triton kernels.attention=false under torch.compile."""
+    spec, _, compiled = variant.partition("+")
+    name, *off = spec.split("-")
+    if name not in KERNELS or compiled not in ("", "compile"):
+        raise SystemExit(f"lmlab bench train: unknown variant '{variant}'; use KERNELS[-OP...][+compile] with KERNELS "
+                         f"in {', '.join(KERNELS.names())}")
+    fields = {f.name for f in KERNELS.get(name).fields()}
+    if set(off) - fields:
+        raise SystemExit(f"lmlab bench train: variant '{variant}': {name} has no kernel "
+                         f"{', '.join(sorted(set(off) - fields))}; its fields: {', '.join(sorted(fields))}")
+    return {"name": name, **{op: False for op in off}}, bool(compiled)
+
+
 class Contender:
     """One variant's model, loss and optimizer, and its training step."""
 
     def __init__(self, variant: str, cfg, vocab: int, device: torch.device):
         from lmlab.nn.transformer import Transformer
 
-        kernels, _, compiled = variant.partition("+")
-        if kernels not in KERNELS or compiled not in ("", "compile"):
-            raise SystemExit(f"lmlab bench train: unknown variant '{variant}'; use KERNELS[+compile] with KERNELS in "
-                             f"{', '.join(KERNELS.names())}")
+        kernels, compiled = parse_variant(variant)
         torch.manual_seed(cfg.seed)  # every variant starts from the same weights
         self.model = Transformer(cfg.model, vocab).to(device)
         self.loss_fn = LOSSES.build(cfg.loss)
-        install_kernels(KERNELS.build(kernels), self.model, self.loss_fn)
+        ops = KERNELS.build(kernels)
+        install_kernels(ops, self.model, self.loss_fn)
         if compiled:
             compile_for_training(self.model, self.loss_fn)
         self.optimizer = OPTIMIZERS.build(cfg.optim, self.model)
+        install_kernels(ops, self.optimizer)
         self.grad_clip = cfg.trainer.grad_clip
         self.autocast = torch.autocast("cuda", torch.bfloat16) if device.type == "cuda" else nullcontext()
 
@@ -152,8 +166,9 @@ def lmlab_train_tokens_per_s(overrides: list[str], variant: str, steps: int) -> 
     """tokens/s that `lmlab-train` itself logs over `steps` steps, after `steps` steps of warm-up."""
     from lmlab.training.run import train
 
-    kernels, _, compiled = variant.partition("+")
-    run_overrides = [*overrides, f"kernels={kernels}", f"trainer.compile={bool(compiled)}",
+    kernels, compiled = parse_variant(variant)
+    run_overrides = [*overrides, f"kernels={kernels.pop('name')}", *(f"kernels.{op}=false" for op in kernels),
+                     f"trainer.compile={compiled}",
                      f"trainer.max_steps={2 * steps}", f"trainer.log_every={steps}", f"trainer.val_every={2 * steps}",
                      "trainer.val_batches=1", f"trainer.checkpoint_every={10 * steps}", "trainer.progress_bar=false",
                      "sched.warmup_steps=1"]
@@ -178,7 +193,8 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="lmlab bench train", description=__doc__.splitlines()[0])
     parser.add_argument("overrides", nargs="*", help="lmlab-train overrides, e.g. model=llama400m")
     parser.add_argument("--variants", default=",".join(VARIANTS),
-                        help=f"comma-separated KERNELS[+compile] (default: {','.join(VARIANTS)})")
+                        help=f"comma-separated KERNELS[-OP...][+compile], e.g. triton-attention+compile "
+                             f"(default: {','.join(VARIANTS)})")
     parser.add_argument("--steps", type=int, default=10, help="timed steps per variant (default 10)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps per variant first (default 3)")
     parser.add_argument("--lmlab-train", action="store_true",

@@ -36,7 +36,8 @@ class LanguageModelTask(L.LightningModule):
         self.cfg = cfg
         self.model = Transformer(cfg.model, vocab_size)
         self.loss_fn = LOSSES.build(cfg.loss)
-        for note in install_kernels(KERNELS.build(cfg.kernels), self.model, self.loss_fn):
+        self.kernel_ops = KERNELS.build(cfg.kernels)
+        for note in install_kernels(self.kernel_ops, self.model, self.loss_fn):
             log.info("kernels: %s", note)
         # Validation always reports plain next-token cross-entropy, whatever the training loss adds.
         self.val_loss = torchmetrics.MeanMetric()
@@ -131,6 +132,7 @@ class LanguageModelTask(L.LightningModule):
         # A strategy that shards optimizer state (zero1) builds the optimizer itself.
         build = getattr(self.trainer.strategy, "build_optimizer", OPTIMIZERS.build)
         optimizer = build(self.cfg.optim, self.model)
+        install_kernels(self.kernel_ops, optimizer)
         max_lr = self.cfg.optim.lr
         lr_at = SCHEDULERS.build(self.cfg.sched, max_lr, self.cfg.trainer.max_steps)
         scheduler = LambdaLR(optimizer, lambda step: lr_at(step) / max_lr)

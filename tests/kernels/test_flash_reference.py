@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from lmlab.kernels import FlashAttentionReference, flash_attention_reference
+from tests.kernels.common import TinyAttention, assert_compiles_like_eager
 
 TOL = {torch.float64: dict(atol=1e-10, rtol=1e-10), torch.float32: dict(atol=2e-5, rtol=2e-5)}
 
@@ -115,31 +116,11 @@ def test_gradcheck(causal: bool) -> None:
     assert torch.autograd.gradcheck(lambda q, k, v: FlashAttentionReference.apply(q, k, v, causal, 4, 2), (q, k, v))
 
 
-class TinyAttention(torch.nn.Module):
-    def __init__(self, dim: int, n_heads: int, n_kv_heads: int) -> None:
-        super().__init__()
-        self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, dim // n_heads
-        self.q_proj = torch.nn.Linear(dim, dim, bias=False)
-        self.kv_proj = torch.nn.Linear(dim, 2 * n_kv_heads * self.head_dim, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, s, _ = x.shape
-        q = self.q_proj(x).view(b, s, self.n_heads, self.head_dim).transpose(1, 2)
-        k, v = self.kv_proj(x).view(b, s, 2, self.n_kv_heads, self.head_dim).permute(2, 0, 3, 1, 4)
-        return FlashAttentionReference.apply(q, k, v, True, 16, 16).transpose(1, 2).reshape(b, s, -1)
-
-
 def test_torch_compile_matches_eager() -> None:
     torch.manual_seed(0)
-    model = TinyAttention(32, n_heads=4, n_kv_heads=2)
-    x = torch.randn(2, 40, 32)
-    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
-    out, out_c = model(x), compiled(x)
-    torch.testing.assert_close(out_c, out)
-    grads = torch.autograd.grad(out.square().sum(), list(model.parameters()))
-    grads_c = torch.autograd.grad(out_c.square().sum(), list(model.parameters()))
-    for g, g_c in zip(grads, grads_c):
-        torch.testing.assert_close(g_c, g)
+    model = TinyAttention(32, n_heads=4, n_kv_heads=2,
+                          attend=lambda q, k, v: FlashAttentionReference.apply(q, k, v, True, 16, 16))
+    assert_compiles_like_eager(model, torch.randn(2, 40, 32), backend="aot_eager")
 
 
 @pytest.mark.parametrize("shapes, causal, match", [
