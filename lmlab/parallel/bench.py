@@ -1,7 +1,10 @@
 """Benchmark: one training step of the same model under each data-parallel strategy, in one run.
 
-    python -m lmlab.parallel.bench [--world-size N] [--d-model D] [--n-layers L] [--batch B] [--seq S]
+    python -m lmlab.parallel.bench [--world-size N] [--d-model D] [--n-layers L] [--batch B] [--seq S] [--vocab V]
     lmlab bench parallel ...
+
+The ~400M-parameter config of `lmlab bench train` (conf/model/llama400m.yaml) on 2 GPUs:
+`--d-model 1024 --n-layers 24 --n-heads 16 --seq 2048 --vocab 50304 --batch 32`.
 
 Each strategy trains an lmlab Transformer (SwiGLU, RoPE, AdamW) in N fresh processes on the same
 global batch (B sequences, B/N per rank): `single` runs it in one process. Reported per strategy:
@@ -34,7 +37,6 @@ from lmlab.parallel.launch import device_for, run_processes
 from lmlab.parallel.naive_ddp import NaiveDDP
 from lmlab.parallel.zero1 import ZeRO1, optimizer_state_numel
 
-VOCAB = 8192
 Setup = Callable[[Transformer], tuple[nn.Module, torch.optim.Optimizer, Callable[[], None]]]
 
 
@@ -89,16 +91,16 @@ def _current_rss_mb() -> float:
         return int(f.read().split()[1]) * resource.getpagesize() / 2**20
 
 
-def _bench_rank(rank: int, world_size: int, strategy: str, model_cfg: dict, batch: int, seq: int, steps: int,
-                backend: str) -> dict:
+def _bench_rank(rank: int, world_size: int, strategy: str, model_cfg: dict, vocab: int, batch: int, seq: int,
+                steps: int, backend: str) -> dict:
     device = device_for(backend, rank)
     before = _current_rss_mb()
     torch.manual_seed(0)
-    model = Transformer(ModelConfig(**model_cfg), VOCAB).to(device)
+    model = Transformer(ModelConfig(**model_cfg), vocab).to(device)
     wrapped, optimizer, synchronize = STRATEGIES[strategy](model)
     share = batch // world_size
     generator = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, VOCAB, (batch, seq + 1), generator=generator)[rank * share:(rank + 1) * share].to(device)
+    ids = torch.randint(0, vocab, (batch, seq + 1), generator=generator)[rank * share:(rank + 1) * share].to(device)
     autocast = torch.autocast("cuda", torch.bfloat16, enabled=device.type == "cuda")
     times = []
     for step in range(steps):
@@ -120,12 +122,13 @@ def _bench_rank(rank: int, world_size: int, strategy: str, model_cfg: dict, batc
             "optimizer_state_mb": optimizer_state_numel(optimizer) * element / 2**20}
 
 
-def run(strategies: list[str], world_size: int, model_cfg: dict, batch: int, seq: int, steps: int) -> dict:
+def run(strategies: list[str], world_size: int, model_cfg: dict, batch: int, seq: int, steps: int,
+        vocab: int = 8192) -> dict:
     backend = "nccl" if torch.cuda.device_count() >= world_size else "gloo"
     rows = {}
     for name in strategies:
         world = 1 if name == "single" else world_size
-        per_rank = run_processes(_bench_rank, world, backend, args=(name, model_cfg, batch, seq, steps, backend))
+        per_rank = run_processes(_bench_rank, world, backend, args=(name, model_cfg, vocab, batch, seq, steps, backend))
         step_s = max(r["step_s"] for r in per_rank)
         rows[name] = {"world_size": world, "step_s": step_s, "tokens_per_s_per_rank": batch * seq / world / step_s,
                       "peak_mb": [r["peak_mb"] for r in per_rank],
@@ -133,7 +136,8 @@ def run(strategies: list[str], world_size: int, model_cfg: dict, batch: int, seq
     if "single" in rows:
         for row in rows.values():  # tokens/s per rank against one process's: 1.0 is perfect scaling
             row["scaling_efficiency"] = row["tokens_per_s_per_rank"] / rows["single"]["tokens_per_s_per_rank"]
-    return {"backend": backend, "model": model_cfg, "batch": batch, "seq": seq, "steps": steps, "strategies": rows}
+    return {"backend": backend, "model": model_cfg, "vocab": vocab, "batch": batch, "seq": seq, "steps": steps,
+            "strategies": rows}
 
 
 def report(r: dict) -> str:
@@ -160,6 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--n-heads", type=int, default=4)
     parser.add_argument("--batch", type=int, default=8, help="global batch (sequences), split over the ranks")
     parser.add_argument("--seq", type=int, default=256)
+    parser.add_argument("--vocab", type=int, default=8192)
     parser.add_argument("--steps", type=int, default=7, help="steps per strategy, the first two are warm-up")
     parser.add_argument("--json", type=Path, help="also write the results here")
     args = parser.parse_args(argv)
@@ -168,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
     model_cfg = {"d_model": args.d_model, "n_layers": args.n_layers, "max_seq_len": args.seq, "norm": "rmsnorm",
                  "ffn": "swiglu", "position": "rope", "attention": {"name": "mha", "n_heads": args.n_heads},
                  "block": "prenorm"}
-    result = run(args.strategies, args.world_size, model_cfg, args.batch, args.seq, args.steps)
+    result = run(args.strategies, args.world_size, model_cfg, args.batch, args.seq, args.steps, args.vocab)
     print(report(result))
     if args.json:
         atomic_write_text(args.json, json.dumps(result, indent=2) + "\n")
