@@ -9,7 +9,8 @@ from collections.abc import Callable
 import torch
 
 
-def _sync() -> None:
+def sync() -> None:
+    """Wait for queued CUDA work (no-op without CUDA), so a clock read after it sees it done."""
     if torch.cuda.is_available():
         torch.cuda.synchronize()
 
@@ -21,10 +22,10 @@ def median_time(fn: Callable[[], object], repeats: int, warmup: int = 1) -> tupl
         result = fn()
     times = []
     for _ in range(repeats):
-        _sync()
+        sync()
         start = time.perf_counter()
         result = fn()
-        _sync()
+        sync()
         times.append(time.perf_counter() - start)
     return statistics.median(times), result
 
@@ -38,9 +39,9 @@ def interleaved_medians(fns: dict[str, Callable[[], object]], repeats: int, warm
     times: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(repeats):
         for name, fn in fns.items():
-            _sync()
+            sync()
             start = time.perf_counter()
             fn()
-            _sync()
+            sync()
             times[name].append(time.perf_counter() - start)
     return {name: statistics.median(t) for name, t in times.items()}

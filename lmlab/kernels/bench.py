@@ -35,6 +35,7 @@ from lmlab.kernels.flash_reference import FlashAttentionReference
 from lmlab.kernels.registry import triton_unavailable
 from lmlab.nn.ffn import swiglu
 from lmlab.nn.norms import rms_norm
+from lmlab.timing import median_time
 from lmlab.training.hardware import peak_bandwidth, peak_flops
 from lmlab.training.losses import cross_entropy
 
@@ -145,12 +146,7 @@ def median_seconds(fn: Callable[[], object], repeats: int, warmup: int, device: 
             torch.cuda.synchronize(device)
         calls += 1
     if device.type != "cuda":
-        times = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - start)
-        return statistics.median(times)
+        return median_time(fn, repeats, warmup=0)[0]
     flush = torch.empty(256 * 2**20, dtype=torch.int8, device=device)
     events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(repeats)]
     torch.cuda.synchronize(device)

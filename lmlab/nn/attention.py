@@ -133,19 +133,23 @@ class MultiHeadAttention(nn.Module):
         q, k = position.rotate(q, k, positions)
         bias = position.attn_bias(positions, positions)
         if self.kernel is not None and bias is None:
-            return self.o_proj(rearrange(self.kernel(q, k, v, True, self.score_scale), "b h s d -> b s (h d)"))
+            out = self.kernel(q, k, v, True, self.score_scale)
+        else:
+            out = self._reference_attention(q, k, v, positions, bias)
+        return self.o_proj(rearrange(out, "b h s d -> b s (h d)"))
+
+    def _reference_attention(self, q, k, v, positions: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """SDPA (or the soft-capped scores written out) with the window and position bias as a mask."""
         mask = None
         if self.window is not None or bias is not None:
             mask = attention_mask(positions, positions, self.window, bias).to(q.dtype)
         if self.softcap is not None:
-            out = softcapped_attention(q, k, v, mask, self.softcap, self.score_scale)
-        else:
-            out = F.scaled_dot_product_attention(
-                q, k, v,
-                attn_mask=mask,
-                is_causal=mask is None,
-                dropout_p=self.dropout if self.training else 0.0,
-                scale=self.score_scale,
-                enable_gqa=self.n_kv_heads != self.n_heads,
-            )
-        return self.o_proj(rearrange(out, "b h s d -> b s (h d)"))
+            return softcapped_attention(q, k, v, mask, self.softcap, self.score_scale)
+        return F.scaled_dot_product_attention(
+            q, k, v,
+            attn_mask=mask,
+            is_causal=mask is None,
+            dropout_p=self.dropout if self.training else 0.0,
+            scale=self.score_scale,
+            enable_gqa=self.n_kv_heads != self.n_heads,
+        )

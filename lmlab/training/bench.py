@@ -22,10 +22,8 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import statistics
 import sys
 import tempfile
-import time
 from contextlib import nullcontext
 from pathlib import Path
 
@@ -37,6 +35,7 @@ from torch.profiler import ProfilerActivity, profile
 from lmlab.cli.overrides import CONF_DIR, prepare
 from lmlab.kernels.registry import KERNELS, install_kernels
 from lmlab.optim import OPTIMIZERS
+from lmlab.timing import interleaved_medians, sync
 from lmlab.tokenizers.base import expected_vocab_size
 from lmlab.training.compile import compile_for_training
 from lmlab.training.hardware import peak_flops
@@ -44,11 +43,6 @@ from lmlab.training.losses import LOSSES
 from lmlab.training.objective import training_terms
 
 VARIANTS = ("reference", "triton", "reference+compile", "triton+compile")
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def parse_variant(variant: str) -> tuple[dict, bool]:
@@ -98,11 +92,11 @@ class Contender:
 def _peak_step_bytes(contender: Contender, batch, device: torch.device) -> int | None:
     if device.type != "cuda":
         return None
-    _sync(device)
+    sync()
     resident = torch.cuda.memory_allocated(device)
     torch.cuda.reset_peak_memory_stats(device)
     contender.step(*batch)
-    _sync(device)
+    sync()
     return torch.cuda.max_memory_allocated(device) - resident
 
 
@@ -111,7 +105,7 @@ def profile_steps(contender: Contender, batch, device: torch.device, path: Path,
     with profile(activities=activities) as prof:
         for _ in range(steps):
             contender.step(*batch)
-        _sync(device)
+        sync()
     sort_by = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
     path.write_text(prof.key_averages().table(sort_by=sort_by, row_limit=40, max_name_column_width=90) + "\n")
 
@@ -131,16 +125,9 @@ def time_variants(cfg, variants: list[str], vocab: int, steps: int, warmup: int,
         for _ in range(warmup):  # compiles, autotunes kernels, fills the allocator's cache
             contenders[variant].step(*data)
     peak_bytes = {name: _peak_step_bytes(c, data, device) for name, c in contenders.items()}
-    times: dict[str, list[float]] = {name: [] for name in contenders}
-    for i in range(steps):  # in turns, so a slow stretch of the machine hits every variant alike
-        for name, contender in contenders.items():
-            _sync(device)
-            start = time.perf_counter()
-            contender.step(*data)
-            _sync(device)
-            times[name].append(time.perf_counter() - start)
-        print(f"\rtimed step {i + 1}/{steps}", end="", file=sys.stderr, flush=True)
-    print(file=sys.stderr)
+    print(f"timing {steps} steps of each variant, in turns ...", file=sys.stderr, flush=True)
+    # In turns, so a slow stretch of the machine hits every variant alike; warm-up was done above.
+    step_s = interleaved_medians({name: (lambda c=c: c.step(*data)) for name, c in contenders.items()}, steps, warmup=0)
     if profile_dir is not None:
         profile_dir.mkdir(parents=True, exist_ok=True)
         for name, contender in contenders.items():
@@ -150,10 +137,9 @@ def time_variants(cfg, variants: list[str], vocab: int, steps: int, warmup: int,
     peak = peak_flops(device)
     results = {}
     for name in contenders:
-        step_s = statistics.median(times[name])
-        tokens_per_s = batch * seq / step_s
+        tokens_per_s = batch * seq / step_s[name]
         results[name] = {
-            "step_ms": step_s * 1e3,
+            "step_ms": step_s[name] * 1e3,
             "tokens_per_s": tokens_per_s,
             "mfu": tokens_per_s * flops_per_token / peak if peak else None,
             "step_peak_gib": peak_bytes[name] / 2**30 if peak_bytes[name] is not None else None,
