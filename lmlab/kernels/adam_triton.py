@@ -1,18 +1,27 @@
-"""Fused Adam/AdamW update in Triton: one kernel per parameter instead of eight.
+"""Multi-tensor fused Adam/AdamW in Triton: one launch updates a whole parameter group.
 
-`adam_update_triton(p, grad, exp_avg, exp_avg_sq, step, lr, betas, eps, weight_decay, decoupled)`
-has the signature and arithmetic of lmlab's reference `adam_update` (lmlab.optim.adam): optional
-decoupled decay of p, the L2 term otherwise, lerp of the first moment, the second moment,
-bias-corrected step. It reads p, grad and both moments once and writes p and the moments once,
-computing in float32; the reference launches about eight elementwise kernels per parameter,
-which at a few hundred parameters makes the optimizer step launch-bound.
+`adam_update_triton(params, grads, exp_avgs, exp_avg_sqs, steps, lr, betas, eps, weight_decay,
+decoupled)` has the signature and arithmetic of lmlab's reference `adam_update` (lmlab.optim.adam):
+optional decoupled decay of p, the L2 term otherwise, lerp of the first moment, the second
+moment, bias-corrected step. Each element of p, grad and both moments is read once and p and the
+moments are written once, computing in float32. The reference launches about eight elementwise
+kernels per parameter; launching even one per parameter costs milliseconds of host time per step
+at a few hundred parameters, which a training loop that syncs before the optimizer step (lmlab's
+step guard) cannot hide.
 
-Tensors it cannot serve (not CUDA, not contiguous, sharded DTensors) go to the reference.
+One launch per combination of dtypes: each program updates BLOCK elements of one tensor, found in
+a table of (tensor, offset) per block that depends only on the tensors' sizes and is cached on the
+device. The tensors' addresses and per-tensor step sizes change every step (gradients are new
+tensors after `zero_grad(set_to_none=True)`), so they go in a small table copied from pinned
+memory without a sync. Tensors it cannot serve (not CUDA, not contiguous, not 16-byte aligned,
+sharded DTensors) go to the reference.
 """
 
 from __future__ import annotations
 
+import functools
 import math
+from collections import defaultdict
 
 import torch
 import triton
@@ -24,10 +33,11 @@ BLOCK = 4096
 
 
 @triton.jit
-def _adam_kernel(p_ptr, g_ptr, m_ptr, v_ptr, n, decay, l2, beta1, beta2, eps, step_size, bias2_sqrt,
-                 BLOCK: tl.constexpr):
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < n
+def _adam_block(p_ptr, g_ptr, m_ptr, v_ptr, offs, n, step_size, bias2_sqrt, decay, l2, beta1, beta2, eps,
+                MASKED: tl.constexpr):
+    # Unmasked for every block but a tensor's last: a mask built from a size loaded at run time has
+    # no known alignment, which would make every load and store a scalar one.
+    mask = offs < n if MASKED else None
     p = tl.load(p_ptr + offs, mask=mask).to(tl.float32)
     g = tl.load(g_ptr + offs, mask=mask).to(tl.float32)
     m = tl.load(m_ptr + offs, mask=mask).to(tl.float32)
@@ -42,19 +52,78 @@ def _adam_kernel(p_ptr, g_ptr, m_ptr, v_ptr, n, decay, l2, beta1, beta2, eps, st
     tl.store(v_ptr + offs, v.to(v_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _adam_kernel(addrs_ptr, scalars_ptr, block_tensor_ptr, block_start_ptr, numels_ptr, n_tensors,
+                 p_type, g_type, m_type, v_type, decay, l2, beta1, beta2, eps, BLOCK: tl.constexpr):
+    # p_type..v_type are the first tensors of each list: only their pointer types are used, to turn
+    # the table's int64 addresses into typed pointers.
+    pid = tl.program_id(0)
+    t = tl.load(block_tensor_ptr + pid)
+    start = tl.multiple_of(tl.load(block_start_ptr + pid), BLOCK)
+    offs = start + tl.arange(0, BLOCK)
+    n = tl.load(numels_ptr + t)
+    # Addresses loaded from memory carry no alignment facts; `_fusable` checked 16 bytes, and
+    # saying so lets the loads and stores be 16-byte vectors.
+    p_ptr = tl.multiple_of(tl.load(addrs_ptr + t).to(p_type.dtype), 16)
+    g_ptr = tl.multiple_of(tl.load(addrs_ptr + n_tensors + t).to(g_type.dtype), 16)
+    m_ptr = tl.multiple_of(tl.load(addrs_ptr + 2 * n_tensors + t).to(m_type.dtype), 16)
+    v_ptr = tl.multiple_of(tl.load(addrs_ptr + 3 * n_tensors + t).to(v_type.dtype), 16)
+    step_size = tl.load(scalars_ptr + t).to(tl.float32)  # lr / (1 - beta1^step)
+    bias2_sqrt = tl.load(scalars_ptr + n_tensors + t).to(tl.float32)  # sqrt(1 - beta2^step)
+    if start + BLOCK <= n:
+        _adam_block(p_ptr, g_ptr, m_ptr, v_ptr, offs, n, step_size, bias2_sqrt, decay, l2, beta1, beta2, eps, False)
+    else:
+        _adam_block(p_ptr, g_ptr, m_ptr, v_ptr, offs, n, step_size, bias2_sqrt, decay, l2, beta1, beta2, eps, True)
+
+
 def _fusable(*tensors: torch.Tensor) -> bool:
-    return all(type(t) in (torch.Tensor, torch.nn.Parameter) and t.is_cuda and t.is_contiguous() for t in tensors)
+    return all(type(t) in (torch.Tensor, torch.nn.Parameter) and t.is_cuda and t.is_contiguous()
+               and t.data_ptr() % 16 == 0 for t in tensors)
 
 
-def adam_update_triton(p: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
-                       step: int, lr: float, betas: tuple[float, float], eps: float, weight_decay: float,
-                       decoupled: bool) -> None:
-    if not _fusable(p, grad, exp_avg, exp_avg_sq):
-        adam_update(p, grad, exp_avg, exp_avg_sq, step, lr, betas, eps, weight_decay, decoupled)
-        return
+@functools.lru_cache(maxsize=16)
+def _block_table(numels: tuple[int, ...], device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(tensor index, first element) of every BLOCK-element block of the tensors, and their sizes."""
+    sizes = torch.tensor(numels, dtype=torch.int64)
+    blocks = (sizes + BLOCK - 1) // BLOCK
+    tensor = torch.repeat_interleave(torch.arange(len(numels), dtype=torch.int32), blocks)
+    first_block = torch.cumsum(blocks, 0) - blocks
+    start = (torch.arange(int(blocks.sum()), dtype=torch.int64) - first_block[tensor.long()]) * BLOCK
+    return tensor.to(device), start.to(device), sizes.to(device)
+
+
+def _step_table(tensors: list[list[torch.Tensor]], steps: list[int], lr: float, betas: tuple[float, float]
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Device int64 addresses (p, then grads, then m, then v) and float64 (step sizes, then bias
+    corrections), copied from pinned memory so the host does not wait for the GPU."""
     beta1, beta2 = betas
-    n = p.numel()
-    _adam_kernel[(triton.cdiv(n, BLOCK),)](
-        p, grad, exp_avg, exp_avg_sq, n,
-        1.0 - lr * weight_decay if decoupled else 1.0, 0.0 if decoupled else weight_decay,
-        beta1, beta2, eps, lr / (1 - beta1**step), math.sqrt(1 - beta2**step), BLOCK=BLOCK, num_warps=8)
+    addrs = [t.data_ptr() for column in tensors for t in column]
+    scalars = [lr / (1 - beta1**s) for s in steps] + [math.sqrt(1 - beta2**s) for s in steps]
+    host = torch.cat([torch.tensor(addrs, dtype=torch.int64), torch.tensor(scalars, dtype=torch.float64).view(torch.int64)])
+    device = tensors[0][0].device
+    table = host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host
+    return table[:len(addrs)], table[len(addrs):].view(torch.float64)
+
+
+def adam_update_triton(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[torch.Tensor],
+                       exp_avg_sqs: list[torch.Tensor], steps: list[int], lr: float, betas: tuple[float, float],
+                       eps: float, weight_decay: float, decoupled: bool) -> None:
+    launches: dict[tuple, list[int]] = defaultdict(list)
+    rest = []
+    for i, tensors in enumerate(zip(params, grads, exp_avgs, exp_avg_sqs)):
+        if _fusable(*tensors):
+            launches[(tensors[0].device, *(t.dtype for t in tensors))].append(i)
+        else:
+            rest.append(i)
+    beta1, beta2 = betas
+    for (device, *_), index in launches.items():
+        columns = [[column[i] for i in index] for column in (params, grads, exp_avgs, exp_avg_sqs)]
+        block_tensor, block_start, numels = _block_table(tuple(params[i].numel() for i in index), device)
+        addrs, scalars = _step_table(columns, [steps[i] for i in index], lr, betas)
+        _adam_kernel[(block_tensor.numel(),)](
+            addrs, scalars, block_tensor, block_start, numels, len(index), *(column[0] for column in columns),
+            1.0 - lr * weight_decay if decoupled else 1.0, 0.0 if decoupled else weight_decay,
+            beta1, beta2, eps, BLOCK=BLOCK, num_warps=8)
+    if rest:
+        adam_update(*([column[i] for i in rest] for column in (params, grads, exp_avgs, exp_avg_sqs)),
+                    [steps[i] for i in rest], lr, betas, eps, weight_decay, decoupled)

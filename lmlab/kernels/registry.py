@@ -42,7 +42,8 @@ class KernelOps:
     attention_head_dims: tuple[int, ...] = ()  # head dims `attention` supports
     swiglu: Callable | None = None  # (gate, up) -> silu(gate) * up
     cross_entropy: Callable | None = None  # (logits, targets, ignore_index, label_smoothing, z_loss) -> (ce, z)
-    adam: Callable | None = None  # in-place Adam step: (p, grad, m, v, step, lr, betas, eps, weight_decay, decoupled)
+    # in-place Adam step of a parameter group: (params, grads, ms, vs, steps, lr, betas, eps, weight_decay, decoupled)
+    adam: Callable | None = None
 
 
 @KERNELS.register("reference")
@@ -57,7 +58,7 @@ class TritonKernelsConfig:
     attention: bool = True  # FlashAttention-2 (causal layers without window, softcap, dropout or ALiBi)
     swiglu: bool = True  # silu(gate) * up in one pass each way
     cross_entropy: bool = True  # never materialises float32 logits or probabilities
-    adam: bool = True  # Adam/AdamW update in one kernel per parameter (also Muon's AdamW part)
+    adam: bool = True  # Adam/AdamW update in one launch per parameter group (also Muon's AdamW part)
     strict: bool = False  # without CUDA or Triton: fail instead of falling back to the references
 
 

@@ -161,7 +161,9 @@ class Transformer(nn.Module):
         return x, positions
 
     def _head(self, x: torch.Tensor) -> torch.Tensor:
-        logits = self.lm_head(x) * self.output_multiplier
+        logits = self.lm_head(x)
+        if self.output_multiplier != 1.0:  # muP; skipped otherwise, as it costs a pass over the logits each way
+            logits = logits * self.output_multiplier
         if self.logit_softcap is not None:
             logits = self.logit_softcap * torch.tanh(logits / self.logit_softcap)
         return logits

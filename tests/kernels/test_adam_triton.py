@@ -1,4 +1,4 @@
-"""The fused Adam/AdamW update equals lmlab's reference update step for step."""
+"""The multi-tensor fused Adam/AdamW update equals lmlab's reference update step for step."""
 
 import copy
 
@@ -10,7 +10,7 @@ pytest.importorskip("triton")
 
 from lmlab.kernels.adam_triton import adam_update_triton  # noqa: E402
 from lmlab.kernels.registry import KernelOps, install_kernels  # noqa: E402
-from lmlab.optim.adam import Adam, AdamW  # noqa: E402
+from lmlab.optim.adam import Adam, AdamW, adam_update_tensor  # noqa: E402
 from lmlab.optim.composite import CompositeOptimizer  # noqa: E402
 
 
@@ -39,12 +39,25 @@ def test_fused_update_matches_the_reference_over_many_steps(cls, wd):
         torch.testing.assert_close(b["exp_avg_sq"], a["exp_avg_sq"], rtol=1e-4, atol=1e-9)
 
 
-def test_non_contiguous_or_cpu_tensors_take_the_reference():
-    p = torch.randn(8, 6).t()  # CPU and not contiguous
-    g, m, v = torch.randn_like(p), torch.zeros_like(p), torch.zeros_like(p)
-    expected = p - 1e-2 * g.sign()  # the first Adam step moves each weight by lr against its gradient's sign
-    adam_update_triton(p, g, m, v, 1, 1e-2, (0.9, 0.999), 1e-12, 0.0, True)
-    torch.testing.assert_close(p, expected)
+def test_mixed_dtypes_steps_and_layouts_in_one_group():
+    """One call with tensors of two dtypes (two launches), unequal step counts, an empty tensor, and
+    a non-contiguous and a CPU tensor (the reference): each equals the float32 reference update,
+    rounded to its dtype (the kernel computes in float32 and rounds once)."""
+    torch.manual_seed(0)
+    params = [torch.randn(5000, device="cuda"), torch.randn(3, 4097, device="cuda", dtype=torch.bfloat16),
+              torch.randn(0, device="cuda"), torch.randn(8, 6, device="cuda").t(), torch.randn(7)]
+    grads = [torch.randn_like(p) for p in params]
+    moments = [[torch.rand_like(p) for p in params] for _ in range(2)]
+    steps = [1, 7, 3, 2, 5]
+    lr = 0.1  # moves weights far more than a bfloat16 rounding step, so a wrong update shows
+    expected = [[t.to(torch.float32, copy=True) for t in column] for column in (params, *moments)]
+    for p, m, v, g, t in zip(*expected, grads, steps):
+        adam_update_tensor(p, g.float(), m, v, t, lr, (0.9, 0.99), 1e-8, 0.1, True)
+    adam_update_triton(params, grads, *moments, steps, lr, (0.9, 0.99), 1e-8, 0.1, True)
+    for got, want in zip((params, *moments), expected):
+        for a, b in zip(got, want):
+            tol = dict(rtol=1e-2, atol=1e-3) if a.dtype == torch.bfloat16 else dict(rtol=1e-4, atol=1e-6)
+            torch.testing.assert_close(a, b.to(a.dtype), **tol)
 
 
 def test_kernels_reach_the_adam_inside_a_composite_optimizer():
