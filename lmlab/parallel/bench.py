@@ -12,6 +12,11 @@ the median step time after warm-up (the slowest rank's), tokens/s per rank, scal
 (tokens/s per rank over the single process's), and per rank the
 optimizer-state memory and the peak memory of the step (CUDA: max allocated; CPU: the rise of
 the process's peak resident set over what it held before the model was built).
+
+A strategy whose ranks run out of memory is reported as such and the others still run, so one
+invocation shows which strategies fit a model: e.g. an ~8.5B-parameter model (`--d-model 4096
+--n-layers 40 --n-heads 32 --batch 2`) needs about 135 GB for weights, gradients and AdamW state
+unsharded, more than an H200 holds, and half that per rank under fsdp on two.
 """
 
 from __future__ import annotations
@@ -96,7 +101,18 @@ def _bench_rank(rank: int, world_size: int, strategy: str, model_cfg: dict, voca
     device = device_for(backend, rank)
     before = _current_rss_mb()
     torch.manual_seed(0)
-    model = Transformer(ModelConfig(**model_cfg), vocab).to(device)
+    try:
+        return _train_steps(device, before, strategy, model_cfg, vocab, batch, seq, steps, rank, world_size)
+    except torch.OutOfMemoryError as error:
+        # Every rank of a strategy holds the same sizes, so all of them get here and none is left
+        # waiting in a collective.
+        return {"out_of_memory": str(error).splitlines()[0]}
+
+
+def _train_steps(device: torch.device, before: float, strategy: str, model_cfg: dict, vocab: int, batch: int,
+                 seq: int, steps: int, rank: int, world_size: int) -> dict:
+    with device:  # parameters are made on the GPU: a model too big for host memory per rank still builds
+        model = Transformer(ModelConfig(**model_cfg), vocab).to(device)
     wrapped, optimizer, synchronize = STRATEGIES[strategy](model)
     share = batch // world_size
     generator = torch.Generator().manual_seed(1)
@@ -128,14 +144,20 @@ def run(strategies: list[str], world_size: int, model_cfg: dict, batch: int, seq
     rows = {}
     for name in strategies:
         world = 1 if name == "single" else world_size
+        print(f"lmlab bench parallel: {name} on {world} rank(s) ...", file=sys.stderr, flush=True)
         per_rank = run_processes(_bench_rank, world, backend, args=(name, model_cfg, vocab, batch, seq, steps, backend))
+        out_of_memory = [r["out_of_memory"] for r in per_rank if "out_of_memory" in r]
+        if out_of_memory:
+            rows[name] = {"world_size": world, "out_of_memory": out_of_memory[0]}
+            continue
         step_s = max(r["step_s"] for r in per_rank)
         rows[name] = {"world_size": world, "step_s": step_s, "tokens_per_s_per_rank": batch * seq / world / step_s,
                       "peak_mb": [r["peak_mb"] for r in per_rank],
                       "optimizer_state_mb": [r["optimizer_state_mb"] for r in per_rank]}
-    if "single" in rows:
+    if "tokens_per_s_per_rank" in rows.get("single", {}):
         for row in rows.values():  # tokens/s per rank against one process's: 1.0 is perfect scaling
-            row["scaling_efficiency"] = row["tokens_per_s_per_rank"] / rows["single"]["tokens_per_s_per_rank"]
+            if "tokens_per_s_per_rank" in row:
+                row["scaling_efficiency"] = row["tokens_per_s_per_rank"] / rows["single"]["tokens_per_s_per_rank"]
     return {"backend": backend, "model": model_cfg, "vocab": vocab, "batch": batch, "seq": seq, "steps": steps,
             "strategies": rows}
 
@@ -147,6 +169,9 @@ def report(r: dict) -> str:
              f"  {'strategy':<13} {'ranks':>5} {'step ms':>9} {'tok/s/rank':>11} {'scaling':>8} "
              f"{'peak MB/rank':>16} {'opt state MB/rank':>20}"]
     for name, row in r["strategies"].items():
+        if "out_of_memory" in row:
+            lines.append(f"  {name:<13} {row['world_size']:>5}   out of memory: {row['out_of_memory']}")
+            continue
         peak = "/".join(f"{v:.0f}" for v in row["peak_mb"])
         state = "/".join(f"{v:.1f}" for v in row["optimizer_state_mb"])
         scaling = f"{row['scaling_efficiency']:.2f}" if "scaling_efficiency" in row else "-"

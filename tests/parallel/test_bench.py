@@ -1,7 +1,11 @@
-"""`lmlab bench parallel` on a tiny model: one row per strategy; ZeRO-1 halves the optimizer state per rank."""
+"""`lmlab bench parallel` on a tiny model: one row per strategy; ZeRO-1 halves the optimizer state per
+rank; a strategy that runs out of memory is a row saying so."""
 
 import json
 
+import torch
+
+from lmlab.parallel import bench
 from lmlab.parallel.bench import main
 
 
@@ -18,3 +22,38 @@ def test_bench_parallel_reports_every_strategy(tmp_path, capsys):
         assert abs(sum(rows[sharded]["optimizer_state_mb"]) - full) < 1e-6
         assert max(rows[sharded]["optimizer_state_mb"]) < 0.7 * full
     assert rows["ddp"]["optimizer_state_mb"] == [full, full]
+
+
+TINY = {"d_model": 32, "n_layers": 1, "max_seq_len": 16, "norm": "rmsnorm", "ffn": "swiglu", "position": "rope",
+        "attention": {"name": "mha", "n_heads": 2}, "block": "prenorm"}
+
+
+def test_a_rank_out_of_memory_reports_it_instead_of_raising(monkeypatch):
+    def too_big(model):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 64.00 GiB\nmore details")
+
+    monkeypatch.setitem(bench.STRATEGIES, "single", too_big)
+    result = bench._bench_rank(0, 1, "single", TINY, 64, 2, 16, 3, "gloo")
+    assert result == {"out_of_memory": "CUDA out of memory. Tried to allocate 64.00 GiB"}
+
+
+def test_strategies_that_ran_out_of_memory_are_rows_and_the_rest_still_run(monkeypatch):
+    """The FSDP-fits case: single and ddp run out of memory, fsdp trains; no scaling efficiency
+    without a single-process figure."""
+    calls = []
+
+    def fake_run_processes(fn, world, backend, args):
+        calls.append(args[0])
+        if args[0] in ("single", "ddp"):
+            return [{"out_of_memory": "CUDA out of memory."}] * world
+        return [{"step_s": 2.0, "peak_mb": 70_000.0, "optimizer_state_mb": 32_000.0}] * world
+
+    monkeypatch.setattr(bench, "run_processes", fake_run_processes)
+    result = bench.run(["single", "ddp", "fsdp"], 2, TINY, batch=2, seq=16, steps=3, vocab=64)
+    assert calls == ["single", "ddp", "fsdp"]
+    rows = result["strategies"]
+    assert rows["single"] == {"world_size": 1, "out_of_memory": "CUDA out of memory."}
+    assert rows["fsdp"]["tokens_per_s_per_rank"] == 2 * 16 / 2 / 2.0 and "scaling_efficiency" not in rows["fsdp"]
+    text = bench.report(result)
+    assert "single            1   out of memory: CUDA out of memory." in text
+    assert "32000.0/32000.0" in text

@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# The multi-GPU measurements, on one host with N GPUs (default: all of them):
+#   comm      all-reduce (and the other collectives) bus bandwidth, 1 MB to 1 GB
+#   parallel  every strategy on the ~400M config (d_model 1024, 24 layers, seq 2048, vocab 50304,
+#             global batch 32): step time, tokens/s per GPU, scaling against one GPU, memory
+#   fit       an ~8.5B-parameter model (d_model 4096, 40 layers) that needs ~135 GB for weights,
+#             gradients and AdamW state unsharded: single, ddp and zero1 run out of memory, fsdp trains
+#   multirun  a 2-job Hydra multirun of 2-GPU DDP jobs (ddp and bucketed_ddp) on the default corpus
+# Usage: experiments/multi-gpu/run.sh OUT_DIR [PART ...]   (all parts by default)
+# SIZE=small runs every part at toy sizes on CPUs with gloo, to check the script itself.
+set -euo pipefail
+D=${1:?usage: run.sh OUT_DIR [comm|parallel|fit|multirun ...]}
+shift
+PARTS=${*:-comm parallel fit multirun}
+mkdir -p "$D"
+# Run from a checkout without installing, as on the GPU machine; `lmlab` and `lmlab-train` are the same.
+LMLAB="python -m lmlab.cli.main"
+TRAIN="python -m lmlab.cli.train"
+GPUS=$(python -c "import torch; print(torch.cuda.device_count())")
+N=${N:-$(( GPUS >= 2 ? GPUS : 2 ))}
+export NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0}  # NVLink multicast stays off on the lent machines
+if [[ ${SIZE:-full} == small ]]; then
+    COMM="--sizes 1K 64K 1M"
+    M400="--d-model 64 --n-layers 2 --n-heads 4 --seq 64 --vocab 512 --batch 4 --steps 3"
+    BIG="--d-model 64 --n-layers 2 --n-heads 4 --seq 64 --vocab 512 --batch $N --steps 3"
+    RUN="model=tiny trainer.max_steps=6 trainer.val_every=6 sched.warmup_steps=1"
+else
+    COMM="--sizes 1M 4M 16M 64M 256M 1G"
+    M400="--d-model 1024 --n-layers 24 --n-heads 16 --seq 2048 --vocab 50304 --batch 32 --steps 7"
+    BIG="--d-model 4096 --n-layers 40 --n-heads 32 --seq 2048 --vocab 50304 --batch $N --steps 4"
+    RUN="trainer.max_steps=300"
+fi
+for part in $PARTS; do
+    echo "== $part ($N ranks) -> $D" >&2
+    case $part in
+        comm) $LMLAB bench comm --world-size "$N" $COMM --json "$D/comm.json" | tee "$D/comm.txt" ;;
+        parallel) $LMLAB bench parallel --world-size "$N" $M400 --json "$D/parallel-400m.json" | tee "$D/parallel-400m.txt" ;;
+        fit) $LMLAB bench parallel --world-size "$N" --strategies single ddp zero1 fsdp $BIG \
+                 --json "$D/parallel-fit.json" | tee "$D/parallel-fit.txt" ;;
+        multirun) $TRAIN -m parallel=ddp,bucketed_ddp trainer.devices=2 trainer.progress_bar=false $RUN \
+                      hydra.sweep.dir="$D/multirun" 2>&1 | tail -20 | tee "$D/multirun.txt" ;;
+        *) echo "unknown part '$part'; parts: comm parallel fit multirun" >&2; exit 2 ;;
+    esac
+done
