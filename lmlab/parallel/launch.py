@@ -116,7 +116,7 @@ def run_processes(fn: Callable[..., Any], world_size: int, backend: str = "gloo"
         while len(reports) < world_size:
             _read_reports(results, reports, wait=0.2)
             if any(not ok for ok, _ in reports.values()) or _ended_silently(processes, results, reports):
-                raise _failure(processes, reports, world_size)
+                raise _failure(processes, results, reports, world_size)
             if time.monotonic() > deadline:
                 missing = sorted(set(range(world_size)) - set(reports))
                 raise TimeoutError(f"run_processes: rank(s) {missing} of {world_size} gave no result within "
@@ -140,7 +140,9 @@ def _read_reports(results: Any, reports: dict[int, tuple[bool, Any]], wait: floa
 
 
 def _unreported_exits(processes: Sequence[mp.Process], reports: dict[int, tuple[bool, Any]]) -> list[int]:
-    return [rank for rank, p in enumerate(processes) if rank not in reports and p.exitcode is not None]
+    # Exit code 0 is a worker that returned through `_worker`, which reports first: its report is
+    # still in the queue, not missing.
+    return [rank for rank, p in enumerate(processes) if rank not in reports and p.exitcode not in (None, 0)]
 
 
 def _ended_silently(processes: Sequence[mp.Process], results: Any, reports: dict[int, tuple[bool, Any]]) -> bool:
@@ -155,7 +157,8 @@ def _exit_text(code: int) -> str:
     return f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
 
 
-def _failure(processes: Sequence[mp.Process], reports: dict[int, tuple[bool, Any]], world_size: int) -> RankFailedError:
+def _failure(processes: Sequence[mp.Process], results: Any, reports: dict[int, tuple[bool, Any]],
+             world_size: int) -> RankFailedError:
     """The error for the rank most likely to have caused the failure.
 
     A rank that crashes outside Python (gloo aborts the process on a mismatched collective) reports
@@ -164,6 +167,7 @@ def _failure(processes: Sequence[mp.Process], reports: dict[int, tuple[bool, Any
     """
     for p in processes:  # the crashed rank may still be exiting as its peers' errors arrive
         p.join(timeout=0.5 / len(processes))
+    _read_reports(results, reports, wait=0.1)  # reports sent while they exited
     failed = [(rank, text) for rank, (ok, text) in reports.items() if not ok]
     silent = _unreported_exits(processes, reports)
     if not silent:

@@ -2,6 +2,7 @@
 with its cause in the parent instead of hanging it."""
 
 import os
+import queue
 import re
 import time
 
@@ -9,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lmlab.parallel import RankFailedError, run_processes
+from lmlab.parallel import RankFailedError, launch, run_processes
 
 
 def _sum_of_ranks(rank: int, world_size: int, offset: int) -> tuple[int, int, float]:
@@ -73,3 +74,19 @@ def test_bad_arguments_fail_before_any_process_starts():
         run_processes(_sleeps, 2, backend="mpi")
     with pytest.raises(ValueError, match="world_size"):
         run_processes(_sleeps, 0)
+
+
+def test_a_peer_that_exited_cleanly_with_its_report_still_queued_is_not_blamed():
+    """The race CI once hit: rank 1 raised, rank 0 reported its own (echo) failure and exited 0, and
+    the parent had not read that report yet. Rank 1 is the cause, not a 'silent' rank 0."""
+
+    class Exited:
+        exitcode = 0
+
+        def join(self, timeout=None):
+            pass
+
+    results = queue.Queue()
+    results.put((0, False, "RuntimeError: connection closed by peer"))
+    error = launch._failure([Exited(), Exited()], results, {1: (False, "ValueError: boom")}, 2)
+    assert error.rank == 1 and "boom" in error.details
