@@ -119,6 +119,8 @@ def adam_update_triton(params: list[torch.Tensor], grads: list[torch.Tensor], ex
     for (device, *_), index in launches.items():
         columns = [[column[i] for i in index] for column in (params, grads, exp_avgs, exp_avg_sqs)]
         block_tensor, block_start, numels = _block_table(tuple(params[i].numel() for i in index), device)
+        if not block_tensor.numel():  # only empty tensors: nothing to launch
+            continue
         addrs, scalars = _step_table(columns, [steps[i] for i in index], lr, betas)
         _adam_kernel[(block_tensor.numel(),)](
             addrs, scalars, block_tensor, block_start, numels, len(index), *(column[0] for column in columns),
