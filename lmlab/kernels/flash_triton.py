@@ -95,17 +95,56 @@ def _autotune(blocks: tuple[list, tuple, tuple], resident: str, n_resident: int,
 
 
 @triton.jit
+def _query_block(Q, K, V, stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
+                 stride_vb, stride_vh, stride_vn, H, GROUP, SEQ_Q, SEQ_K, HEAD_DIM: tl.constexpr,
+                 CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The start shared by the forward and dQ kernels: the query block and head this program owns,
+    its q tile, pointers to the first K/V tile of its kv head, and the key range split into
+    [0, full_end), which needs no mask, and [full_end, masked_end), which does."""
+    # Causal blocks further down have more keys: launch them first for a better tail.
+    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
+    bh = tl.program_id(1)
+    b = (bh // H).to(tl.int64)
+    h = (bh % H).to(tl.int64)
+    kvh = h // GROUP
+    start_m = pid_m * BLOCK_M
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    row_ok = offs_m < SEQ_Q
+    q = tl.load(Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :],
+                mask=row_ok[:, None], other=0.0)
+    k_ptrs = K + b * stride_kb + kvh * stride_kh + offs_n[:, None] * stride_kn + offs_d[None, :]
+    v_ptrs = V + b * stride_vb + kvh * stride_vh + offs_n[:, None] * stride_vn + offs_d[None, :]
+    if CAUSAL:
+        # Keys before start_m are visible to every row; the block on the diagonal needs the mask.
+        full_end = start_m
+        masked_end = tl.minimum(start_m + BLOCK_M, SEQ_K)
+    else:
+        full_end = SEQ_K - SEQ_K % BLOCK_N
+        masked_end = SEQ_K
+    return bh, b, h, offs_m, offs_n, offs_d, row_ok, q, k_ptrs, v_ptrs, full_end, masked_end
+
+
+@triton.jit
+def _load_kv(k_ptrs, v_ptrs, stride_kn, stride_vn, start_n, cols, SEQ_K, MASKED: tl.constexpr):
+    """The K and V tiles of the key block at start_n; masked, rows past SEQ_K read as zeros."""
+    if MASKED:
+        k = tl.load(k_ptrs + start_n * stride_kn, mask=cols[:, None] < SEQ_K, other=0.0)
+        v = tl.load(v_ptrs + start_n * stride_vn, mask=cols[:, None] < SEQ_K, other=0.0)
+    else:
+        k = tl.load(k_ptrs + start_n * stride_kn)
+        v = tl.load(v_ptrs + start_n * stride_vn)
+    return k, v
+
+
+@triton.jit
 def _fwd_inner(acc, m_i, l_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, start, end, offs_m, offs_n,
                SEQ_K, qk_scale, MASKED: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr,
                PREC: tl.constexpr):
     for start_n in range(start, end, BLOCK_N):
         cols = start_n + offs_n
-        if MASKED:
-            k = tl.load(k_ptrs + start_n * stride_kn, mask=cols[:, None] < SEQ_K, other=0.0)
-            v = tl.load(v_ptrs + start_n * stride_vn, mask=cols[:, None] < SEQ_K, other=0.0)
-        else:
-            k = tl.load(k_ptrs + start_n * stride_kn)
-            v = tl.load(v_ptrs + start_n * stride_vn)
+        k, v = _load_kv(k_ptrs, v_ptrs, stride_kn, stride_vn, start_n, cols, SEQ_K, MASKED)
         s = tl.dot(q, tl.trans(k), input_precision=PREC)
         if MASKED:
             # Causal: rows past SEQ_Q are discarded, so cols <= row is enough for the real rows.
@@ -132,33 +171,12 @@ def _fwd_kernel(Q, K, V, O, LSE,
                 H, GROUP, SEQ_Q, SEQ_K, qk_scale,
                 HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, PREC: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    # Causal blocks further down have more keys: launch them first for a better tail.
-    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
-    bh = tl.program_id(1)
-    b = (bh // H).to(tl.int64)
-    h = (bh % H).to(tl.int64)
-    kvh = h // GROUP
-    start_m = pid_m * BLOCK_M
-    offs_m = start_m + tl.arange(0, BLOCK_M)
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, HEAD_DIM)
-    row_ok = offs_m < SEQ_Q
-
-    q = tl.load(Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :],
-                mask=row_ok[:, None], other=0.0)
-    k_ptrs = K + b * stride_kb + kvh * stride_kh + offs_n[:, None] * stride_kn + offs_d[None, :]
-    v_ptrs = V + b * stride_vb + kvh * stride_vh + offs_n[:, None] * stride_vn + offs_d[None, :]
-
+    bh, b, h, offs_m, offs_n, offs_d, row_ok, q, k_ptrs, v_ptrs, full_end, masked_end = _query_block(
+        Q, K, V, stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
+        H, GROUP, SEQ_Q, SEQ_K, HEAD_DIM, CAUSAL, BLOCK_M, BLOCK_N)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-    if CAUSAL:
-        # Keys before start_m are visible to every row; the block on the diagonal needs the mask.
-        full_end = start_m
-        masked_end = tl.minimum(start_m + BLOCK_M, SEQ_K)
-    else:
-        full_end = SEQ_K - SEQ_K % BLOCK_N
-        masked_end = SEQ_K
     acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, 0, full_end,
                                offs_m, offs_n, SEQ_K, qk_scale, False, CAUSAL, BLOCK_N, PREC)
     acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, full_end, masked_end,
@@ -255,12 +273,7 @@ def _dq_inner(dq, q, do, lse2, delta, k_ptrs, v_ptrs, stride_kn, stride_vn, star
               PREC: tl.constexpr):
     for start_n in range(start, end, BLOCK_N):
         cols = start_n + offs_n
-        if MASKED:
-            k = tl.load(k_ptrs + start_n * stride_kn, mask=cols[:, None] < SEQ_K, other=0.0)
-            v = tl.load(v_ptrs + start_n * stride_vn, mask=cols[:, None] < SEQ_K, other=0.0)
-        else:
-            k = tl.load(k_ptrs + start_n * stride_kn)
-            v = tl.load(v_ptrs + start_n * stride_vn)
+        k, v = _load_kv(k_ptrs, v_ptrs, stride_kn, stride_vn, start_n, cols, SEQ_K, MASKED)
         p = tl.math.exp2(tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale - lse2[:, None])
         if MASKED:
             keep = cols[None, :] <= offs_m[:, None] if CAUSAL else cols[None, :] < SEQ_K
@@ -280,19 +293,9 @@ def _bwd_dq_kernel(Q, K, V, O, DO, LSE, DELTA, DQ,
                    H, GROUP, SEQ_Q, SEQ_K, qk_scale, scale,
                    HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, PREC: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
-    bh = tl.program_id(1)
-    b = (bh // H).to(tl.int64)
-    h = (bh % H).to(tl.int64)
-    kvh = h // GROUP
-    start_m = pid_m * BLOCK_M
-    offs_m = start_m + tl.arange(0, BLOCK_M)
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, HEAD_DIM)
-    row_ok = offs_m < SEQ_Q
-
-    q = tl.load(Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :],
-                mask=row_ok[:, None], other=0.0)
+    bh, b, h, offs_m, offs_n, offs_d, row_ok, q, k_ptrs, v_ptrs, full_end, masked_end = _query_block(
+        Q, K, V, stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
+        H, GROUP, SEQ_Q, SEQ_K, HEAD_DIM, CAUSAL, BLOCK_M, BLOCK_N)
     do = tl.load(DO + b * stride_dob + h * stride_doh + offs_m[:, None] * stride_dom + offs_d[None, :],
                  mask=row_ok[:, None], other=0.0)
     lse2 = tl.load(LSE + bh.to(tl.int64) * SEQ_Q + offs_m, mask=row_ok, other=0.0) * 1.4426950408889634
@@ -301,16 +304,7 @@ def _bwd_dq_kernel(Q, K, V, O, DO, LSE, DELTA, DQ,
                 mask=row_ok[:, None], other=0.0)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
     tl.store(DELTA + bh.to(tl.int64) * SEQ_Q + offs_m, delta, mask=row_ok)
-    k_ptrs = K + b * stride_kb + kvh * stride_kh + offs_n[:, None] * stride_kn + offs_d[None, :]
-    v_ptrs = V + b * stride_vb + kvh * stride_vh + offs_n[:, None] * stride_vn + offs_d[None, :]
-
     dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-    if CAUSAL:
-        full_end = start_m
-        masked_end = tl.minimum(start_m + BLOCK_M, SEQ_K)
-    else:
-        full_end = SEQ_K - SEQ_K % BLOCK_N
-        masked_end = SEQ_K
     dq = _dq_inner(dq, q, do, lse2, delta, k_ptrs, v_ptrs, stride_kn, stride_vn, 0, full_end, offs_m, offs_n,
                    SEQ_K, qk_scale, False, CAUSAL, BLOCK_N, PREC)
     dq = _dq_inner(dq, q, do, lse2, delta, k_ptrs, v_ptrs, stride_kn, stride_vn, full_end, masked_end,
