@@ -92,16 +92,15 @@ def _block_table(numels: tuple[int, ...], device: torch.device) -> tuple[torch.T
     return tensor.to(device), start.to(device), sizes.to(device)
 
 
-def _step_table(tensors: list[list[torch.Tensor]], steps: list[int], lr: float, betas: tuple[float, float]
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+def _step_table(tensors: list[list[torch.Tensor]], steps: list[int], lr: float, betas: tuple[float, float],
+                device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """Device int64 addresses (p, then grads, then m, then v) and float64 (step sizes, then bias
     corrections), copied from pinned memory so the host does not wait for the GPU."""
     beta1, beta2 = betas
     addrs = [t.data_ptr() for column in tensors for t in column]
     scalars = [lr / (1 - beta1**s) for s in steps] + [math.sqrt(1 - beta2**s) for s in steps]
     host = torch.cat([torch.tensor(addrs, dtype=torch.int64), torch.tensor(scalars, dtype=torch.float64).view(torch.int64)])
-    device = tensors[0][0].device
-    table = host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host
+    table = host.pin_memory().to(device, non_blocking=True)
     return table[:len(addrs)], table[len(addrs):].view(torch.float64)
 
 
@@ -121,7 +120,7 @@ def adam_update_triton(params: list[torch.Tensor], grads: list[torch.Tensor], ex
         block_tensor, block_start, numels = _block_table(tuple(params[i].numel() for i in index), device)
         if not block_tensor.numel():  # only empty tensors: nothing to launch
             continue
-        addrs, scalars = _step_table(columns, [steps[i] for i in index], lr, betas)
+        addrs, scalars = _step_table(columns, [steps[i] for i in index], lr, betas, device)
         _adam_kernel[(block_tensor.numel(),)](
             addrs, scalars, block_tensor, block_start, numels, len(index), *(column[0] for column in columns),
             1.0 - lr * weight_decay if decoupled else 1.0, 0.0 if decoupled else weight_decay,
