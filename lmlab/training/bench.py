@@ -30,7 +30,6 @@ from pathlib import Path
 import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
-from torch.profiler import ProfilerActivity, profile
 
 from lmlab.cli.overrides import CONF_DIR, prepare
 from lmlab.kernels.registry import KERNELS, install_kernels
@@ -41,6 +40,7 @@ from lmlab.training.compile import compile_for_training
 from lmlab.training.hardware import peak_flops
 from lmlab.training.losses import LOSSES
 from lmlab.training.objective import training_terms
+from lmlab.training.profile import profiler_for
 
 VARIANTS = ("reference", "triton", "reference+compile", "triton+compile")
 
@@ -101,8 +101,7 @@ def _peak_step_bytes(contender: Contender, batch, device: torch.device) -> int |
 
 
 def profile_steps(contender: Contender, batch, device: torch.device, path: Path, steps: int = 2) -> None:
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    with profile(activities=activities) as prof:
+    with profiler_for(device) as prof:
         for _ in range(steps):
             contender.step(*batch)
         sync()

@@ -18,6 +18,11 @@ from torch.profiler import ProfilerActivity, profile
 log = logging.getLogger(__name__)
 
 
+def profiler_for(device: torch.device) -> profile:
+    """A torch.profiler that records the CPU's operators and, on a GPU, its kernels."""
+    return profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else []))
+
+
 class StepProfiler(L.Callback):
     def __init__(self, output_dir: Path, max_steps: int, skip: int = 5, steps: int = 3, rows: int = 30):
         self.output_dir = Path(output_dir)
@@ -30,8 +35,7 @@ class StepProfiler(L.Callback):
 
     def on_train_batch_start(self, trainer, module, batch, batch_idx) -> None:
         if self._profiler is None and not self._done and trainer.is_global_zero and trainer.global_step >= self.skip:
-            activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if module.device.type == "cuda" else [])
-            self._profiler = profile(activities=activities)
+            self._profiler = profiler_for(module.device)
             self._profiler.start()
             self._first = trainer.global_step
 
