@@ -5,7 +5,8 @@
 #             global batch 32): step time, tokens/s per GPU, scaling against one GPU, memory
 #   fit       an ~8.5B-parameter model (d_model 4096, 40 layers) that needs ~135 GB for weights,
 #             gradients and AdamW state unsharded: single, ddp and zero1 run out of memory, fsdp trains
-#   multirun  a 2-job Hydra multirun of 2-GPU DDP jobs (ddp and bucketed_ddp) on the default corpus
+#   multirun  a 2-job Hydra multirun of 2-GPU DDP jobs (ddp and bucketed_ddp) on the default corpus,
+#             STEPS steps each (default 300)
 # Usage: experiments/multi-gpu/run.sh OUT_DIR [PART ...]   (all parts by default)
 # SIZE=small runs every part at toy sizes on CPUs with gloo, to check the script itself.
 set -euo pipefail
@@ -28,7 +29,7 @@ else
     COMM="--sizes 1M 4M 16M 64M 256M 1G"
     M400="--d-model 1024 --n-layers 24 --n-heads 16 --seq 2048 --vocab 50304 --batch 32 --steps 7"
     BIG="--d-model 4096 --n-layers 40 --n-heads 32 --seq 2048 --vocab 50304 --batch $N --steps 4"
-    RUN="trainer.max_steps=300"
+    RUN="trainer.max_steps=${STEPS:-300}"
 fi
 for part in $PARTS; do
     echo "== $part ($N ranks) -> $D" >&2
