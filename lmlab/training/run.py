@@ -180,6 +180,8 @@ def train(cfg: DictConfig, output_dir: str | Path) -> dict[str, float]:
     if not cfg.ckpt_path:
         initial = trainer.validate(task, datamodule=datamodule, verbose=False)[0]["val/loss"]
     trainer.fit(task, datamodule=datamodule, ckpt_path=cfg.ckpt_path)
+    # Read before the closing validation: Lightning's validate() resets the logged metrics.
+    train_loss = float(trainer.callback_metrics.get("train/loss", math.nan))
     if task.last_val_step != trainer.global_step:
         trainer.validate(task, datamodule=datamodule, verbose=False)
     trainer.save_checkpoint(output_dir / "checkpoints" / "last.ckpt", weights_only=False)
@@ -189,7 +191,7 @@ def train(cfg: DictConfig, output_dir: str | Path) -> dict[str, float]:
         "initial_val_loss": math.nan if initial is None else float(initial),
         "val_loss": metrics["val/loss"],
         "val_bpb": metrics["val/bpb"],
-        "train_loss": metrics.get("train/loss", math.nan),
+        "train_loss": train_loss,
         "tokens_per_s": throughput.last_tokens_per_s or math.nan,
     }
     # The HParams tab pairs the whole config with these final numbers, one row per run.

@@ -79,3 +79,11 @@ def test_group_choice_swaps_the_part(make_cfg, tiny_overrides):
     assert (cfg.model.norm.name, cfg.model.ffn.name, cfg.model.position.name) == ("layernorm", "gelu", "learned")
     assert cfg.model.init.name == "mup" and cfg.model.init.base_d_model == 16
     assert OmegaConf.select(cfg, "model.norm.bias") is True
+
+
+def test_the_last_training_loss_survives_the_final_validation(make_cfg, tiny_overrides, tmp_path):
+    """A run that ends between validations validates once more after fit; the summary still
+    reports the training loss of its last logged step."""
+    results = train(make_cfg([*tiny_overrides, "trainer.max_steps=7", "trainer.val_every=5", "trainer.log_every=1"]),
+                    tmp_path / "run")
+    assert 0 < results["train_loss"] < results["initial_val_loss"]
