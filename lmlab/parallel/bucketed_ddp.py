@@ -165,7 +165,10 @@ class BucketedDDP(nn.Module):
                 bucket.arrived[i] = True
             else:
                 bucket.grad_slot(i).zero_()  # this rank adds nothing to the sum
-        bucket.counters.copy_(torch.tensor(bucket.arrived, dtype=bucket.buffer.dtype))
+        # From pinned memory, without blocking: a copy from pageable memory would wait for the GPU
+        # to drain, once per bucket, in the middle of backward.
+        arrived = torch.tensor(bucket.arrived, dtype=bucket.buffer.dtype, pin_memory=bucket.buffer.is_cuda)
+        bucket.counters.copy_(arrived, non_blocking=True)
         bucket.work = dist.all_reduce(bucket.buffer, async_op=True)
         self._next += 1
 
@@ -180,7 +183,10 @@ class BucketedDDP(nn.Module):
         for bucket in self.buckets:
             bucket.work.wait()
             bucket.buffer[:bucket.numel].div_(self.world_size)
-            for i, ranks_with_grad in enumerate(bucket.counters.tolist()):
+        # One read of every bucket's counters: a read per bucket would stall the host once per bucket.
+        counts = iter(torch.cat([bucket.counters for bucket in self.buckets]).tolist())
+        for bucket in self.buckets:
+            for i, ranks_with_grad in zip(range(len(bucket.params)), counts):
                 if ranks_with_grad == 0:  # no rank's data reached it: leave .grad as a single process would
                     continue
                 p = bucket.params[i]
