@@ -7,7 +7,9 @@ The ~400M-parameter config of `lmlab bench train` (conf/model/llama400m.yaml) on
 `--d-model 1024 --n-layers 24 --n-heads 16 --seq 2048 --vocab 50304 --batch 32`.
 
 Each strategy trains an lmlab Transformer (SwiGLU, RoPE, AdamW) in N fresh processes on the same
-global batch (B sequences, B/N per rank): `single` runs it in one process. Reported per strategy:
+global batch (B sequences, B/N per rank). `single` runs it in one process as N micro-batches of
+B/N with gradient accumulation: it does the whole batch's work while holding the activations of
+one rank's share, as a one-GPU run of a batch too big for one forward would. Reported per strategy:
 the median step time after warm-up (the slowest rank's), tokens/s per rank, scaling efficiency
 (tokens/s per rank over the single process's), and per rank the
 optimizer-state memory and the peak memory of the step (CUDA: max allocated; CPU: the rise of
@@ -97,12 +99,13 @@ def _current_rss_mb() -> float:
 
 
 def _bench_rank(rank: int, world_size: int, strategy: str, model_cfg: dict, vocab: int, batch: int, seq: int,
-                steps: int, backend: str) -> dict:
+                steps: int, backend: str, micro_batch: int) -> dict:
     device = device_for(backend, rank)
     before = _current_rss_mb()
     torch.manual_seed(0)
     try:
-        return _train_steps(device, before, strategy, model_cfg, vocab, batch, seq, steps, rank, world_size)
+        return _train_steps(device, before, strategy, model_cfg, vocab, batch, seq, steps, rank, world_size,
+                            micro_batch)
     except torch.OutOfMemoryError as error:
         # Every rank of a strategy holds the same sizes, so all of them get here and none is left
         # waiting in a collective.
@@ -110,22 +113,24 @@ def _bench_rank(rank: int, world_size: int, strategy: str, model_cfg: dict, voca
 
 
 def _train_steps(device: torch.device, before: float, strategy: str, model_cfg: dict, vocab: int, batch: int,
-                 seq: int, steps: int, rank: int, world_size: int) -> dict:
+                 seq: int, steps: int, rank: int, world_size: int, micro_batch: int) -> dict:
     with device:  # parameters are made on the GPU: a model too big for host memory per rank still builds
         model = Transformer(ModelConfig(**model_cfg), vocab).to(device)
     wrapped, optimizer, synchronize = STRATEGIES[strategy](model)
     share = batch // world_size
     generator = torch.Generator().manual_seed(1)
     ids = torch.randint(0, vocab, (batch, seq + 1), generator=generator)[rank * share:(rank + 1) * share].to(device)
+    chunks = ids.split(micro_batch)  # one chunk on the ranks of a parallel strategy; N for `single`
     autocast = torch.autocast("cuda", torch.bfloat16, enabled=device.type == "cuda")
     times = []
     for step in range(steps):
         if device.type == "cuda":
             torch.cuda.synchronize()
         start = time.perf_counter()
-        with autocast:
-            logits = wrapped(ids[:, :-1])
-        F.cross_entropy(logits.flatten(0, 1).float(), ids[:, 1:].flatten()).backward()
+        for chunk in chunks:
+            with autocast:
+                logits = wrapped(chunk[:, :-1])
+            (F.cross_entropy(logits.flatten(0, 1).float(), chunk[:, 1:].flatten()) / len(chunks)).backward()
         synchronize()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -145,7 +150,8 @@ def run(strategies: list[str], world_size: int, model_cfg: dict, batch: int, seq
     for name in strategies:
         world = 1 if name == "single" else world_size
         print(f"lmlab bench parallel: {name} on {world} rank(s) ...", file=sys.stderr, flush=True)
-        per_rank = run_processes(_bench_rank, world, backend, args=(name, model_cfg, vocab, batch, seq, steps, backend))
+        per_rank = run_processes(_bench_rank, world, backend,
+                                 args=(name, model_cfg, vocab, batch, seq, steps, backend, batch // world_size))
         out_of_memory = [r["out_of_memory"] for r in per_rank if "out_of_memory" in r]
         if out_of_memory:
             rows[name] = {"world_size": world, "out_of_memory": out_of_memory[0]}

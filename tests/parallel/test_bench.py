@@ -33,8 +33,28 @@ def test_a_rank_out_of_memory_reports_it_instead_of_raising(monkeypatch):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 64.00 GiB\nmore details")
 
     monkeypatch.setitem(bench.STRATEGIES, "single", too_big)
-    result = bench._bench_rank(0, 1, "single", TINY, 64, 2, 16, 3, "gloo")
+    result = bench._bench_rank(0, 1, "single", TINY, 64, 2, 16, 3, "gloo", 2)
     assert result == {"out_of_memory": "CUDA out of memory. Tried to allocate 64.00 GiB"}
+
+
+def test_single_runs_the_global_batch_in_micro_batches_of_one_ranks_share(monkeypatch):
+    """Scaling compares equal work per GPU: `single` does all 4 sequences of each step as 2
+    forwards of 2, what each of 2 ranks holds."""
+    seen = []
+
+    class Recorder(torch.nn.Module):
+        def __init__(self, model):
+            super().__init__()
+            self.model = model
+
+        def forward(self, ids):
+            seen.append(ids.shape[0])
+            return self.model(ids)
+
+    plain = bench.STRATEGIES["single"]
+    monkeypatch.setitem(bench.STRATEGIES, "single", lambda model: (Recorder(model), *plain(model)[1:]))
+    result = bench._bench_rank(0, 1, "single", TINY, 64, 4, 16, 3, "gloo", 2)
+    assert seen == [2, 2] * 3 and result["step_s"] > 0
 
 
 def test_strategies_that_ran_out_of_memory_are_rows_and_the_rest_still_run(monkeypatch):
@@ -44,6 +64,7 @@ def test_strategies_that_ran_out_of_memory_are_rows_and_the_rest_still_run(monke
 
     def fake_run_processes(fn, world, backend, args):
         calls.append(args[0])
+        assert args[-1] == 1  # the micro-batch: the global batch of 2 over 2 ranks
         if args[0] in ("single", "ddp"):
             return [{"out_of_memory": "CUDA out of memory."}] * world
         return [{"step_s": 2.0, "peak_mb": 70_000.0, "optimizer_state_mb": 32_000.0}] * world
