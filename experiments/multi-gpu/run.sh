@@ -3,8 +3,10 @@
 #   comm      all-reduce (and the other collectives) bus bandwidth, 1 MB to 1 GB
 #   parallel  every strategy on the ~400M config (d_model 1024, 24 layers, seq 2048, vocab 50304,
 #             global batch 32): step time, tokens/s per GPU, scaling against one GPU, memory
-#   fit       an ~8.5B-parameter model (d_model 4096, 40 layers) that needs ~135 GB for weights,
-#             gradients and AdamW state unsharded: single, ddp and zero1 run out of memory, fsdp trains
+#   fit       an ~10.9B-parameter model (d_model 4096, 52 layers) that needs ~174 GB for weights,
+#             gradients and AdamW state unsharded and ~131 GB per GPU under zero1 on two (weights and
+#             gradients whole, half the state), before activations: single, ddp and zero1 run out
+#             of memory, fsdp (~87 GB per GPU on two) trains
 #   multirun  a 2-job Hydra multirun of 2-GPU DDP jobs (ddp and bucketed_ddp) on the default corpus,
 #             STEPS steps each (default 300)
 # Usage: experiments/multi-gpu/run.sh OUT_DIR [PART ...]   (all parts by default)
@@ -28,7 +30,7 @@ if [[ ${SIZE:-full} == small ]]; then
 else
     COMM="--sizes 1M 4M 16M 64M 256M 1G"
     M400="--d-model 1024 --n-layers 24 --n-heads 16 --seq 2048 --vocab 50304 --batch 32 --steps 7"
-    BIG="--d-model 4096 --n-layers 40 --n-heads 32 --seq 2048 --vocab 50304 --batch $N --steps 4"
+    BIG="--d-model 4096 --n-layers 52 --n-heads 32 --seq 2048 --vocab 50304 --batch $N --steps 4"
     RUN="trainer.max_steps=${STEPS:-300}"
 fi
 for part in $PARTS; do
