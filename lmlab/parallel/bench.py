@@ -16,9 +16,10 @@ optimizer-state memory and the peak memory of the step (CUDA: max allocated; CPU
 the process's peak resident set over what it held before the model was built).
 
 A strategy whose ranks run out of memory is reported as such and the others still run, so one
-invocation shows which strategies fit a model: e.g. an ~8.5B-parameter model (`--d-model 4096
---n-layers 40 --n-heads 32 --batch 2`) needs about 135 GB for weights, gradients and AdamW state
-unsharded, more than an H200 holds, and half that per rank under fsdp on two.
+invocation shows which strategies fit a model: e.g. an ~10.9B-parameter model (`--d-model 4096
+--n-layers 52 --n-heads 32 --batch 2`) needs about 174 GB for weights, gradients and AdamW state
+unsharded and about 131 GB per rank under zero1 on two, before activations: on two H200s only
+fsdp (about 87 GB per rank, plus activations) trains it.
 """
 
 from __future__ import annotations
