@@ -51,5 +51,10 @@ class Throughput(L.Callback):
                 module.log("perf/mfu", per_device * self.flops_per_token / self._peak)
             self._tokens, self._seconds = 0, 0.0
 
+    def on_train_end(self, trainer, module) -> None:
+        # A run shorter than one logging window still gets a figure for its summary (not logged).
+        if self.last_tokens_per_s is None and self._seconds > 0:
+            self.last_tokens_per_s = self._tokens / self._seconds
+
     def on_validation_start(self, trainer, module) -> None:
         self._last = None  # restart the clock after validation so it is not counted

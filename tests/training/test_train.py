@@ -87,3 +87,9 @@ def test_the_last_training_loss_survives_the_final_validation(make_cfg, tiny_ove
     results = train(make_cfg([*tiny_overrides, "trainer.max_steps=7", "trainer.val_every=5", "trainer.log_every=1"]),
                     tmp_path / "run")
     assert 0 < results["train_loss"] < results["initial_val_loss"]
+
+
+def test_a_run_shorter_than_one_logging_window_reports_its_tokens_per_second(make_cfg, tiny_overrides, tmp_path):
+    overrides = ["trainer.max_steps=6", "trainer.log_every=10", "trainer.val_every=6", "sched.warmup_steps=1"]
+    results = train(make_cfg([*tiny_overrides, *overrides]), tmp_path / "run")
+    assert results["tokens_per_s"] > 0
