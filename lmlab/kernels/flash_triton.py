@@ -107,7 +107,7 @@ def _schedule(n_blocks, n_heads, N_SMS, CAUSAL: tl.constexpr, HEAVY_LAST: tl.con
     block launches first, then the next heaviest. A group holds enough heads that its work per SM
     (about group * n_blocks / 2 blocks' worth) is twice its heaviest program, and the last group
     also takes the heads left over, so the last program to launch is a light one and the grid ends
-    without a long tail on a few SMs. (Once to four times were within 2% of each other on an H200;
+    without a long tail on a few SMs. (Half, once and twice were within 3% of each other on an H200;
     twice was best or close at the three benchmarked shapes, and 1-7% faster forward+backward than
     launching each head's blocks in turn, heaviest first.)
     """
