@@ -49,7 +49,12 @@ def _bwd_configs() -> list[triton.Config]:
     return [triton.Config({"ROWS": r}, num_warps=w) for r, w in choices]
 
 
-@triton.autotune(configs=_bwd_configs(), key=["D", "n_rows"])
+_BWD_CONFIGS = _bwd_configs()
+# The dw partial buffer is sized for the smallest ROWS tried, so it fits whichever config runs.
+_MIN_BWD_ROWS = min(c.kwargs["ROWS"] for c in _BWD_CONFIGS)
+
+
+@triton.autotune(configs=_BWD_CONFIGS, key=["D", "n_rows"])
 @triton.jit
 def _rmsnorm_bwd(x_ptr, w_ptr, dy_ptr, rstd_ptr, dx_ptr, dw_part_ptr, x_row_stride, n_rows,
                  D: tl.constexpr, BLOCK_D: tl.constexpr, ROWS: tl.constexpr):
@@ -133,9 +138,8 @@ def _backward_op(x2: torch.Tensor, weight: torch.Tensor, dy2: torch.Tensor, rstd
     n_rows, D = x2.shape
     dy2 = dy2.contiguous()
     dx = torch.empty((n_rows, D), dtype=x2.dtype, device=x2.device)
-    # Sized for the smallest ROWS tried; programs write only their own first cdiv(n_rows, ROWS) rows.
-    dw_part = torch.empty((triton.cdiv(n_rows, min(c.kwargs["ROWS"] for c in _rmsnorm_bwd.configs)), D),
-                          dtype=torch.float32, device=x2.device)
+    # Programs write only the first cdiv(n_rows, ROWS) rows of it.
+    dw_part = torch.empty((triton.cdiv(n_rows, _MIN_BWD_ROWS), D), dtype=torch.float32, device=x2.device)
     block_d, _ = _launch_params(D)
     _rmsnorm_bwd[lambda meta: (triton.cdiv(n_rows, meta["ROWS"]),)](
         x2, weight, dy2, rstd, dx, dw_part, x2.stride(0), n_rows, D=D, BLOCK_D=block_d)
