@@ -186,10 +186,9 @@ class BucketedDDP(nn.Module):
         # One read of every bucket's counters: a read per bucket would stall the host once per bucket.
         counts = iter(torch.cat([bucket.counters for bucket in self.buckets]).tolist())
         for bucket in self.buckets:
-            for i, ranks_with_grad in zip(range(len(bucket.params)), counts):
-                if ranks_with_grad == 0:  # no rank's data reached it: leave .grad as a single process would
+            for i, p in enumerate(bucket.params):
+                if next(counts) == 0:  # no rank's data reached it: leave .grad as a single process would
                     continue
-                p = bucket.params[i]
                 if p.grad is None:
                     p.grad = torch.empty_like(p)
                 p.grad.copy_(bucket.grad_slot(i))
