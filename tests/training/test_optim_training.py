@@ -10,7 +10,6 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from lmlab.errors import ConfigError
 from lmlab.training import module as module_lib
 from lmlab.training import train
-from lmlab.training.step_guard import StepGuard
 
 
 def scalars(run_dir, tag):
@@ -85,17 +84,3 @@ def test_bad_optimizer_settings_fail_before_training(make_cfg, tiny_overrides, t
     with pytest.raises(ConfigError, match=match):
         train(make_cfg([*tiny_overrides, *extra]), tmp_path / "run")
     assert not (tmp_path / "run").exists()
-
-
-def test_step_guard_skips_non_finite_values_and_spikes_over_the_running_median():
-    guard = StepGuard(skip_nonfinite=True, spike_factor=2.0, window=10)
-    assert guard.reason_to_skip(math.nan, 1.0) == "non-finite"
-    assert guard.reason_to_skip(1.0, math.inf) == "non-finite"
-    for i in range(10):
-        assert guard.reason_to_skip(3.0 + 0.01 * i, 1.0) is None
-    assert guard.reason_to_skip(7.0, 1.0) == "loss spike"
-    assert guard.reason_to_skip(3.0, 2.5) == "gradient-norm spike"
-    assert guard.reason_to_skip(5.0, 1.9) is None and guard.skipped == 4
-    restored = StepGuard(True, 2.0, 10)
-    restored.load_state_dict(guard.state_dict())
-    assert restored.state_dict() == guard.state_dict()
