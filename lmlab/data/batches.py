@@ -47,24 +47,29 @@ class RandomWindows(IterableDataset):
 
     Starting from `start_step` makes a resumed run draw exactly the batches the uninterrupted
     run would have drawn. With `world_size` > 1, rank r gets the r-th of `world_size` equal
-    slices of each batch, so `batch_size` is the global batch whatever the number of ranks.
+    slices of each batch, so `batch_size` is the global batch whatever the number of ranks. With
+    `micro_batches` > 1 (gradient accumulation) each rank's slice comes as that many equal parts
+    in a row: the optimizer step still sees exactly the same global batch.
     """
 
     def __init__(self, tokens: np.ndarray, batch_size: int, context_length: int, seed: int, start_step: int = 0,
-                 rank: int = 0, world_size: int = 1):
-        if batch_size % world_size:
-            raise ValueError(f"data.batch_size={batch_size} is not divisible by the {world_size} data-parallel ranks")
+                 rank: int = 0, world_size: int = 1, micro_batches: int = 1):
+        if batch_size % (world_size * micro_batches):
+            raise ValueError(f"data.batch_size={batch_size} is not divisible by {world_size} data-parallel ranks x "
+                             f"{micro_batches} micro-batches")
         self.tokens, self.batch_size, self.context_length = tokens, batch_size, context_length
         self.seed, self.start_step = seed, start_step
         share = batch_size // world_size
-        self.rows = slice(rank * share, (rank + 1) * share)
+        part = share // micro_batches
+        self.parts = [slice(rank * share + i * part, rank * share + (i + 1) * part) for i in range(micro_batches)]
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         generator = torch.Generator()
         step = self.start_step
         while True:
-            generator.manual_seed(self.seed * 1_000_003 + step)
-            yield get_batch(self.tokens, self.batch_size, self.context_length, generator=generator, rows=self.rows)
+            for rows in self.parts:  # each part redraws the step's batch (cheap) and keeps its rows
+                generator.manual_seed(self.seed * 1_000_003 + step)
+                yield get_batch(self.tokens, self.batch_size, self.context_length, generator=generator, rows=rows)
             step += 1
 
 

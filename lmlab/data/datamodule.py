@@ -17,11 +17,9 @@ class LMDataModule(L.LightningDataModule):
     """Tokenizes (or loads from cache) the whole corpus at construction, so bad data fails early."""
 
     def __init__(self, source: TextSource, tokenizer: Tokenizer, cfg: DataConfig, cache_dir: str | Path,
-                 seed: int, val_batches: int, progress: bool = True):
+                 seed: int, val_batches: int, progress: bool = True, micro_batches: int = 1):
         super().__init__()
-        if not 0 < cfg.val_fraction < 1:
-            raise DataSourceError(f"data.val_fraction must be in (0, 1), got {cfg.val_fraction}")
-        self.cfg, self.seed, self.val_batches = cfg, seed, val_batches
+        self.cfg, self.seed, self.val_batches, self.micro_batches = cfg, seed, val_batches, micro_batches
         corpus = load_or_build(source, tokenizer, cache_dir, progress=progress)
         self.bytes_per_token = corpus.bytes_per_token
         split = int(len(corpus.tokens) * (1 - cfg.val_fraction))
@@ -37,9 +35,10 @@ class LMDataModule(L.LightningDataModule):
         trainer = self.trainer
         start, rank, world = (trainer.global_step, trainer.global_rank, trainer.world_size) if trainer else (0, 0, 1)
         windows = RandomWindows(self.train_tokens, self.cfg.batch_size, self.cfg.context_length, self.seed, start,
-                                rank, world)
+                                rank, world, self.micro_batches)
         return DataLoader(windows, batch_size=None)
 
     def val_dataloader(self) -> DataLoader:
         x, y = evenly_spaced_windows(self.val_tokens, self.val_batches * self.cfg.batch_size, self.cfg.context_length)
-        return DataLoader(TensorDataset(x, y), batch_size=self.cfg.batch_size)
+        # Accumulating runs say a whole batch does not fit at once: validate in micro-batches too.
+        return DataLoader(TensorDataset(x, y), batch_size=self.cfg.batch_size // self.micro_batches)

@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from lmlab.checks import at_least, in_open_interval
 from lmlab.errors import ConfigError
 from lmlab.registry import Registry
 
@@ -28,6 +29,10 @@ class DataConfig:
     context_length: int = 128
     batch_size: int = 32
     val_fraction: float = 0.05  # the last tokens of the corpus, held out for validation
+
+    def __post_init__(self) -> None:
+        at_least("data", self, 1, "context_length", "batch_size")
+        in_open_interval("data", self, "val_fraction", 0, 1)
 
 
 class DataSourceError(ConfigError):

@@ -17,6 +17,7 @@ import torch
 from omegaconf import MISSING
 from torch import nn
 
+from lmlab.checks import at_least
 from lmlab.errors import ConfigError
 from lmlab.nn.attention import ATTENTION
 from lmlab.nn.blocks import BLOCKS
@@ -65,6 +66,9 @@ class Transformer(nn.Module):
 
     def __init__(self, cfg: ModelConfig, vocab_size: int):
         super().__init__()
+        at_least("model", cfg, 1, "d_model", "n_layers", "max_seq_len", "vocab_size")
+        if cfg.logit_softcap is not None and not cfg.logit_softcap > 0:
+            raise ConfigError(f"model.logit_softcap must be > 0 (or null), got {cfg.logit_softcap}")
         if cfg.vocab_size is not None and cfg.vocab_size < vocab_size:
             raise ConfigError(f"model.vocab_size={cfg.vocab_size} is smaller than the tokenizer's {vocab_size}")
         self.vocab_size = cfg.vocab_size or padded_vocab_size(vocab_size)

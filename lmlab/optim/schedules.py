@@ -35,6 +35,17 @@ def _check(total_steps: int, warmup_steps: int, min_lr_ratio: float = 0.0) -> No
         raise ConfigError(f"sched.min_lr_ratio must be in [0, 1], got {min_lr_ratio}")
 
 
+def default_warmup(total_steps: int) -> int:
+    """Warmup when none is set: 50 steps, or a fifth of a shorter run (at least one step)."""
+    return max(1, min(50, total_steps // 5))
+
+
+def warmup_steps(sched_cfg, total_steps: int) -> int:
+    """The warmup a schedule config asks for over `total_steps` (0 for a schedule without one)."""
+    steps = getattr(sched_cfg, "warmup_steps", 0)
+    return default_warmup(total_steps) if steps is None else steps
+
+
 def cosine(step: int, max_lr: float, min_lr: float, warmup_steps: int, cosine_steps: int) -> float:
     """Linear warmup from 0 to `max_lr` over `warmup_steps`, cosine down to `min_lr` at `cosine_steps`, then flat."""
     if step < warmup_steps:
@@ -67,7 +78,7 @@ def inverse_sqrt(step: int, max_lr: float, warmup_steps: int) -> float:
 
 @dataclass
 class CosineConfig:
-    warmup_steps: int = 50
+    warmup_steps: int | None = None  # None: min(50, a fifth of the run)
     min_lr_ratio: float = 0.1  # floor as a fraction of the peak learning rate
     cosine_steps: int | None = None  # None: the run's total steps
 
@@ -76,40 +87,43 @@ class CosineConfig:
 def cosine_schedule(max_lr: float, total_steps: int, cfg: CosineConfig) -> Callable[[int], float]:
     """Linear warmup, then cosine decay to a floor (min_lr_ratio * lr)."""
     cosine_steps = cfg.cosine_steps or total_steps
-    _check(cosine_steps, cfg.warmup_steps, cfg.min_lr_ratio)
+    warmup = warmup_steps(cfg, cosine_steps)
+    _check(cosine_steps, warmup, cfg.min_lr_ratio)
     min_lr = cfg.min_lr_ratio * max_lr
-    return lambda step: cosine(step, max_lr, min_lr, cfg.warmup_steps, cosine_steps)
+    return lambda step: cosine(step, max_lr, min_lr, warmup, cosine_steps)
 
 
 @dataclass
 class ConstantConfig:
-    warmup_steps: int = 50
+    warmup_steps: int | None = None  # None: min(50, a fifth of the run)
 
 
 @SCHEDULERS.register("constant", config=ConstantConfig)
 def constant_schedule(max_lr: float, total_steps: int, cfg: ConstantConfig) -> Callable[[int], float]:
     """Linear warmup, then the peak learning rate to the end."""
-    _check(total_steps, cfg.warmup_steps)
-    return lambda step: max_lr * step / cfg.warmup_steps if step < cfg.warmup_steps else max_lr
+    warmup = warmup_steps(cfg, total_steps)
+    _check(total_steps, warmup)
+    return lambda step: max_lr * step / warmup if step < warmup else max_lr
 
 
 @dataclass
 class LinearConfig:
-    warmup_steps: int = 50
+    warmup_steps: int | None = None  # None: min(50, a fifth of the run)
     min_lr_ratio: float = 0.0  # the learning rate at the last step, as a fraction of the peak
 
 
 @SCHEDULERS.register("linear", config=LinearConfig)
 def linear_schedule(max_lr: float, total_steps: int, cfg: LinearConfig) -> Callable[[int], float]:
     """Linear warmup, then linear decay to min_lr_ratio * lr at the end of the run."""
-    _check(total_steps, cfg.warmup_steps, cfg.min_lr_ratio)
+    warmup = warmup_steps(cfg, total_steps)
+    _check(total_steps, warmup, cfg.min_lr_ratio)
     min_lr = cfg.min_lr_ratio * max_lr
-    return lambda step: wsd(step, max_lr, min_lr, cfg.warmup_steps, cfg.warmup_steps, total_steps, "linear")
+    return lambda step: wsd(step, max_lr, min_lr, warmup, warmup, total_steps, "linear")
 
 
 @dataclass
 class WSDConfig:
-    warmup_steps: int = 50
+    warmup_steps: int | None = None  # None: min(50, a fifth of the run)
     decay_fraction: float = 0.2  # the last fraction of the run decays
     decay_shape: str = "sqrt"  # linear, cosine or sqrt (1 - sqrt(progress))
     min_lr_ratio: float = 0.0
@@ -123,35 +137,37 @@ def wsd_schedule(max_lr: float, total_steps: int, cfg: WSDConfig) -> Callable[[i
     One long stable run gives several (tokens, loss) points for scaling laws: resume it from the
     checkpoint at step S with `sched.decay_start=S trainer.max_steps=S+D`; the decay runs from S to S+D.
     """
-    _check(total_steps, cfg.warmup_steps, cfg.min_lr_ratio)
+    warmup = warmup_steps(cfg, total_steps)
+    _check(total_steps, warmup, cfg.min_lr_ratio)
     if cfg.decay_shape not in DECAY_SHAPES:
         message = unknown_name_message("decay shape", cfg.decay_shape, DECAY_SHAPES)
         raise ConfigError(f"sched.decay_shape: {message}")
     if not 0 <= cfg.decay_fraction <= 1:
         raise ConfigError(f"sched.decay_fraction must be in [0, 1], got {cfg.decay_fraction}")
     if cfg.decay_start is not None:
-        if not cfg.warmup_steps <= cfg.decay_start < total_steps:
+        if not warmup <= cfg.decay_start < total_steps:
             raise ConfigError(f"sched.decay_start={cfg.decay_start} is outside the stable phase: it must be between "
-                              f"the end of warmup ({cfg.warmup_steps}) and the run's last step ({total_steps - 1})")
+                              f"the end of warmup ({warmup}) and the run's last step ({total_steps - 1})")
         decay_start = cfg.decay_start
     else:
         decay_start = total_steps - round(cfg.decay_fraction * total_steps)
-        if decay_start < cfg.warmup_steps:
-            raise ConfigError(f"sched.warmup_steps={cfg.warmup_steps} overlaps the decay, which starts at step "
+        if decay_start < warmup:
+            raise ConfigError(f"sched.warmup_steps={warmup} overlaps the decay, which starts at step "
                               f"{decay_start} (decay_fraction={cfg.decay_fraction} of {total_steps}); shorten one")
     min_lr = cfg.min_lr_ratio * max_lr
-    return lambda step: wsd(step, max_lr, min_lr, cfg.warmup_steps, decay_start, total_steps, cfg.decay_shape)
+    return lambda step: wsd(step, max_lr, min_lr, warmup, decay_start, total_steps, cfg.decay_shape)
 
 
 @dataclass
 class InverseSqrtConfig:
-    warmup_steps: int = 50
+    warmup_steps: int | None = None  # None: min(50, a fifth of the run)
 
 
 @SCHEDULERS.register("inverse_sqrt", config=InverseSqrtConfig)
 def inverse_sqrt_schedule(max_lr: float, total_steps: int, cfg: InverseSqrtConfig) -> Callable[[int], float]:
     """Linear warmup, then lr * sqrt(warmup_steps / step) (Vaswani et al. 2017)."""
-    _check(total_steps, cfg.warmup_steps)
-    if cfg.warmup_steps < 1:
+    warmup = warmup_steps(cfg, total_steps)
+    _check(total_steps, warmup)
+    if warmup < 1:
         raise ConfigError("sched.warmup_steps must be >= 1 for inverse_sqrt: the decay is measured in warmups")
-    return lambda step: inverse_sqrt(step, max_lr, cfg.warmup_steps)
+    return lambda step: inverse_sqrt(step, max_lr, warmup)

@@ -12,26 +12,34 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
+from lmlab.checks import at_least
 from lmlab.nn.transformer import ModelConfig
 
 
 @dataclass
 class TrainerConfig:
-    max_steps: int = 300
-    val_every: int = 50  # steps between validations
+    max_steps: int = 300  # optimizer steps
+    val_every: int = 50  # steps between validations (the last step always validates)
     val_batches: int = 8
-    log_every: int = 10
+    log_every: int = 10  # steps between logged scalars (and progress lines without a progress bar)
+    accumulate_grad_batches: int = 1  # micro-batches per optimizer step; data.batch_size stays the global batch
     grad_clip: float = 1.0  # max global gradient norm; 0 disables clipping (the pre-clip norm is logged either way)
     skip_nonfinite: bool = True  # skip optimizer steps whose loss or gradient norm is inf or nan
     spike_factor: float | None = None  # also skip steps whose loss or gradient norm exceeds this x the running median
     spike_window: int = 50  # steps in that running median
+    max_consecutive_skips: int = 10  # then a spike is taken as the new level, and non-finite steps stop the run
     precision: str = "auto"  # auto: bf16-mixed on GPU, 32-true on CPU; or any Lightning precision
     accelerator: str = "auto"
     devices: Any = 1  # processes per node for a data-parallel `parallel` strategy
     num_nodes: int = 1
-    checkpoint_every: int = 500  # steps; a checkpoint is also written at the end
-    progress_bar: bool = True
+    checkpoint_every: int = 500  # steps; a checkpoint is also written at the end and on Ctrl-C/SIGTERM
+    progress_bar: bool = True  # a live bar on a terminal; plain lines every log_every steps otherwise
     compile: bool = False  # torch.compile each block and the loss (see lmlab.training.compile)
+
+    def __post_init__(self) -> None:
+        at_least("trainer", self, 1, "max_steps", "val_every", "val_batches", "log_every", "accumulate_grad_batches",
+                 "num_nodes", "checkpoint_every", "max_consecutive_skips")
+        at_least("trainer", self, 0, "grad_clip")
 
 
 @dataclass

@@ -19,6 +19,7 @@ from torch.optim.lr_scheduler import LambdaLR
 from lmlab.kernels.registry import KERNELS, install_kernels
 from lmlab.nn.transformer import Transformer
 from lmlab.optim import OPTIMIZERS, SCHEDULERS, describe_groups
+from lmlab.optim.schedules import warmup_steps
 from lmlab.training.checkpoints import CONFIG_KEY
 from lmlab.training.compile import compile_for_training
 from lmlab.training.losses import LOSSES
@@ -28,6 +29,14 @@ from lmlab.training.step_guard import StepGuard
 log = logging.getLogger(__name__)
 
 GUARD_KEY = "lmlab_step_guard"  # the skipped-step counter and its running medians
+METRICS_KEY = "lmlab_metrics"  # the last logged scalars (train/loss, val/loss, ...)
+
+
+def step_guard_for(cfg: DictConfig) -> StepGuard:
+    """The run's step guard; spikes are not judged during the learning-rate warmup."""
+    t = cfg.trainer
+    return StepGuard(t.skip_nonfinite, t.spike_factor, t.spike_window, warmup_steps(cfg.sched, t.max_steps),
+                     t.max_consecutive_skips)
 
 
 class LanguageModelTask(L.LightningModule):
@@ -43,9 +52,9 @@ class LanguageModelTask(L.LightningModule):
         self.val_loss = torchmetrics.MeanMetric()
         self.val_ppl = torchmetrics.text.Perplexity()
         self.last_val_step: int | None = None
-        t = cfg.trainer
-        self.guard = StepGuard(t.skip_nonfinite, t.spike_factor, t.spike_window)
-        self._loss: torch.Tensor | None = None  # this step's loss, for the guard
+        self.guard = step_guard_for(cfg)
+        self._micro_terms: list[dict[str, torch.Tensor]] = []  # this optimizer step's micro-batches so far
+        self._loss: torch.Tensor | None = None  # this step's loss over all micro-batches and ranks, for the guard
         self._configured = False
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -54,12 +63,25 @@ class LanguageModelTask(L.LightningModule):
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         inputs, targets = batch
         terms = training_terms(self.loss_fn, self.model.forward_train(inputs), targets, self.model.mtp_loss_weight)
-        self.log("train/loss", terms["loss"], prog_bar=True)
-        self.log_dict({f"train/{name}": value for name, value in terms.items() if name != "loss"})
-        self._log_learning_rates()
-        self._log_moe_stats()
-        self._loss = terms["loss"].detach()
+        self._micro_terms.append({name: value.detach() for name, value in terms.items()})
+        if len(self._micro_terms) == self.cfg.trainer.accumulate_grad_batches:  # the optimizer steps after this one
+            self._log_step_terms()
+            self._log_learning_rates()
+            self._log_moe_stats()
         return terms["loss"]
+
+    def _log_step_terms(self) -> None:
+        """Log each loss term of the optimizer step: the mean over its micro-batches and over all
+        ranks (one all-reduce), i.e. the loss of the global batch, whatever the device count."""
+        names = list(self._micro_terms[0])
+        means = torch.stack([torch.stack([t[n] for t in self._micro_terms]).float().mean() for n in names])
+        self._micro_terms.clear()
+        if self.trainer.world_size > 1:
+            means = self.trainer.strategy.reduce(means, reduce_op="mean")
+        step_terms = dict(zip(names, means))
+        self._loss = step_terms["loss"]
+        self.log("train/loss", step_terms.pop("loss"), prog_bar=True)
+        self.log_dict({f"train/{name}": value for name, value in step_terms.items()})
 
     def _log_learning_rates(self) -> None:
         """`lr` is the first group's; with several optimizers (Muon + AdamW) also `lr/<optimizer>`."""
@@ -81,12 +103,22 @@ class LanguageModelTask(L.LightningModule):
         self.log("train/grad_norm", norm)
         if not self.guard.active:
             return
-        reason = self.guard.reason_to_skip(float(self._loss), float(norm))
-        if reason:
+        loss, norm = float(self._loss), float(norm)
+        skip, why = self.guard.judge(loss, norm)
+        if skip:
             optimizer.zero_grad(set_to_none=True)
             log.warning("step %d skipped (%s): loss %.4g, gradient norm %.4g; %d skipped so far",
-                        self.global_step, reason, float(self._loss), float(norm), self.guard.skipped)
+                        self.global_step, why, loss, norm, self.guard.skipped)
+        elif why:
+            log.warning("step %d: %s (loss %.4g, gradient norm %.4g)", self.global_step, why, loss, norm)
         self.log("train/skipped_steps", float(self.guard.skipped))
+
+    def on_train_batch_end(self, outputs, batch, batch_idx: int) -> None:
+        """Ask Lightning to validate after the last step when val_every does not land on it, so the
+        run's final numbers come from a validation inside fit (and show on the progress bar)."""
+        t = self.cfg.trainer
+        if not self._micro_terms and self.global_step >= t.max_steps and self.global_step % t.val_every:
+            self.trainer.should_stop = True
 
     def _log_moe_stats(self) -> None:
         """Expert loads and router statistics, straight to the logger on logging steps only: a deep
@@ -142,6 +174,8 @@ class LanguageModelTask(L.LightningModule):
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         checkpoint[CONFIG_KEY] = OmegaConf.to_container(self.cfg, resolve=True)
         checkpoint[GUARD_KEY] = self.guard.state_dict()
+        # The run's latest numbers, so a finished run asked to resume can report them without training.
+        checkpoint[METRICS_KEY] = {k: float(v) for k, v in self.trainer.callback_metrics.items() if v.numel() == 1}
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         if GUARD_KEY in checkpoint:

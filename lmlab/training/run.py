@@ -27,9 +27,11 @@ from lmlab.tokenizers import TOKENIZERS
 from lmlab.tokenizers.base import expected_vocab_size
 from lmlab.training.checkpoints import CONFIG_KEY, model_weights, read_checkpoint
 from lmlab.training.losses import LOSSES
-from lmlab.training.module import LanguageModelTask
+from lmlab.training.module import LanguageModelTask, step_guard_for
+from lmlab.training.interrupt import GracefulStop
 from lmlab.training.profile import StepProfiler
-from lmlab.training.step_guard import StepGuard
+from lmlab.training.progress import StepProgress, quiet_library_noise
+from lmlab.training.resume import finished_run, resolve_auto_resume
 from lmlab.training.throughput import Throughput
 
 log = logging.getLogger(__name__)
@@ -63,6 +65,7 @@ def _differences(old, new, prefix: str) -> list[str]:
 
 def preflight(cfg: DictConfig):
     """Every check a user can fail that needs no data: returns the data source and its config."""
+    OmegaConf.to_object(cfg.trainer)  # TrainerConfig's range checks
     source = SOURCES.build(cfg.data)
     _, data_cfg = SOURCES.resolve(cfg.data)
     if data_cfg.context_length > cfg.model.max_seq_len:
@@ -80,7 +83,7 @@ def preflight(cfg: DictConfig):
         if hasattr(module, "check_context"):
             module.check_context(data_cfg.context_length)
     install_kernels(KERNELS.build(cfg.kernels), model, LOSSES.build(cfg.loss))  # e.g. an unsupported head dim
-    StepGuard(cfg.trainer.skip_nonfinite, cfg.trainer.spike_factor, cfg.trainer.spike_window)
+    step_guard_for(cfg)
     try:  # optimizer arguments and group rules on the (meta) model itself, and the schedule
         OPTIMIZERS.build(cfg.optim, model)
         SCHEDULERS.build(cfg.sched, cfg.optim.lr, cfg.trainer.max_steps)
@@ -108,9 +111,11 @@ def check_parallel(cfg: DictConfig, batch_size: int) -> Parallel:
     if t.devices > available:
         what = "GPUs" if cuda else "CPU cores (one per process)"
         raise ConfigError(f"trainer.devices={t.devices} is more than the {available} {what} of this machine")
-    if batch_size % world:
-        raise ConfigError(f"data.batch_size={batch_size} is not divisible by the world size {world} "
-                          f"(trainer.devices x trainer.num_nodes); each rank trains on an equal slice")
+    parts = world * t.accumulate_grad_batches
+    if batch_size % parts:
+        raise ConfigError(f"data.batch_size={batch_size} is not divisible by {parts} (world size {world} = "
+                          f"trainer.devices x trainer.num_nodes, times trainer.accumulate_grad_batches="
+                          f"{t.accumulate_grad_batches}); every micro-batch of every rank gets an equal slice")
     return parallel
 
 
@@ -122,24 +127,30 @@ def load_data(cfg: DictConfig, source, data_cfg) -> tuple:
     """The tokenizer (trained or loaded) and the data module (tokenized corpus, from cache when there)."""
     tokenizer = TOKENIZERS.build(cfg.tokenizer, source, cfg.cache_dir, cfg.trainer.progress_bar)
     datamodule = LMDataModule(source, tokenizer, data_cfg, cfg.cache_dir, cfg.seed, cfg.trainer.val_batches,
-                              progress=cfg.trainer.progress_bar)
+                              progress=cfg.trainer.progress_bar, micro_batches=cfg.trainer.accumulate_grad_batches)
     return tokenizer, datamodule
 
 
 def train(cfg: DictConfig, output_dir: str | Path) -> dict[str, float]:
     """One process's training run: the whole job, or one rank of a distributed one."""
     output_dir = Path(output_dir)
+    quiet_library_noise()
+    cfg = resolve_auto_resume(cfg, output_dir)
     L.seed_everything(cfg.seed, workers=True, verbose=False)
     source, data_cfg = preflight(cfg)
     parallel = check_parallel(cfg, data_cfg.batch_size)
+    if cfg.ckpt_path and (saved := finished_run(cfg.ckpt_path, cfg.trainer.max_steps)) is not None:
+        return saved
 
     tokenizer, datamodule = load_data(cfg, source, data_cfg)
     task = LanguageModelTask(cfg, tokenizer.vocab_size)
     if cfg.init_from:
         task.model.load_state_dict(model_weights(read_checkpoint(cfg.init_from, "init_from")))
         log.info("model weights from %s", cfg.init_from)
-    log.info("model: %.2fM parameters (%.2fM without embeddings)",
-             task.model.num_parameters() / 1e6, task.model.num_parameters(exclude_embeddings=True) / 1e6)
+    flops_per_token = task.model.flops_per_token(data_cfg.context_length)
+    log.info("model: %.2fM parameters (%.2fM without embeddings), %.2f MFLOP per token trained",
+             task.model.num_parameters() / 1e6, task.model.num_parameters(exclude_embeddings=True) / 1e6,
+             flops_per_token / 1e6)
 
     log.info("corpus: %d training tokens, %d validation tokens, %.2f bytes/token",
              len(datamodule.train_tokens), len(datamodule.val_tokens), datamodule.bytes_per_token)
@@ -147,11 +158,12 @@ def train(cfg: DictConfig, output_dir: str | Path) -> dict[str, float]:
     t = cfg.trainer
     if torch.cuda.is_available():
         torch.set_float32_matmul_precision("high")
-    throughput = Throughput(t.log_every, task.model.flops_per_token(data_cfg.context_length))
+    throughput = Throughput(t.log_every, flops_per_token)
     logger = TensorBoardLogger(str(output_dir), name="tb", version="", default_hp_metric=False)
     trainer = L.Trainer(
         max_steps=t.max_steps,
-        val_check_interval=min(t.val_every, t.max_steps),
+        accumulate_grad_batches=t.accumulate_grad_batches,
+        val_check_interval=min(t.val_every, t.max_steps) * t.accumulate_grad_batches,  # counted in micro-batches
         check_val_every_n_epoch=None,
         num_sanity_val_steps=0,
         log_every_n_steps=t.log_every,
@@ -165,9 +177,12 @@ def train(cfg: DictConfig, output_dir: str | Path) -> dict[str, float]:
             throughput,
             ModelCheckpoint(dirpath=output_dir / "checkpoints", filename="step{step:06d}", auto_insert_metric_name=False,
                             every_n_train_steps=t.checkpoint_every, save_top_k=-1),
+            StepProgress(t.max_steps, t.log_every, bar=t.progress_bar),
+            GracefulStop(output_dir / "checkpoints" / "last.ckpt", t.max_steps),
             *([StepProfiler(output_dir, t.max_steps)] if cfg.profile else []),
         ],
-        enable_progress_bar=t.progress_bar,
+        enable_progress_bar=False,  # StepProgress counts steps; Lightning's bar counts epochs and batches
+        enable_model_summary=False,  # the parameter count is logged above; its FLOPs column reads 0
         default_root_dir=str(output_dir),
         # no_grad rather than inference_mode: metric states made in the first, standalone
         # validation must stay updatable in the validations inside fit.
@@ -179,11 +194,7 @@ def train(cfg: DictConfig, output_dir: str | Path) -> dict[str, float]:
     initial = None
     if not cfg.ckpt_path:
         initial = trainer.validate(task, datamodule=datamodule, verbose=False)[0]["val/loss"]
-    trainer.fit(task, datamodule=datamodule, ckpt_path=cfg.ckpt_path)
-    # Read before the closing validation: Lightning's validate() resets the logged metrics.
-    train_loss = float(trainer.callback_metrics.get("train/loss", math.nan))
-    if task.last_val_step != trainer.global_step:
-        trainer.validate(task, datamodule=datamodule, verbose=False)
+    trainer.fit(task, datamodule=datamodule, ckpt_path=cfg.ckpt_path)  # its last step validates
     trainer.save_checkpoint(output_dir / "checkpoints" / "last.ckpt", weights_only=False)
 
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
@@ -191,14 +202,26 @@ def train(cfg: DictConfig, output_dir: str | Path) -> dict[str, float]:
         "initial_val_loss": math.nan if initial is None else float(initial),
         "val_loss": metrics["val/loss"],
         "val_bpb": metrics["val/bpb"],
-        "train_loss": train_loss,
+        "train_loss": metrics.get("train/loss", math.nan),  # what was minimised, with any MoE/MTP terms
+        "train_lm_loss": metrics.get("train/lm_loss", metrics.get("train/loss", math.nan)),  # next-token loss alone
         "tokens_per_s": throughput.last_tokens_per_s or math.nan,
+        "skipped_steps": task.guard.skipped,
     }
     # The HParams tab pairs the whole config with these final numbers, one row per run.
     logger.log_hyperparams(OmegaConf.to_container(cfg, resolve=True),
                            {f"hp/{k}": v for k, v in results.items() if k != "initial_val_loss"})
     logger.finalize("success")
-    before = f"{initial:.3f} -> " if initial is not None else ""
-    log.info("val/loss %s%.3f, val/bpb %.3f, train/loss %.3f, %.0f tokens/s; outputs in %s",
-             before, results["val_loss"], results["val_bpb"], results["train_loss"], results["tokens_per_s"], output_dir)
+    log.info(summary(results, output_dir))
+    if task.guard.skipped:
+        log.warning("%d of %d steps were skipped by the step guard (see train/skipped_steps)", task.guard.skipped,
+                    trainer.global_step)
     return results
+
+
+def summary(results: dict[str, float], output_dir: Path) -> str:
+    before = "" if math.isnan(results["initial_val_loss"]) else f"{results['initial_val_loss']:.3f} -> "
+    train_loss = f"train/loss {results['train_lm_loss']:.3f}"
+    if results["train_loss"] != results["train_lm_loss"]:
+        train_loss += f" (LM only; {results['train_loss']:.3f} with the MoE/MTP terms)"
+    return (f"val/loss {before}{results['val_loss']:.3f}, val/bpb {results['val_bpb']:.3f}, {train_loss}, "
+            f"{results['tokens_per_s']:.0f} tokens/s; outputs in {output_dir}")

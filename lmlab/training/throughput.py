@@ -24,6 +24,7 @@ class Throughput(L.Callback):
         self._tokens = 0
         self._seconds = 0.0
         self._last: float | None = None
+        self._logged_step = 0
         self.last_tokens_per_s: float | None = None
 
     def _now(self, module: L.LightningModule) -> float:
@@ -33,6 +34,7 @@ class Throughput(L.Callback):
 
     def on_fit_start(self, trainer, module) -> None:
         self._peak = peak_flops(module.device)
+        self._logged_step = trainer.global_step
 
     def on_train_batch_start(self, trainer, module, batch, batch_idx) -> None:
         if self._last is None:
@@ -43,7 +45,10 @@ class Throughput(L.Callback):
         self._seconds += now - self._last
         self._last = now
         self._tokens += batch[0].numel() * trainer.world_size
-        if trainer.global_step % self.log_every == 0 and self._seconds > 0:
+        step = trainer.global_step
+        # With gradient accumulation several batches end at one step: log once, after its optimizer step.
+        if step % self.log_every == 0 and step > self._logged_step and self._seconds > 0:
+            self._logged_step = step
             self.last_tokens_per_s = self._tokens / self._seconds
             module.log("perf/tokens_per_s", self.last_tokens_per_s)
             if self._peak:

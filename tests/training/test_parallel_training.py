@@ -36,7 +36,7 @@ def test_two_processes_match_one(make_cfg, tiny_overrides, tmp_path, single_run,
 
 
 @pytest.mark.parametrize("extra,match", [
-    (["parallel=ddp", "trainer.devices=2", "data.batch_size=7"], "data.batch_size=7 is not divisible by the world size 2"),
+    (["parallel=ddp", "trainer.devices=2", "data.batch_size=7"], r"data.batch_size=7 is not divisible by 2 \(world size 2"),
     (["parallel=ddp", "trainer.devices=4096"], "more than the"),
     (["trainer.devices=2"], "parallel=single runs one process"),
     (["parallel=ddp", "parallel.backend=nccl"], "needs CUDA GPUs"),
@@ -46,3 +46,16 @@ def test_bad_parallel_settings_fail_before_any_process_starts(make_cfg, tiny_ove
     with pytest.raises(ConfigError, match=match):
         launch(make_cfg([*tiny_overrides, *extra]), tmp_path / "run")
     assert not (tmp_path / "run").exists()
+
+
+def test_logged_training_loss_is_the_global_batch_mean_whatever_the_device_count(make_cfg, tiny_overrides, tmp_path):
+    """Each rank used to log the loss of its own half of the batch (4.574 on 2 ranks vs 4.505 on one)."""
+    from tests.training.test_optim_training import scalars
+
+    logged = {}
+    for name, extra in (("one", []), ("two", ["parallel=ddp", "trainer.devices=2"])):
+        launch(make_cfg([*tiny_overrides, *STEPS, "trainer.log_every=1", *extra]), tmp_path / name)
+        logged[name] = scalars(tmp_path / name, "train/loss")
+    assert logged["one"].keys() == logged["two"].keys() and len(logged["one"]) == 4
+    for step, loss in logged["one"].items():
+        assert abs(logged["two"][step] - loss) < 1e-4, step

@@ -53,6 +53,16 @@ def test_checkpoint_from_another_model_is_rejected_before_training(make_cfg, tin
     (["model.attention.n_kv_heads=3"], "attention.n_heads=2 is not divisible by attention.n_kv_heads=3"),
     (["model.attention.window=64"], "attention.window=64 is larger than data.context_length=32"),
     (["model.attention.n_heads=8", "model.d_model=24"], "position=rope needs an even head dim"),
+    (["trainer.val_every=0"], "trainer.val_every must be >= 1, got 0"),
+    (["trainer.log_every=0"], "trainer.log_every must be >= 1, got 0"),
+    (["trainer.max_steps=0"], "trainer.max_steps must be >= 1, got 0"),
+    (["data.batch_size=0"], "data.batch_size must be >= 1, got 0"),
+    (["data.batch_size=-4"], "data.batch_size must be >= 1, got -4"),
+    (["data.context_length=0"], "data.context_length must be >= 1, got 0"),
+    (["data.val_fraction=1.5"], "data.val_fraction must be in"),
+    (["model.n_layers=0"], "model.n_layers must be >= 1, got 0"),
+    (["model.d_model=0"], "model.d_model must be >= 1, got 0"),
+    (["trainer.accumulate_grad_batches=3"], "data.batch_size=8 is not divisible by 3"),
 ])
 def test_bad_input_fails_before_training(make_cfg, tiny_overrides, tmp_path, extra, match):
     with pytest.raises(ConfigError, match=match):

@@ -1,0 +1,56 @@
+"""Resuming: `ckpt_path=auto` (continue in the run folder from its newest checkpoint) and runs that
+are already finished."""
+
+from __future__ import annotations
+
+import logging
+import math
+from pathlib import Path
+
+import torch
+from omegaconf import DictConfig
+
+from lmlab.errors import ConfigError
+from lmlab.training.module import METRICS_KEY
+
+log = logging.getLogger(__name__)
+
+AUTO = "auto"
+
+
+def latest_checkpoint(folder: Path) -> Path | None:
+    """The checkpoint written last in `folder` (step checkpoints, last.ckpt, one saved on Ctrl-C)."""
+    checkpoints = [p for p in folder.glob("*.ckpt") if p.is_file()]
+    return max(checkpoints, key=lambda p: p.stat().st_mtime_ns) if checkpoints else None
+
+
+def resolve_auto_resume(cfg: DictConfig, output_dir: Path) -> DictConfig:
+    """`ckpt_path=auto`: the newest checkpoint under `output_dir/checkpoints`, or a fresh start when
+    there is none, so one command both starts a run and continues it after an interruption (e.g. a
+    requeued SLURM job). The run keeps writing into the same folder, so its curves stay one run."""
+    if cfg.ckpt_path != AUTO:
+        return cfg
+    latest = latest_checkpoint(output_dir / "checkpoints")
+    cfg = cfg.copy()
+    cfg.ckpt_path = None if latest is None else str(latest)
+    log.info("ckpt_path=auto: %s", f"resuming from {latest}" if latest else f"no checkpoint in {output_dir}, starting")
+    return cfg
+
+
+def finished_run(ckpt_path: str, max_steps: int) -> dict[str, float] | None:
+    """The saved results when the checkpoint has reached `max_steps` already (nothing to train),
+    else None."""
+    try:  # memory-mapped: only the step counter and the small metrics dict are read
+        checkpoint = torch.load(ckpt_path, map_location="cpu", mmap=True, weights_only=False)
+    except Exception as err:  # noqa: BLE001 - any unreadable file gets the same one-line error
+        raise ConfigError(f"ckpt_path={ckpt_path} cannot be read as a checkpoint ({type(err).__name__}: {err})") from None
+    step = checkpoint.get("global_step", 0)
+    if step < max_steps:
+        return None
+    metrics = checkpoint.get(METRICS_KEY, {})
+    log.info("%s is at step %d and trainer.max_steps=%d: nothing to do (raise trainer.max_steps to train on)",
+             ckpt_path, step, max_steps)
+    return {"initial_val_loss": math.nan, "val_loss": metrics.get("val/loss", math.nan),
+            "val_bpb": metrics.get("val/bpb", math.nan), "train_loss": metrics.get("train/loss", math.nan),
+            "train_lm_loss": metrics.get("train/lm_loss", metrics.get("train/loss", math.nan)),
+            "tokens_per_s": math.nan, "skipped_steps": 0}

@@ -1,0 +1,61 @@
+"""Ctrl-C and SIGTERM save a checkpoint; `ckpt_path=auto` continues a run in its own folder."""
+
+import logging
+import os
+import signal
+
+import pytest
+import torch
+
+from lmlab.errors import RunInterrupted
+from lmlab.training import module as module_lib
+from lmlab.training import train
+
+STEPS = ["trainer.max_steps=12", "trainer.val_every=6", "trainer.checkpoint_every=100", "trainer.log_every=1"]
+
+
+def weights(run_dir):
+    return torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=False)["state_dict"]
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_saves_the_step_and_auto_resume_finishes_the_run_exactly(make_cfg, tiny_overrides, tmp_path,
+                                                                           monkeypatch, signum):
+    straight = tmp_path / "straight"
+    train(make_cfg([*tiny_overrides, *STEPS]), straight)
+
+    calls = {"n": 0}
+    real = module_lib.training_terms
+
+    def signal_during_step_5(*args):
+        calls["n"] += 1
+        if calls["n"] == 5:
+            os.kill(os.getpid(), signum)
+        return real(*args)
+
+    run = tmp_path / "run"
+    with monkeypatch.context() as patch:
+        patch.setattr(module_lib, "training_terms", signal_during_step_5)
+        with pytest.raises(RunInterrupted, match=f"stopped by {signum.name} after step 5 of 12") as stopped:
+            train(make_cfg([*tiny_overrides, *STEPS]), run)
+    assert stopped.value.exit_code == 128 + signum.value
+    assert torch.load(run / "checkpoints" / "last.ckpt", weights_only=False)["global_step"] == 5
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # handlers restored
+
+    results = train(make_cfg([*tiny_overrides, *STEPS, "ckpt_path=auto"]), run)
+    assert results["val_loss"] > 0
+    for key, value in weights(straight).items():
+        assert torch.equal(weights(run)[key], value), key
+
+
+def test_auto_resume_without_a_checkpoint_starts_and_a_finished_run_has_nothing_to_do(make_cfg, tiny_overrides,
+                                                                                      tmp_path, caplog):
+    run = tmp_path / "run"
+    first = train(make_cfg([*tiny_overrides, *STEPS, "ckpt_path=auto"]), run)
+    assert first["initial_val_loss"] > first["val_loss"]
+    events = sorted((run / "tb").rglob("events.*"))
+    with caplog.at_level(logging.INFO):
+        again = train(make_cfg([*tiny_overrides, *STEPS, "ckpt_path=auto"]), run)
+    assert "nothing to do" in caplog.text
+    assert again["val_loss"] == pytest.approx(first["val_loss"]) and again["train_loss"] == pytest.approx(first["train_loss"])
+    assert sorted((run / "tb").rglob("events.*")) == events  # no new, empty run in TensorBoard

@@ -1,0 +1,30 @@
+"""What a person sees: steps of max_steps, plain lines without a terminal, final numbers that agree."""
+
+import logging
+import re
+
+from lmlab.training import train
+from lmlab.training.progress import quiet_library_noise
+
+
+def test_without_a_bar_a_line_is_logged_every_log_every_steps_and_after_each_validation(make_cfg, tiny_overrides,
+                                                                                       tmp_path, caplog):
+    with caplog.at_level(logging.INFO):
+        results = train(make_cfg([*tiny_overrides, "trainer.max_steps=12", "trainer.val_every=5",
+                                  "trainer.log_every=4"]), tmp_path / "run")
+    lines = [r.getMessage() for r in caplog.records if r.name == "lmlab.training.progress"]
+    assert [line.split(":")[0] for line in lines if "train/loss" in line] == ["step 4/12", "step 8/12", "step 12/12"]
+    val_lines = [line for line in lines if "val/loss" in line]
+    assert [line.split(":")[0] for line in val_lines] == ["step 0/12", "step 5/12", "step 10/12", "step 12/12"]
+    # 12 is not a multiple of val_every: the closing validation runs inside fit and is the summary's number
+    last = float(re.search(r"val/loss ([0-9.]+)", val_lines[-1]).group(1))
+    assert abs(last - results["val_loss"]) < 1e-4
+
+
+def test_library_noise_is_dropped(caplog):
+    quiet_library_noise()
+    rank_zero = logging.getLogger("lightning.pytorch.utilities.rank_zero")
+    with caplog.at_level(logging.INFO):
+        rank_zero.info("💡 Tip: For seamless cloud logging and experiment tracking, try installing [litlogger]")
+        rank_zero.info("GPU available: False, used: False")
+    assert "litlogger" not in caplog.text and "GPU available" in caplog.text
