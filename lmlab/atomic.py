@@ -1,13 +1,14 @@
 """Atomic file writes: write under a temporary name in the same folder, then rename into place.
 
 A reader sees the old file or the new one, never a half-written one, and a failed write leaves
-the old file untouched.
+the old file untouched. The file gets the usual mode (0666 minus the umask), as `open` would
+give it: `tempfile.mkstemp` would make it private (0600).
 """
 
 from __future__ import annotations
 
 import os
-import tempfile
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 
@@ -15,13 +16,13 @@ from pathlib import Path
 def atomic_write(path: str | os.PathLike, write: Callable[[Path], object]) -> Path:
     """Call `write(tmp_path)`, then move the result to `path`."""
     path = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    os.close(fd)
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:12]}.tmp")
+    os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))  # the kernel applies the umask
     try:
-        write(Path(tmp))
+        write(tmp)
         os.replace(tmp, path)
     except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        tmp.unlink(missing_ok=True)
         raise
     return path
 

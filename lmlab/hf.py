@@ -105,14 +105,16 @@ def to_hf_llama(model: Transformer) -> tuple[dict[str, Any], dict[str, Tensor]]:
     return config, state
 
 
-def save_pretrained(model: Transformer, directory: str | os.PathLike) -> Path:
+def save_pretrained(model: Transformer, directory: str | os.PathLike, eos_token_id: int | None = None) -> Path:
     """Write `config.json` and `model.safetensors` that `LlamaForCausalLM.from_pretrained` loads.
 
-    Files are written under temporary names and renamed into place. Returns the directory.
+    `eos_token_id` (the tokenizer's end-of-text id) is where `generate` stops. Files are written
+    under temporary names and renamed into place. Returns the directory.
     """
     from safetensors.torch import save_file
 
     config, state = to_hf_llama(model)
+    config["eos_token_id"] = eos_token_id
     if config["tie_word_embeddings"]:
         del state["lm_head.weight"]  # safetensors refuses shared tensors; HF re-ties from the config
     directory = Path(directory)

@@ -52,14 +52,20 @@ def _encode(cfg: DictConfig, output_dir: str) -> None:
              corpus.n_bytes / 1e6 / max(seconds, 1e-9), cfg.cache_dir, cache_key(source, tokenizer))
 
 
-ACTIONS = {"train": _train, "encode": _encode}
+# `encode` writes only into the token cache, so it makes no run folder: Hydra's run dir is the
+# working directory (which exists), with no .hydra/ config copy and logging to the console only.
+NO_RUN_FOLDER = ["hydra.run.dir=.", "hydra.output_subdir=null", "hydra/job_logging=stdout"]
+
+# Each action: its job and the Hydra overrides it starts from (the user's come after them).
+ACTIONS = {"train": (_train, []), "encode": (_encode, NO_RUN_FOLDER)}
 
 
 def main() -> None:
     argv = sys.argv[1:]
     if not argv or argv[0] not in ACTIONS:
         fail("lmlab-tokenize", ConfigError(f"usage: lmlab-tokenize {{{','.join(ACTIONS)}}} [overrides...]"))
-    run_hydra_app("lmlab-tokenize", "tokenize", ACTIONS[argv[0]], argv[1:])
+    job, overrides = ACTIONS[argv[0]]
+    run_hydra_app("lmlab-tokenize", "tokenize", job, [*overrides, *argv[1:]])
 
 
 if __name__ == "__main__":

@@ -9,11 +9,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from lmlab.atomic import atomic_write
-from lmlab.cli.overrides import CONF_DIR, prepare
+from lmlab.cli.compose import compose_config
 from lmlab.errors import ConfigError
 
 OWN_KEYS = {"ckpt", "out", "noise", "seed"}
@@ -41,15 +40,13 @@ def upcycle_checkpoint(ckpt: Path, moe_overrides: list[str], out: Path, noise: f
     """Write the upcycled checkpoint to `out`; returns its config."""
     from lmlab.nn.moe.upcycle import upcycle
     from lmlab.nn.transformer import Transformer
-    from lmlab.training.checkpoints import CONFIG_KEY, model_weights, read_checkpoint, with_model_prefix
+    from lmlab.training.checkpoints import CONFIG_KEY, TOKENIZER_KEY, model_weights, read_checkpoint, with_model_prefix
 
     checkpoint = read_checkpoint(ckpt, "ckpt")
     config = checkpoint[CONFIG_KEY]
     if config["model"].get("moe") is not None:
         raise ConfigError(f"{ckpt} is an MoE model already (model.moe.name={config['model']['moe']['name']})")
-    prepare(moe_overrides)
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        moe_cfg = compose("train", overrides=moe_overrides).model.moe
+    moe_cfg = compose_config(moe_overrides).model.moe
     state = model_weights(checkpoint)
     vocab_size = state["embed_tokens.weight"].shape[0]
     dense = Transformer(OmegaConf.create(config["model"]), vocab_size)
@@ -58,7 +55,7 @@ def upcycle_checkpoint(ckpt: Path, moe_overrides: list[str], out: Path, noise: f
     moe = Transformer(OmegaConf.create(config["model"]), vocab_size)
     upcycle(dense, moe, noise, seed)
     payload = {"state_dict": with_model_prefix(moe.state_dict()), CONFIG_KEY: config,
-               "upcycled_from": str(ckpt)}
+               TOKENIZER_KEY: checkpoint.get(TOKENIZER_KEY), "upcycled_from": str(ckpt)}
     atomic_write(out, lambda tmp: torch.save(payload, tmp))
     return config
 

@@ -72,12 +72,15 @@ class PyDocs(TextSource):
 
 @SOURCES.register("text_files")
 class TextFiles(TextSource):
-    """Local .txt files (one document each) or .jsonl files (one document per line's text field)."""
+    """Local .txt files (one document each) or .jsonl files (one document per line's text field);
+    a folder stands for the .txt and .jsonl files under it."""
 
     @dataclass
     class Config(DataConfig):
-        paths: list[str] = field(default_factory=list)  # files or glob patterns
+        paths: list[str] = field(default_factory=list)  # files, folders or glob patterns
         text_field: str = "text"
+
+    SUFFIXES = (".txt", ".jsonl")
 
     def __init__(self, cfg: Config):
         self.text_field = cfg.text_field
@@ -85,14 +88,22 @@ class TextFiles(TextSource):
             raise DataSourceError("data=text_files needs data.paths, e.g. data.paths=[corpus/*.txt]")
         files: list[Path] = []
         for pattern in cfg.paths:
-            matched = sorted(glob.glob(os.path.expanduser(pattern), recursive=True))
+            matched = [Path(p) for p in sorted(glob.glob(os.path.expanduser(pattern), recursive=True))]
             if not matched:
                 raise DataSourceError(f"data.paths: '{pattern}' matches no file (working directory: {os.getcwd()})")
-            files.extend(Path(p) for p in matched if Path(p).is_file())
-        unknown = [str(p) for p in files if p.suffix not in (".txt", ".jsonl")]
+            found = [f for p in matched for f in ([p] if p.is_file() else self._files_under(p))]
+            if not found:
+                raise DataSourceError(f"data.paths: '{pattern}' names only folders with no .txt or .jsonl file in "
+                                      f"them: {', '.join(map(str, matched[:3]))}")
+            files.extend(found)
+        unknown = [str(p) for p in files if p.suffix not in self.SUFFIXES]
         if unknown:
             raise DataSourceError(f"data.paths: only .txt and .jsonl files are read, got {unknown[:3]}")
-        self.files = files
+        self.files = list(dict.fromkeys(files))  # a folder and a glob inside it may name a file twice
+
+    @classmethod
+    def _files_under(cls, folder: Path) -> list[Path]:
+        return sorted(p for p in folder.rglob("*") if p.suffix in cls.SUFFIXES and p.is_file())
 
     def documents(self) -> Iterator[str]:
         for path in self.files:
@@ -133,8 +144,15 @@ class HFDataset(TextSource):
         except ImportError:
             raise DataSourceError("data=hf needs the `datasets` package: pip install 'lmlab[hf]'") from None
         self.cfg = cfg
-        self._dataset = datasets.load_dataset(cfg.path, cfg.config_name, data_files=cfg.data_files, split=cfg.split,
-                                              streaming=cfg.streaming)
+        try:
+            self._dataset = datasets.load_dataset(cfg.path, cfg.config_name, data_files=cfg.data_files, split=cfg.split,
+                                                  streaming=cfg.streaming)
+        except Exception as err:  # noqa: BLE001 - datasets fails with many types (network, files, builders)
+            reason = (str(err).strip().splitlines() or [""])[0]
+            raise DataSourceError(
+                f"data=hf cannot load data.path='{cfg.path}' ({type(err).__name__}: {reason}); without the network, "
+                "read local files (data.path=json data.data_files=[my/*.jsonl], or data=text_files) or a copy already "
+                "in the Hugging Face cache (HF_DATASETS_OFFLINE=1 HF_HUB_OFFLINE=1)") from None
         columns = self._dataset.column_names or []
         if columns and cfg.text_field not in columns:
             raise DataSourceError(f"data.text_field='{cfg.text_field}' is not a column of {cfg.path}: {columns}")

@@ -6,16 +6,25 @@ import hashlib
 import json
 from abc import ABC, abstractmethod
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
+from lmlab.errors import ConfigError
 from lmlab.registry import Registry
 from lmlab.tokenizers.pretokenize import special_splitter
+
+if TYPE_CHECKING:
+    from lmlab.tokenizers.bpe import BPETokenizer
 
 TOKENIZERS = Registry("tokenizer", group="tokenizer",
                       doc="text <-> token ids; built as target(source, cache_dir, progress, cfg=Config)")
 
 EOT = "<|endoftext|>"
+
+# Every Tokenizer subclass by class name, so a tokenizer saved in a checkpoint is rebuilt by
+# the class that saved it (a plugin's class registers when its module is imported).
+TOKENIZER_CLASSES: dict[str, type[Tokenizer]] = {}
 
 
 def expected_vocab_size(tokenizer_cfg) -> int:
@@ -28,6 +37,10 @@ def expected_vocab_size(tokenizer_cfg) -> int:
 
 class Tokenizer(ABC):
     """Maps text to token ids and back. Special tokens are matched before anything else."""
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        TOKENIZER_CLASSES[cls.__name__] = cls
 
     def __init__(self, special_tokens: list[str]):
         self.special_tokens = list(dict.fromkeys(special_tokens))
@@ -50,6 +63,20 @@ class Tokenizer(ABC):
     @abstractmethod
     def state(self) -> dict:
         """Everything that determines the ids; hashed into cache keys and saved with runs."""
+
+    @abstractmethod
+    def to_dict(self) -> dict:
+        """Everything needed to rebuild this tokenizer, as plain str/int/list/dict data (no pickled
+        objects, so a checkpoint holding it loads with `weights_only=True`); `from_dict` reads it."""
+
+    @classmethod
+    @abstractmethod
+    def from_dict(cls, data: dict, where: str) -> Tokenizer:
+        """The tokenizer `to_dict` describes; `where` names the origin in errors."""
+
+    def to_bpe(self) -> BPETokenizer:
+        """The same ids as a byte-level BPE (`BPETokenizer`), the form GPT-2 files and Hugging Face take."""
+        raise ConfigError(f"{type(self).__name__} has no byte-level BPE form, so no GPT-2/Hugging Face files")
 
     def encode(self, text: str) -> list[int]:
         if self._special_split is None:
@@ -79,3 +106,21 @@ class Tokenizer(ABC):
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps({"class": type(self).__name__, **self.state()}, indent=2))
         return path
+
+
+def pack_tokenizer(tokenizer: Tokenizer) -> dict:
+    """A tokenizer as plain data, e.g. for a checkpoint: its class, `to_dict()` and fingerprint."""
+    return {"class": type(tokenizer).__name__, "data": tokenizer.to_dict(), "fingerprint": tokenizer.fingerprint()}
+
+
+def unpack_tokenizer(packed: dict, where: str) -> Tokenizer:
+    """The tokenizer `pack_tokenizer` saved, checked against its fingerprint (the same ids)."""
+    cls = TOKENIZER_CLASSES.get(packed["class"])
+    if cls is None:
+        raise ConfigError(f"{where} holds a {packed['class']} tokenizer, a class lmlab does not know; "
+                          f"import the plugin that defines it (plugins=[...])")
+    tokenizer = cls.from_dict(packed["data"], where)
+    if tokenizer.fingerprint() != packed["fingerprint"]:
+        raise ConfigError(f"{where}: its {packed['class']} tokenizer rebuilds with fingerprint "
+                          f"{tokenizer.fingerprint()}, not the saved {packed['fingerprint']}: its token ids would differ")
+    return tokenizer

@@ -1,7 +1,10 @@
 """Benchmark: lmlab's BPE against Hugging Face `tokenizers` and tiktoken, in one run.
 
-    python -m lmlab.tokenizers.bench [FILE] [--vocab-size 10000] [--repeats 3]
+    python -m lmlab.tokenizers.bench [FILE] [--vocab-size 8192] [--repeats 3]
     lmlab bench tokenizer [FILE] ...
+
+FILE defaults to the built-in corpus: the text of the `pydocs` data source (the CPython
+documentation that ships with Python), written to a temporary file.
 
 Training: lmlab's `train_bpe` and HF's BpeTrainer (ByteLevel pre-tokenizer, same vocab size and
 special token) on the same file; medians of `repeats` runs after one warm-up run each.
@@ -16,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import tempfile
 import tracemalloc
 from pathlib import Path
 
@@ -23,7 +27,7 @@ from lmlab.timing import median_time
 from lmlab.tokenizers.bpe import BPETokenizer
 from lmlab.tokenizers.bpe_train import train_bpe
 
-DEFAULT_FILE = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "tinyshakespeare.txt"
+BUILTIN_CORPUS = "pydocs"  # a data source that needs no download
 EOT = "<|endoftext|>"
 
 
@@ -38,11 +42,20 @@ def train_hf(path: Path, vocab_size: int):
     return hf
 
 
-def run(path: Path, vocab_size: int, repeats: int) -> dict:
+def write_builtin_corpus(folder: Path) -> Path:
+    """The built-in corpus as one UTF-8 file in `folder`, its documents separated by blank lines."""
+    from lmlab.data.sources import SOURCES
+
+    path = folder / f"{BUILTIN_CORPUS}.txt"
+    path.write_text("\n\n".join(SOURCES.build(BUILTIN_CORPUS).documents()), encoding="utf-8")
+    return path
+
+
+def run(path: Path, vocab_size: int, repeats: int, name: str | None = None) -> dict:
     size_mb = path.stat().st_size / 1e6
     text = path.read_text(encoding="utf-8")
     lines = text.splitlines(keepends=True)
-    r: dict = {"file": str(path), "mb": size_mb, "vocab_size": vocab_size, "repeats": repeats}
+    r: dict = {"file": name or str(path), "mb": size_mb, "vocab_size": vocab_size, "repeats": repeats}
 
     r["lmlab_train_s"], (vocab, merges) = median_time(lambda: train_bpe(path, vocab_size, [EOT]), repeats)
     r["hf_train_s"], hf = median_time(lambda: train_hf(path, vocab_size), repeats)
@@ -86,12 +99,14 @@ def report(r: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="lmlab bench tokenizer", description=__doc__.splitlines()[0])
-    parser.add_argument("file", nargs="?", type=Path, default=DEFAULT_FILE, help="UTF-8 text (default: tinyshakespeare)")
-    parser.add_argument("--vocab-size", type=int, default=10_000)
+    parser.add_argument("file", nargs="?", type=Path,
+                        help=f"UTF-8 text (default: the built-in corpus, the text of data={BUILTIN_CORPUS})")
+    parser.add_argument("--vocab-size", type=int, default=8192,
+                        help="(default 8192: the built-in corpus has merges for about 9,200 tokens)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--json", type=Path, help="also write the figures to this JSON file")
     args = parser.parse_args(argv)
-    if not args.file.is_file():
+    if args.file is not None and not args.file.is_file():
         print(f"lmlab bench tokenizer: error: {args.file} is not a file; give a UTF-8 text file", file=sys.stderr)
         return 2
     try:
@@ -99,7 +114,11 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError:
         print("lmlab bench tokenizer: error: needs Hugging Face `tokenizers`: pip install tokenizers", file=sys.stderr)
         return 2
-    results = run(args.file, args.vocab_size, args.repeats)
+    if args.file is None:
+        with tempfile.TemporaryDirectory(prefix="lmlab-bench-") as tmp:
+            results = run(write_builtin_corpus(Path(tmp)), args.vocab_size, args.repeats, f"data={BUILTIN_CORPUS}")
+    else:
+        results = run(args.file, args.vocab_size, args.repeats)
     print(report(results))
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))

@@ -67,6 +67,18 @@ class BPETokenizer(Tokenizer):
                 raise ConfigError(f"{directory} has no {name}: not a saved BPE tokenizer")
         return cls.from_files(directory / "vocab.json", directory / "merges.txt", special_tokens)
 
+    def to_dict(self) -> dict:
+        vocab, merges = gpt2_files.to_entries(self.vocab, self.merges, self.special_tokens)
+        return {"vocab": vocab, "merges": merges, "special_tokens": self.special_tokens}
+
+    @classmethod
+    def from_dict(cls, data: dict, where: str) -> BPETokenizer:
+        specials = list(data["special_tokens"])
+        return cls(*gpt2_files.from_entries(data["vocab"], data["merges"], specials, where), specials)
+
+    def to_bpe(self) -> BPETokenizer:
+        return self
+
     def save(self, directory: str | Path) -> Path:
         gpt2_files.write(directory, self.vocab, self.merges, self.special_tokens)
         return Path(directory)

@@ -12,6 +12,7 @@ import os
 import shutil
 import tempfile
 from dataclasses import dataclass, field
+from typing import ClassVar
 from pathlib import Path
 
 from lmlab.errors import ConfigError
@@ -26,6 +27,7 @@ class BPEConfig:
     special_tokens: list[str] = field(default_factory=lambda: [EOT])
     path: str | None = None  # folder with vocab.json + merges.txt; None: train on the run's data
     num_workers: int | None = None  # pre-tokenization processes (None: one per CPU)
+    speed_only: ClassVar[tuple[str, ...]] = ("num_workers",)  # settings that never change the token ids
 
 
 def train_on_source(source, cfg: BPEConfig, progress: bool = True) -> BPETokenizer:

@@ -14,6 +14,7 @@ A merge whose result equals an existing token's bytes reuses that token's id (as
 from __future__ import annotations
 
 import heapq
+import logging
 from collections import defaultdict
 from pathlib import Path
 
@@ -21,6 +22,8 @@ from tqdm import tqdm
 
 from lmlab.errors import ConfigError
 from lmlab.tokenizers.pretokenize import count_pretokens
+
+log = logging.getLogger(__name__)
 
 
 def _desc_key(token: bytes) -> bytes:
@@ -54,7 +57,7 @@ def train_bpe(
     `merges` in creation order. Text is split on the special tokens first (no merge crosses
     them), then pre-tokenized with the GPT-2 regex; each step merges the most frequent adjacent
     pair, ties going to the lexicographically greater pair of byte strings. Training stops at
-    `vocab_size` tokens or when no adjacent pair is left to merge.
+    `vocab_size` tokens or, with a logged warning, when no adjacent pair is left to merge.
     """
     special_tokens = list(dict.fromkeys(special_tokens))
     vocab = initial_vocab(special_tokens)
@@ -67,6 +70,9 @@ def train_bpe(
         raise ConfigError(f"{path} is empty: there is nothing to train a tokenizer on")
     merges = _merge(count_pretokens(path, special_tokens, num_workers, progress=progress), vocab, vocab_size,
                     progress)
+    if len(vocab) < vocab_size:
+        log.warning("vocab_size=%d asks for more tokens than the corpus allows: BPE training stopped at %d tokens, "
+                    "with no adjacent pair left to merge", vocab_size, len(vocab))
     return vocab, merges
 
 

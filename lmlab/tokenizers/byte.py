@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from lmlab.tokenizers.base import EOT, TOKENIZERS, Tokenizer
+from lmlab.tokenizers.bpe import BPETokenizer
 
 
 class ByteTokenizer(Tokenizer):
@@ -50,6 +51,17 @@ class ByteTokenizer(Tokenizer):
 
     def state(self) -> dict:
         return {"special_tokens": self.special_tokens}
+
+    def to_dict(self) -> dict:
+        return self.state()  # the special tokens are all there is
+
+    @classmethod
+    def from_dict(cls, data: dict, where: str) -> ByteTokenizer:
+        return cls(cls.Config(special_tokens=list(data["special_tokens"])))
+
+    def to_bpe(self) -> BPETokenizer:
+        """A BPE with no merges: each byte is its own token, and the special tokens follow from 256 on."""
+        return BPETokenizer({b: bytes([b]) for b in range(256)}, [], self.special_tokens)
 
 
 @TOKENIZERS.register("byte", config=ByteTokenizer.Config)

@@ -43,33 +43,51 @@ def from_text(text: str, where: str) -> bytes:
         raise ConfigError(f"{where}: {text!r} holds {err.args[0]!r}, which is not a GPT-2 byte character") from None
 
 
+def to_entries(vocab: dict[int, bytes], merges: list[tuple[bytes, bytes]],
+               special_tokens: list[str]) -> tuple[dict[str, int], list[str]]:
+    """The contents of `vocab.json` (token text -> id) and the lines of `merges.txt` (without its header)."""
+    specials = {tok.encode("utf-8"): tok for tok in special_tokens}
+    entries = {specials.get(b) or to_text(b): i for i, b in sorted(vocab.items())}
+    return entries, [f"{to_text(a)} {to_text(b)}" for a, b in merges]
+
+
+def from_entries(entries: dict[str, int], merge_lines: list[str], special_tokens: list[str],
+                 where: str) -> tuple[dict[int, bytes], list[tuple[bytes, bytes]]]:
+    """Vocab and merges from `to_entries`' form; `where` names their origin in errors (e.g. a checkpoint)."""
+    merges = [_merge(line, f"{where}: merge {n}") for n, line in enumerate(merge_lines, 1)]
+    return _vocab(entries, special_tokens, where), merges
+
+
 def write(directory: str | Path, vocab: dict[int, bytes], merges: list[tuple[bytes, bytes]],
           special_tokens: list[str]) -> None:
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    specials = {tok.encode("utf-8"): tok for tok in special_tokens}
-    entries = {specials.get(b) or to_text(b): i for i, b in sorted(vocab.items())}
+    entries, lines = to_entries(vocab, merges, special_tokens)
     atomic_write_text(directory / "vocab.json", json.dumps(entries, ensure_ascii=False, indent=0))
-    lines = [f"{to_text(a)} {to_text(b)}" for a, b in merges]
-    atomic_write_text(directory / "merges.txt", "#version: 0.2\n" + "\n".join(lines) + "\n")
+    atomic_write_text(directory / "merges.txt", "".join(f"{line}\n" for line in ["#version: 0.2", *lines]))
 
 
 def read(vocab_path: str | Path, merges_path: str | Path,
          special_tokens: list[str]) -> tuple[dict[int, bytes], list[tuple[bytes, bytes]]]:
-    """Vocab and merges from GPT-2 files; special tokens are read literally, the rest as byte characters."""
-    entries = json.loads(Path(vocab_path).read_text(encoding="utf-8"))
-    specials = set(special_tokens)
-    vocab = {int(i): (tok.encode("utf-8") if tok in specials else from_text(tok, str(vocab_path)))
-             for tok, i in entries.items()}
+    """Vocab and merges from GPT-2 files."""
+    vocab = _vocab(json.loads(Path(vocab_path).read_text(encoding="utf-8")), special_tokens, str(vocab_path))
     merges = []
     with open(merges_path, encoding="utf-8") as f:
         for line_no, line in enumerate(f, 1):
             line = line.rstrip("\n")
-            if not line or (line_no == 1 and line.startswith("#version")):
-                continue
-            parts = line.split(" ")
-            if len(parts) != 2:
-                raise ConfigError(f"{merges_path}:{line_no}: expected two tokens separated by one space, got {line!r}")
-            where = f"{merges_path}:{line_no}"
-            merges.append((from_text(parts[0], where), from_text(parts[1], where)))
+            if line and not (line_no == 1 and line.startswith("#version")):
+                merges.append(_merge(line, f"{merges_path}:{line_no}"))
     return vocab, merges
+
+
+def _vocab(entries: dict[str, int], special_tokens: list[str], where: str) -> dict[int, bytes]:
+    """Special tokens are read literally, the rest as GPT-2 byte characters."""
+    specials = set(special_tokens)
+    return {int(i): (tok.encode("utf-8") if tok in specials else from_text(tok, where)) for tok, i in entries.items()}
+
+
+def _merge(line: str, where: str) -> tuple[bytes, bytes]:
+    parts = line.split(" ")
+    if len(parts) != 2:
+        raise ConfigError(f"{where}: expected two tokens separated by one space, got {line!r}")
+    return from_text(parts[0], where), from_text(parts[1], where)

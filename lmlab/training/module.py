@@ -20,7 +20,8 @@ from lmlab.kernels.registry import KERNELS, install_kernels
 from lmlab.nn.transformer import Transformer
 from lmlab.optim import OPTIMIZERS, SCHEDULERS, describe_groups
 from lmlab.optim.schedules import warmup_steps
-from lmlab.training.checkpoints import CONFIG_KEY
+from lmlab.tokenizers.base import Tokenizer, pack_tokenizer
+from lmlab.training.checkpoints import CONFIG_KEY, TOKENIZER_KEY
 from lmlab.training.compile import compile_for_training
 from lmlab.training.losses import LOSSES
 from lmlab.training.objective import training_terms
@@ -40,10 +41,11 @@ def step_guard_for(cfg: DictConfig) -> StepGuard:
 
 
 class LanguageModelTask(L.LightningModule):
-    def __init__(self, cfg: DictConfig, vocab_size: int):
+    def __init__(self, cfg: DictConfig, tokenizer: Tokenizer):
         super().__init__()
         self.cfg = cfg
-        self.model = Transformer(cfg.model, vocab_size)
+        self.tokenizer = tokenizer  # saved in every checkpoint: the weights mean nothing without its ids
+        self.model = Transformer(cfg.model, tokenizer.vocab_size)
         self.loss_fn = LOSSES.build(cfg.loss)
         self.kernel_ops = KERNELS.build(cfg.kernels)
         for note in install_kernels(self.kernel_ops, self.model, self.loss_fn):
@@ -173,6 +175,7 @@ class LanguageModelTask(L.LightningModule):
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         checkpoint[CONFIG_KEY] = OmegaConf.to_container(self.cfg, resolve=True)
+        checkpoint[TOKENIZER_KEY] = pack_tokenizer(self.tokenizer)
         checkpoint[GUARD_KEY] = self.guard.state_dict()
         # The run's latest numbers, so a finished run asked to resume can report them without training.
         checkpoint[METRICS_KEY] = {k: float(v) for k, v in self.trainer.callback_metrics.items() if v.numel() == 1}

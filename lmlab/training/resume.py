@@ -7,10 +7,9 @@ import logging
 import math
 from pathlib import Path
 
-import torch
 from omegaconf import DictConfig
 
-from lmlab.errors import ConfigError
+from lmlab.training.checkpoints import read_checkpoint
 from lmlab.training.module import METRICS_KEY
 
 log = logging.getLogger(__name__)
@@ -40,10 +39,7 @@ def resolve_auto_resume(cfg: DictConfig, output_dir: Path) -> DictConfig:
 def finished_run(ckpt_path: str, max_steps: int) -> dict[str, float] | None:
     """The saved results when the checkpoint has reached `max_steps` already (nothing to train),
     else None."""
-    try:  # memory-mapped: only the step counter and the small metrics dict are read
-        checkpoint = torch.load(ckpt_path, map_location="cpu", mmap=True, weights_only=False)
-    except Exception as err:  # noqa: BLE001 - any unreadable file gets the same one-line error
-        raise ConfigError(f"ckpt_path={ckpt_path} cannot be read as a checkpoint ({type(err).__name__}: {err})") from None
+    checkpoint = read_checkpoint(ckpt_path, "ckpt_path")  # memory-mapped: the weights are not read
     step = checkpoint.get("global_step", 0)
     if step < max_steps:
         return None

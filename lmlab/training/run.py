@@ -14,7 +14,6 @@ from pathlib import Path
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
-from lightning.pytorch.loggers import TensorBoardLogger
 from omegaconf import DictConfig, OmegaConf
 
 from lmlab.data import SOURCES, LMDataModule
@@ -25,7 +24,8 @@ from lmlab.optim import OPTIMIZERS, SCHEDULERS
 from lmlab.parallel.strategies import PARALLEL, Parallel
 from lmlab.tokenizers import TOKENIZERS
 from lmlab.tokenizers.base import expected_vocab_size
-from lmlab.training.checkpoints import CONFIG_KEY, model_weights, read_checkpoint
+from lmlab.training.checkpoints import CONFIG_KEY, checkpoint_tokenizer, model_weights, read_checkpoint
+from lmlab.training.loggers import build_logger
 from lmlab.training.losses import LOSSES
 from lmlab.training.module import LanguageModelTask, step_guard_for
 from lmlab.training.interrupt import GracefulStop
@@ -44,20 +44,34 @@ def resolve_precision(precision: str) -> str:
 
 
 def check_checkpoint(cfg: DictConfig, key: str) -> None:
-    """The checkpoint at `cfg[key]` exists and was written by a run of the same model and tokenizer."""
+    """The checkpoint at `cfg[key]` exists and was written by a run of the same model and tokenizer
+    settings (the tokenizer itself then comes from the checkpoint: see `load_data`)."""
     path = Path(cfg[key])
     saved = read_checkpoint(path, key)[CONFIG_KEY]
-    for group in ("model", "tokenizer"):
+    keep_settings = {"model": "the checkpoint's model settings",  # what to run with instead, per group
+                     "tokenizer": "the checkpoint's tokenizer settings (it brings its tokenizer, whatever data= is)"}
+    for group, keep in keep_settings.items():
         now = OmegaConf.to_container(cfg[group], resolve=True)
-        diffs = _differences(saved[group], now, group)
+        diffs = _differences(_without_speed_only(saved[group]), _without_speed_only(now), group)
         if diffs:
             raise ConfigError(
                 f"checkpoint {path} was trained with a different {group} config:\n  " + "\n  ".join(diffs)
-                + f"\nrun with the checkpoint's {group} settings, or start without {key}")
+                + f"\nrun with {keep}, or start without {key}")
+
+
+def _without_speed_only(settings):
+    """A registry entry's settings minus those its Config lists as `speed_only` (e.g. the BPE's
+    num_workers): a checkpoint's tokenizer does not conflict with them."""
+    if not isinstance(settings, dict) or "name" not in settings or settings["name"] not in TOKENIZERS:
+        return settings
+    speed_only = getattr(TOKENIZERS.get(settings["name"]).config, "speed_only", ())
+    return {k: v for k, v in settings.items() if k not in speed_only}
 
 
 def _differences(old, new, prefix: str) -> list[str]:
     if isinstance(old, dict) and isinstance(new, dict):
+        if old.get("name") != new.get("name"):  # two registry entries: the entry differs, not its fields
+            return [f"{prefix}: checkpoint {old.get('name')!r}, now {new.get('name')!r}"]
         return [d for k in sorted(old.keys() | new.keys())
                 for d in _differences(old.get(k), new.get(k), f"{prefix}.{k}")]
     return [] if old == new else [f"{prefix}: checkpoint {old!r}, now {new!r}"]
@@ -124,8 +138,15 @@ def uses_cuda(accelerator: str) -> bool:
 
 
 def load_data(cfg: DictConfig, source, data_cfg) -> tuple:
-    """The tokenizer (trained or loaded) and the data module (tokenized corpus, from cache when there)."""
-    tokenizer = TOKENIZERS.build(cfg.tokenizer, source, cfg.cache_dir, cfg.trainer.progress_bar)
+    """The tokenizer and the data module (tokenized corpus, from cache when there). A run that
+    resumes (ckpt_path) or starts from a checkpoint (init_from) uses the checkpoint's tokenizer,
+    whatever `data=` is, so the weights keep their token ids; otherwise it is trained or loaded."""
+    key = next((k for k in ("ckpt_path", "init_from") if cfg[k]), None)
+    tokenizer = checkpoint_tokenizer(read_checkpoint(cfg[key], key), cfg[key]) if key else None
+    if tokenizer is None:
+        tokenizer = TOKENIZERS.build(cfg.tokenizer, source, cfg.cache_dir, cfg.trainer.progress_bar)
+    else:
+        log.info("tokenizer from %s: %s, %d tokens", cfg[key], type(tokenizer).__name__, tokenizer.vocab_size)
     datamodule = LMDataModule(source, tokenizer, data_cfg, cfg.cache_dir, cfg.seed, cfg.trainer.val_batches,
                               progress=cfg.trainer.progress_bar, micro_batches=cfg.trainer.accumulate_grad_batches)
     return tokenizer, datamodule
@@ -143,7 +164,7 @@ def train(cfg: DictConfig, output_dir: str | Path) -> dict[str, float]:
         return saved
 
     tokenizer, datamodule = load_data(cfg, source, data_cfg)
-    task = LanguageModelTask(cfg, tokenizer.vocab_size)
+    task = LanguageModelTask(cfg, tokenizer)
     if cfg.init_from:
         task.model.load_state_dict(model_weights(read_checkpoint(cfg.init_from, "init_from")))
         log.info("model weights from %s", cfg.init_from)
@@ -159,7 +180,7 @@ def train(cfg: DictConfig, output_dir: str | Path) -> dict[str, float]:
     if torch.cuda.is_available():
         torch.set_float32_matmul_precision("high")
     throughput = Throughput(t.log_every, flops_per_token)
-    logger = TensorBoardLogger(str(output_dir), name="tb", version="", default_hp_metric=False)
+    logger = build_logger(cfg.logger, output_dir)
     trainer = L.Trainer(
         max_steps=t.max_steps,
         accumulate_grad_batches=t.accumulate_grad_batches,
@@ -207,10 +228,9 @@ def train(cfg: DictConfig, output_dir: str | Path) -> dict[str, float]:
         "tokens_per_s": throughput.last_tokens_per_s or math.nan,
         "skipped_steps": task.guard.skipped,
     }
-    # The HParams tab pairs the whole config with these final numbers, one row per run.
-    logger.log_hyperparams(OmegaConf.to_container(cfg, resolve=True),
-                           {f"hp/{k}": v for k, v in results.items() if k != "initial_val_loss"})
-    logger.finalize("success")
+    # The whole config with these final numbers, one row per run (TensorBoard's HParams tab).
+    logger.finish(OmegaConf.to_container(cfg, resolve=True),
+                  {f"hp/{k}": v for k, v in results.items() if k != "initial_val_loss"}, trainer.global_step)
     log.info(summary(results, output_dir))
     if task.guard.skipped:
         log.warning("%d of %d steps were skipped by the step guard (see train/skipped_steps)", task.guard.skipped,

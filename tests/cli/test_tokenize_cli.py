@@ -51,3 +51,15 @@ def test_bench_tokenizer_compares_with_hugging_face_in_one_run(tmp_path):
     for line in ("ratio lmlab / HF", "lmlab peak memory", "HF tokenizers encode_batch", "lmlab pure Python"):
         assert line in proc.stdout
     assert (tmp_path / "r.json").is_file()
+
+
+def test_encode_writes_only_into_the_cache(tmp_path):
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("the cat sat on the mat.\n" * 100, encoding="utf-8")
+    work = tmp_path / "work"
+    work.mkdir()
+    proc = run_cli(["lmlab-tokenize", "encode", "data=text_files", f"data.paths=[{corpus}]", "tokenizer=byte",
+                    f"cache_dir={tmp_path / 'cache'}"], cwd=work)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "2401 tokens" in proc.stdout + proc.stderr  # 2400 bytes and the end-of-text token
+    assert list(work.iterdir()) == [] and len(list((tmp_path / "cache").glob("*.bin"))) == 1

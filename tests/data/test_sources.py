@@ -51,3 +51,31 @@ def test_hf_source_on_a_local_dataset(tmp_path, monkeypatch):
     assert src.fingerprint().startswith("hf-")
     with pytest.raises(DataSourceError, match="not a column"):
         SOURCES.build({**cfg, "text_field": "text"})
+
+
+def test_text_files_reads_a_folder_recursively_in_sorted_order(tmp_path):
+    (tmp_path / "corpus" / "b").mkdir(parents=True)
+    (tmp_path / "corpus" / "b" / "two.txt").write_text("two")
+    (tmp_path / "corpus" / "a.jsonl").write_text(json.dumps({"text": "one"}) + "\n")
+    (tmp_path / "corpus" / "notes.md").write_text("skipped: not .txt or .jsonl")
+    (tmp_path / "corpus" / "c.txt").write_text("three")
+    for paths in ([str(tmp_path / "corpus")], [str(tmp_path / "corpus"), str(tmp_path / "corpus" / "c.txt")]):
+        src = SOURCES.build({"name": "text_files", "paths": paths})
+        assert list(src.documents()) == ["one", "two", "three"]
+
+
+def test_text_files_folder_without_text_files_is_a_clear_error(tmp_path):
+    (tmp_path / "empty" / "sub").mkdir(parents=True)
+    (tmp_path / "empty" / "data.csv").write_text("a,b")
+    with pytest.raises(DataSourceError, match=f"'{tmp_path / 'empty'}' names only folders with no .txt or .jsonl"):
+        SOURCES.build({"name": "text_files", "paths": [str(tmp_path / "empty")]})
+
+
+def test_hf_source_that_cannot_load_is_one_line_saying_what_to_do(tmp_path, monkeypatch):
+    datasets = pytest.importorskip("datasets")
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)  # what HF_DATASETS_OFFLINE=1 sets at import
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "hf")
+    for path in (str(tmp_path / "no-such-dataset"), "no-such-user/no-such-dataset"):
+        with pytest.raises(DataSourceError, match=f"data=hf cannot load data.path='{path}' .*data.data_files") as err:
+            SOURCES.build({"name": "hf", "path": path})
+        assert "\n" not in str(err.value)

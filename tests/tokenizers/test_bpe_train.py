@@ -103,3 +103,15 @@ def test_empty_missing_and_non_utf8_files_are_rejected(tmp_path):
     bad.write_bytes("café au lait".encode("latin-1"))
     with pytest.raises(ConfigError, match="not UTF-8 text \\(byte 3"):
         train_bpe(bad, 300, [])
+
+
+def test_a_corpus_too_small_for_vocab_size_is_a_warning(tmp_path, caplog):
+    with caplog.at_level("WARNING", logger="lmlab.tokenizers.bpe_train"):
+        vocab, _ = _train_text(tmp_path, "ab cd ab", 1000, [EOT])
+    assert len(vocab) < 1000
+    assert [r.getMessage() for r in caplog.records] == [
+        f"vocab_size=1000 asks for more tokens than the corpus allows: BPE training stopped at {len(vocab)} tokens, "
+        "with no adjacent pair left to merge"]
+    caplog.clear()
+    _train_text(tmp_path, "ab cd ab", len(vocab), [EOT])
+    assert not caplog.records
