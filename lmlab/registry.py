@@ -43,8 +43,9 @@ class RegistryError(ConfigError):
     """A name or config that no registry entry matches; the message says how to fix it."""
 
 
-def closest(name: str, choices: Iterable[str]) -> str | None:
-    matches = difflib.get_close_matches(name, list(choices), n=1, cutoff=0.0)
+def closest(name: str, choices: Iterable[str], cutoff: float = 0.0) -> str | None:
+    """The choice most like `name`; with a `cutoff` (0 to 1, difflib's ratio), None when none is that alike."""
+    matches = difflib.get_close_matches(name, list(choices), n=1, cutoff=cutoff)
     return matches[0] if matches else None
 
 

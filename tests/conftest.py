@@ -8,10 +8,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from hydra import compose, initialize_config_dir
-
 from lmlab.catalog import load_catalog
-from lmlab.cli.overrides import CONF_DIR
+from lmlab.cli.compose import compose_config
 
 load_catalog()
 
@@ -42,11 +40,8 @@ def tiny_overrides(tmp_path: Path) -> list[str]:
 
 @pytest.fixture
 def make_cfg():
-    def _compose(overrides: list[str]):
-        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-            return compose("train", overrides=overrides)
-
-    return _compose
+    """The config lmlab-train composes from these overrides, checked like on the command line."""
+    return compose_config
 
 
 def run_cli(args: list[str], cwd: Path, env_extra: dict[str, str] | None = None) -> subprocess.CompletedProcess:

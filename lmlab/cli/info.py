@@ -11,9 +11,7 @@ from __future__ import annotations
 import argparse
 
 import torch
-from hydra import compose, initialize_config_dir
-
-from lmlab.cli.overrides import CONF_DIR, prepare
+from lmlab.cli.compose import compose_config
 from lmlab.tokenizers.base import expected_vocab_size
 from lmlab.training.hardware import BF16_PEAK_FLOPS
 
@@ -65,9 +63,7 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     if not 0 < args.mfu <= 1:
         parser.error(f"--mfu must be in (0, 1], got {args.mfu}")
-    prepare(args.overrides)
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        cfg = compose("train", overrides=args.overrides)
+    cfg = compose_config(args.overrides)
     vocab = args.vocab_size or cfg.model.vocab_size or expected_vocab_size(cfg.tokenizer)
     print(report(cost_model(cfg, vocab), args.accelerator, args.mfu))
     return 0

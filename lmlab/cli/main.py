@@ -1,52 +1,32 @@
-"""`lmlab`: the catalogue of registered parts (`lmlab list [GROUP]`)."""
+"""`lmlab`: the catalogue of config sections and registered parts (`lmlab list [GROUP]`), benchmarks
+(`lmlab bench NAME`) and the verbs that take a training config's overrides or a checkpoint."""
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import importlib
 import sys
 
 from lmlab.catalog import load_catalog
+from lmlab.cli.listing import format_registry, format_section, sections
 from lmlab.errors import ConfigError
-from lmlab.registry import Entry, Registry, unknown_name_message
-
-
-def _field_text(f: dataclasses.Field) -> str:
-    if f.default is not dataclasses.MISSING:
-        default = repr(f.default)
-    elif f.default_factory is not dataclasses.MISSING:
-        default = repr(f.default_factory())
-    else:
-        default = "required"
-    type_name = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
-    return f"{f.name}: {type_name} = {default}"
-
-
-def format_entry(entry: Entry, width: int) -> list[str]:
-    lines = [f"  {entry.name:<{width}}  {entry.doc}"]
-    fields = entry.fields()
-    lines += [f"  {'':<{width}}    {_field_text(f)}" for f in fields] or [f"  {'':<{width}}    (no fields)"]
-    return lines
-
-
-def format_registry(registry: Registry) -> str:
-    entries = list(registry)
-    width = max((len(e.name) for e in entries), default=0)
-    header = f"{registry.name}  (config group '{registry.group}': {registry.doc})"
-    return "\n".join([header] + [line for e in entries for line in format_entry(e, width)])
+from lmlab.registry import unknown_name_message
 
 
 def cmd_list(args: argparse.Namespace) -> int:
     registries = load_catalog(args.plugin)
-    if args.group is None:
-        print("\n\n".join(format_registry(r) for r in registries.values()))
-        return 0
+    groups = {r.group for r in registries.values()}
+    all_sections = sections()
+    section_paths = {s.path for s in all_sections.values()}
     by_name = {**{r.group: r for r in registries.values()}, **registries}
-    if args.group not in by_name:
-        print(f"lmlab list: error: {unknown_name_message('registry group', args.group, registries)}", file=sys.stderr)
+    wanted = [args.group] if args.group else [*all_sections, *registries]
+    shown = [format_section(all_sections[name], groups, section_paths) for name in wanted if name in all_sections]
+    shown += [format_registry(by_name[name]) for name in wanted if name in by_name]
+    if not shown:
+        message = unknown_name_message("group or section", args.group, {*all_sections, *by_name})
+        print(f"lmlab list: error: {message}", file=sys.stderr)
         return 2
-    print(format_registry(by_name[args.group]))
+    print("\n\n".join(shown))
     return 0
 
 
@@ -60,34 +40,43 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return importlib.import_module(BENCHMARKS[args.name]).main(args.args)
 
 
-def main(argv: list[str] | None = None) -> int:
+# Verbs that parse their own arguments, --help included: `lmlab VERB ARGS...` runs `main(ARGS)` of the module.
+VERBS = {
+    "info": ("lmlab.cli.info", "cost model of a training config: parameters, FLOPs, KV cache, time"),
+    "plot-lr": ("lmlab.cli.plot_lr", "PNG of the learning-rate schedule a training config would use"),
+    "upcycle": ("lmlab.cli.upcycle", "dense checkpoint -> MoE checkpoint whose experts copy the FFN"),
+    "export-hf": ("lmlab.cli.export_hf", "checkpoint -> Hugging Face Llama model folder"),
+}
+
+
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="lmlab", description="lmlab: language models from scratch")
     sub = parser.add_subparsers(dest="command", required=True)
-    p_list = sub.add_parser("list", help="registered parts by group, with their config fields")
-    p_list.add_argument("group", nargs="?", help="one group, by registry name (norm) or config group (model/norm)")
+    p_list = sub.add_parser("list", help="config sections and registered parts, with their fields")
+    p_list.add_argument("group", nargs="?", help="a section (top, model, data, trainer) or a group, by registry "
+                                                 "name (norm) or config group (model/norm)")
     p_list.add_argument("--plugin", action="append", default=[], help="also import this plugin module")
     p_list.set_defaults(func=cmd_list)
-    p_info = sub.add_parser("info", help="cost model of a training config: parameters, FLOPs, KV cache, time",
-                            add_help=False)
-    p_info.add_argument("args", nargs=argparse.REMAINDER)
-    p_info.set_defaults(func=lambda args: importlib.import_module("lmlab.cli.info").main(args.args))
-    p_lr = sub.add_parser("plot-lr", help="PNG of the learning-rate schedule a training config would use",
-                          add_help=False)
-    p_lr.add_argument("args", nargs=argparse.REMAINDER)
-    p_lr.set_defaults(func=lambda args: importlib.import_module("lmlab.cli.plot_lr").main(args.args))
-    p_upcycle = sub.add_parser("upcycle", help="dense checkpoint -> MoE checkpoint whose experts copy the FFN",
-                               add_help=False)
-    p_upcycle.add_argument("args", nargs=argparse.REMAINDER)
-    p_upcycle.set_defaults(func=lambda args: importlib.import_module("lmlab.cli.upcycle").main(args.args))
+    for verb, (_, help_text) in VERBS.items():
+        sub.add_parser(verb, help=f"{help_text} (lmlab {verb} --help)", add_help=False)
     p_bench = sub.add_parser("bench", help="benchmarks that compare lmlab with its reference in one run")
     p_bench.add_argument("name", choices=sorted(BENCHMARKS))
     p_bench.add_argument("args", nargs=argparse.REMAINDER, help="passed to the benchmark (try --help)")
     p_bench.set_defaults(func=cmd_bench)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] in VERBS:  # before argparse, which would take the verb's own flags for lmlab's
+        command, run = argv[0], lambda: importlib.import_module(VERBS[argv[0]][0]).main(argv[1:])
+    else:
+        args = _parser().parse_args(argv)
+        command, run = args.command, lambda: args.func(args)
     try:
-        return args.func(args)
+        return run()
     except ConfigError as err:
-        print(f"lmlab {args.command}: error: {err}", file=sys.stderr)
+        print(f"lmlab {command}: error: {err}", file=sys.stderr)
         return 2
 
 

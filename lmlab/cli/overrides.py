@@ -1,8 +1,8 @@
 """Command-line checks that must run before Hydra composes the config.
 
 Hydra composes the config before any lmlab code runs, so plugin modules have to be imported
-first (their entries must be in the ConfigStore) and a misspelt choice is caught here, where
-the error can name the closest entry.
+first (their entries must be in the ConfigStore), and a misspelt group or choice is caught here,
+where the error can name the closest one.
 """
 
 from __future__ import annotations
@@ -44,11 +44,21 @@ def plugin_modules(overrides: list[Override], conf_dir: Path = CONF_DIR, config_
     return list(dict.fromkeys(modules))
 
 
+def config_groups(conf_dir: Path = CONF_DIR) -> set[str]:
+    """lmlab's config groups: the registries' and the folders of conf/ (Hydra's own hydra/* left out)."""
+    folders = {p.relative_to(conf_dir).as_posix() for p in conf_dir.rglob("*") if p.is_dir()}
+    return {r.group for r in REGISTRIES.values()} | {f for f in folders if f != "hydra" and not f.startswith("hydra/")}
+
+
 def check_choices(overrides: list[Override], conf_dir: Path = CONF_DIR) -> None:
-    """Every `GROUP=NAME` names a registry entry or a preset file in conf/GROUP/."""
+    """Every `GROUP=NAME` names a config group, and in it a registry entry or a preset file in conf/GROUP/."""
     registries = {r.group: r for r in REGISTRIES.values()}
+    groups = config_groups(conf_dir)
     for override in overrides:
         group = override.key_or_group
+        # A key path has dots, so a slash means a group; Hydra would suggest `+GROUP=...`, which adds a stray key.
+        if "/" in group and group not in groups and not group.startswith("hydra/"):
+            raise ConfigError(unknown_name_message("config group", group, groups))
         folder = conf_dir / group
         if override.is_delete() or (group not in registries and not folder.is_dir()):
             continue

@@ -10,9 +10,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from hydra import compose, initialize_config_dir
-
-from lmlab.cli.overrides import CONF_DIR, prepare
+from lmlab.cli.compose import compose_config
 
 
 def main(argv: list[str]) -> int:
@@ -22,8 +20,6 @@ def main(argv: list[str]) -> int:
     parser.add_argument("overrides", nargs="*", help="lmlab-train overrides, e.g. sched=wsd trainer.max_steps=1000")
     parser.add_argument("--out", type=Path, default=Path("lr.png"), help="PNG to write (default lr.png)")
     args = parser.parse_args(argv)
-    prepare(args.overrides)
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        cfg = compose("train", overrides=args.overrides)
+    cfg = compose_config(args.overrides)
     print(f"wrote {plot_schedule(cfg.sched, cfg.optim.lr, cfg.trainer.max_steps, args.out)}")
     return 0

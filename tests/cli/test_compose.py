@@ -1,0 +1,70 @@
+"""The checked composition: every key and group on the command line is in lmlab's typed schema, and
+every mistake is one line naming the key, the closest match and what there is."""
+
+import pytest
+from hydra import compose
+
+from lmlab.cli import compose as compose_module
+from lmlab.cli.compose import check_jobs, compose_config
+from lmlab.errors import ConfigError
+
+
+@pytest.mark.parametrize("override", ["+model/nrom=layernorm", "model/nrom=layernorm"])
+def test_an_unknown_group_is_refused_with_the_closest_group(override):
+    with pytest.raises(ConfigError, match=r"^unknown config group 'model/nrom'. Did you mean 'model/norm'\?"):
+        compose_config([override])
+
+
+@pytest.mark.parametrize("override", ["+trainer.foo=1", "++trainer.foo=1", "trainer.foo=1"])
+def test_a_key_outside_the_schema_is_refused_even_when_added(override):
+    with pytest.raises(ConfigError, match=r"^unknown key 'trainer.foo' \(trainer has: [a-z_, ]*max_steps"):
+        compose_config([override])
+
+
+def test_a_misspelt_field_gets_the_closest_field_and_the_entrys_fields():
+    with pytest.raises(ConfigError) as err:
+        compose_config(["optim.lrr=1e-3"])
+    assert str(err.value) == ("unknown key 'optim.lrr'. Did you mean 'optim.lr'? "
+                              "(optim=adamw has: lr, betas, eps, weight_decay, groups)")
+    with pytest.raises(ConfigError, match=r"^unknown key 'model.mtp.dept'. Did you mean 'model.mtp.depth'\?"):
+        compose_config(["model.mtp.dept=1"])
+    with pytest.raises(ConfigError, match=r"'model.moe' has no typed fields; choose an entry first with model/moe="):
+        compose_config(["+model.moe.k=2"])
+
+
+@pytest.mark.parametrize("override, message", [
+    ("trainer.max_steps=abc", "wrong type for 'trainer.max_steps': got 'abc', expected int"),
+    ("model.norm.eps=small", "wrong type for 'model.norm.eps': got 'small', expected float"),
+])
+def test_a_value_of_the_wrong_type_names_key_value_and_type(override, message):
+    with pytest.raises(ConfigError) as err:
+        compose_config([override])
+    assert str(err.value) == message
+
+
+def test_schema_keys_and_hydra_keys_may_still_be_added():
+    assert compose_config(["++trainer.max_steps=7"]).trainer.max_steps == 7
+    assert compose_config(["model/moe=topk", "++model.moe.k=1"]).model.moe.k == 1
+    check_jobs(["+hydra.job.env_set.LMLAB_TEST=1"])
+    check_jobs(["-sc", "install=bash"])  # Hydra's shell completion: install=bash is no override
+
+
+def test_every_job_of_a_sweep_is_checked_before_any_runs():
+    with pytest.raises(ConfigError, match="wrong type for 'trainer.max_steps': got 'abc'"):
+        check_jobs(["-m", "trainer.max_steps=10,abc"])
+    with pytest.raises(ConfigError, match="Ambiguous value .* add --multirun"):  # a sweep without -m
+        check_jobs(["trainer.max_steps=10,abc"])
+
+
+def test_a_sweep_includes_the_sweeper_params_an_experiment_sets(monkeypatch):
+    composed = []
+
+    def spy(config_name, overrides, **kwargs):
+        composed.append(overrides)
+        return compose(config_name, overrides=overrides, **kwargs)
+
+    monkeypatch.setattr(compose_module, "compose", spy)
+    # architecture_ablations sweeps norms x FFNs x positions; the command line fixes the first two
+    check_jobs(["-m", "experiment=architecture_ablations", "model/norm=layernorm", "model/ffn=gelu"])
+    positions = [o for job in composed[1:] for o in job if o.startswith("model/position=")]
+    assert positions == ["model/position=rope", "model/position=alibi", "model/position=learned"]
