@@ -19,6 +19,7 @@ BUILTIN_MODULES = (
     "lmlab.optim",
     "lmlab.parallel.strategies",
     "lmlab.training",
+    "lmlab.training.loggers",
     "lmlab.training.config",  # the schema of train.yaml
 )
 

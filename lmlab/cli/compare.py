@@ -1,24 +1,32 @@
 """`lmlab-compare DIR`: a table and a plot of the runs under a (multi)run folder.
 
-A run is any folder with Hydra's `.hydra/overrides.yaml` and TensorBoard events under `tb/`.
-The table shows the overrides that differ between runs, the final train/val loss, val bpb
-and the median tokens/s; the plot of validation loss is written next to the runs, and for MoE
-runs a grid of each layer's expert loads over training (`expert_load.png`).
+A run is any folder with Hydra's `.hydra/overrides.yaml` and the scalars a logger wrote into it
+(TensorBoard events, at any depth; the csv logger's metrics.csv; the mlflow logger's file store),
+or an `error.txt` (a failed job of a sweep). The table shows the overrides that differ between
+runs, the final train/val loss, val bpb, the median tokens/s and a failed run's error; the plot
+of validation loss is written next to the runs, and for MoE runs a grid of each layer's expert
+loads over training (`expert_load.png`).
 """
 
 from __future__ import annotations
 
 import argparse
+import csv
 import re
 import statistics
 import sys
 import textwrap
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from omegaconf import OmegaConf
 
-SCALARS = ("train/loss", "val/loss", "val/bpb", "perf/tokens_per_s")
+from lmlab.atomic import atomic_write, atomic_write_text
+from lmlab.cli.app import ERROR_FILE
+from lmlab.registry import closest
+
+Scalars = dict[str, list[tuple[int, float]]]  # tag -> (step, value), in step order
 BOOLS = {"True": "true", "False": "false"}
 LOAD_TAG = re.compile(r"moe/(?P<layer>.+)/load/expert(?P<expert>\d+)$")  # logged by MoE layers
 
@@ -27,7 +35,8 @@ LOAD_TAG = re.compile(r"moe/(?P<layer>.+)/load/expert(?P<expert>\d+)$")  # logge
 class Run:
     path: Path
     overrides: dict[str, str]
-    scalars: dict[str, list[tuple[int, float]]]  # tag -> (step, value), in step order
+    scalars: Scalars
+    error: str | None = None  # a failed job's one-line error
 
     def final(self, tag: str) -> float | None:
         return self.scalars[tag][-1][1] if self.scalars.get(tag) else None
@@ -36,12 +45,41 @@ class Run:
         return statistics.median(v for _, v in self.scalars[tag]) if self.scalars.get(tag) else None
 
 
-def read_scalars(tb_dir: Path) -> dict[str, list[tuple[int, float]]]:
+def read_tensorboard(events_file: Path) -> Scalars:
     from tensorboard.backend.event_processing.event_accumulator import SCALARS as KIND, EventAccumulator
 
-    acc = EventAccumulator(str(tb_dir), size_guidance={KIND: 0})
+    acc = EventAccumulator(str(events_file), size_guidance={KIND: 0})
     acc.Reload()
     return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()[KIND]}
+
+
+def read_csv(metrics_csv: Path) -> Scalars:
+    """Lightning's CSVLogger file: a `step` column and one column per tag, empty where not logged."""
+    scalars: Scalars = {}
+    with metrics_csv.open(newline="") as f:
+        for row in csv.DictReader(f):
+            for tag, value in row.items():
+                if tag != "step" and value != "":
+                    scalars.setdefault(tag, []).append((int(float(row["step"])), float(value)))
+    return scalars
+
+
+def read_mlflow(metrics_dir: Path) -> Scalars:
+    """One run's metrics in an MLflow file store: a file per tag (`train/loss` is train/loss), a
+    `timestamp value step` line per point."""
+    scalars: Scalars = {}
+    for path in sorted(p for p in metrics_dir.rglob("*") if p.is_file()):
+        rows = (line.split() for line in path.read_text().splitlines() if line.strip())
+        scalars[path.relative_to(metrics_dir).as_posix()] = [(int(step), float(value)) for _, value, step in rows]
+    return scalars
+
+
+# What each logger writes locally (a glob under the run folder) and how to read it.
+READERS: dict[str, Callable[[Path], Scalars]] = {
+    "events.out.tfevents.*": read_tensorboard,  # tb/, or tb/<run_name>/ in a sweep
+    "metrics.csv": read_csv,
+    "mlruns/*/*/metrics": read_mlflow,
+}
 
 
 def _natural_key(path: Path) -> list:
@@ -49,16 +87,32 @@ def _natural_key(path: Path) -> list:
     return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", str(path))]
 
 
+def _overrides(run_dir: Path) -> dict[str, str]:
+    pairs = (str(o).split("=", 1) for o in OmegaConf.load(run_dir / ".hydra" / "overrides.yaml"))
+    # A sweep records booleans as Python spells them (False), a single run as typed (false).
+    return {k.lstrip("+~"): BOOLS.get(v, v) for k, v in pairs}
+
+
+def _error(run_dir: Path) -> str | None:
+    path = run_dir / ERROR_FILE
+    return (path.read_text().strip().splitlines() or ["failed"])[0] if path.is_file() else None
+
+
 def find_runs(root: Path) -> list[Run]:
-    runs = []
-    for overrides_file in sorted(root.rglob(".hydra/overrides.yaml"), key=_natural_key):
-        run_dir = overrides_file.parent.parent
-        if not (run_dir / "tb").is_dir():
-            continue
-        pairs = (str(o).split("=", 1) for o in OmegaConf.load(overrides_file))
-        # A sweep records booleans as Python spells them (False), a single run as typed (false).
-        runs.append(Run(run_dir, {k.lstrip("+~"): BOOLS.get(v, v) for k, v in pairs}, read_scalars(run_dir / "tb")))
-    return runs
+    """Every run under `root` with scalars or an error, in folder order (2 before 10)."""
+    folders = sorted({p.parent.parent for p in root.rglob(".hydra/overrides.yaml")}, key=_natural_key)
+    runs = {folder: Run(folder, _overrides(folder), {}, _error(folder)) for folder in folders}
+    for pattern, read in READERS.items():
+        for path in sorted(root.rglob(pattern), key=_natural_key):
+            # A log belongs to the closest run folder above it, should a run hold another.
+            run = next((runs[p] for p in path.parents if p in runs), None)
+            if run is not None:
+                for tag, points in read(path).items():
+                    run.scalars.setdefault(tag, []).extend(points)
+    for run in runs.values():
+        for points in run.scalars.values():
+            points.sort(key=lambda point: point[0])  # stable: a resumed run's later write of a step stays last
+    return [run for run in runs.values() if run.scalars or run.error]
 
 
 def differing_keys(runs: list[Run]) -> list[str]:
@@ -74,10 +128,12 @@ def _fmt(value: float | None, digits: int) -> str:
 
 def table(runs: list[Run], root: Path) -> str:
     keys = differing_keys(runs)
-    header = ["run", *keys, "train/loss", "val/loss", "val/bpb", "tokens/s"]
+    failed = any(r.error for r in runs)
+    header = ["run", *keys, "train/loss", "val/loss", "val/bpb", "tokens/s", *(["failed"] if failed else [])]
     rows = [[str(r.path.relative_to(root)) if r.path != root else ".", *(r.overrides.get(k, "") for k in keys),
              _fmt(r.final("train/loss"), 4), _fmt(r.final("val/loss"), 4), _fmt(r.final("val/bpb"), 4),
-             _fmt(r.median("perf/tokens_per_s"), 0)] for r in runs]
+             _fmt(r.median("perf/tokens_per_s"), 0), *([(r.error or "").replace("|", "\\|")] if failed else [])]
+            for r in runs]
     widths = [max(len(str(c)) for c in col) for col in zip(header, *rows)]
     line = lambda cells: "| " + " | ".join(str(c).ljust(w) for c, w in zip(cells, widths)) + " |"
     return "\n".join([line(header), "|" + "|".join("-" * (w + 2) for w in widths) + "|", *map(line, rows)])
@@ -87,14 +143,18 @@ def _label(run: Run, keys: list[str]) -> str:
     return ", ".join(f"{k}={run.overrides.get(k, '')}" for k in keys) or run.path.name
 
 
-def plot(runs: list[Run], path: Path, tag: str = "val/loss") -> Path:
+def plot(runs: list[Run], path: Path, tag: str = "val/loss") -> Path | None:
+    """The curves of `tag`, one per run that logged it; None when none did (e.g. every job failed)."""
     from matplotlib.figure import Figure  # renders with Agg, no display needed
 
     keys = differing_keys(runs)
+    logged = [run for run in runs if run.scalars.get(tag)]
+    if not logged:
+        return None
     fig = Figure(figsize=(8, 5))
     ax = fig.subplots()
-    for i, run in enumerate(runs):
-        points = run.scalars.get(tag, [])
+    for i, run in enumerate(logged):
+        points = run.scalars[tag]
         label = _label(run, keys)
         # The colour cycle has 10 colours; a new line style tells the next ten apart.
         ax.plot([s for s, _ in points], [v for _, v in points], marker="o", markersize=3, label=label,
@@ -103,8 +163,7 @@ def plot(runs: list[Run], path: Path, tag: str = "val/loss") -> Path:
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    return path
+    return atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=120, format="png"))
 
 
 def plot_expert_load(runs: list[Run], path: Path) -> Path | None:
@@ -135,8 +194,7 @@ def plot_expert_load(runs: list[Run], path: Path) -> Path | None:
     fig.suptitle(f"expert load (fraction of routed tokens per expert): {path.parent.name}", fontsize=10)
     fig.supxlabel("step", fontsize=9)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    return path
+    return atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=110, format="png"))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -149,16 +207,20 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     runs = find_runs(args.root)
     if not runs:
-        print(f"lmlab-compare: error: no runs (folders with .hydra/overrides.yaml and tb/) under {args.root}",
+        print(f"lmlab-compare: error: no runs under {args.root} (folders with .hydra/overrides.yaml and TensorBoard "
+              f"events, a metrics.csv, an mlruns/ store or {ERROR_FILE})", file=sys.stderr)
+        return 2
+    tags = {tag for run in runs for tag in run.scalars}
+    if tags and args.metric not in tags:
+        print(f"lmlab-compare: error: no run logged --metric {args.metric}; did you mean {closest(args.metric, tags)}?",
               file=sys.stderr)
         return 2
     text = table(runs, args.root)
     print(text)
-    (args.root / "comparison.md").write_text(text + "\n")
-    written = [args.root / "comparison.md", plot(runs, args.root / f"{args.metric.replace('/', '_')}.png", args.metric)]
-    load_png = plot_expert_load(runs, args.root / "expert_load.png")
-    written += [load_png] if load_png else []
-    print(f"\nwrote {', '.join(map(str, written))}")
+    written = [atomic_write_text(args.root / "comparison.md", text + "\n"),
+               plot(runs, args.root / f"{args.metric.replace('/', '_')}.png", args.metric),
+               plot_expert_load(runs, args.root / "expert_load.png")]
+    print(f"\nwrote {', '.join(str(path) for path in written if path)}")
     return 0
 
 

@@ -52,6 +52,7 @@ class TrainConfig:
     loss: Any = MISSING
     parallel: Any = MISSING
     kernels: Any = MISSING
+    logger: Any = MISSING
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     seed: int = 0
     ckpt_path: str | None = None  # resume from this checkpoint (weights, optimizer, step)

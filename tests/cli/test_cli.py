@@ -19,8 +19,8 @@ def test_multirun_two_jobs_then_compare(tiny_overrides, tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     jobs = sorted(p.name for p in sweep.iterdir() if p.is_dir())
     assert jobs == ["0", "1"]
-    for job in jobs:
-        tb = EventAccumulator(str(sweep / job / "tb"))
+    for job, norm in zip(jobs, ["rmsnorm", "layernorm"]):
+        tb = EventAccumulator(str(sweep / job / "tb" / f"model.norm={norm}"))  # TensorBoard's run: 0/tb/model.norm=...
         tb.Reload()
         assert {"train/loss", "val/loss", "val/bpb", "val/ppl", "lr", "perf/tokens_per_s"} <= set(tb.Tags()["scalars"])
         assert tb.PluginTagToContent("hparams")  # the HParams tab has this run
@@ -87,6 +87,28 @@ def test_unknown_choice_names_the_closest_entry_and_exits_2(tmp_path):
     assert sweep.returncode == 2 and "Did you mean 'gelu'?" in sweep.stderr
     missing = run_cli(["lmlab-train", "plugins=[not_a_module_anywhere]"], cwd=tmp_path)
     assert missing.returncode == 2 and "plugin module 'not_a_module_anywhere' was not found" in missing.stderr
+
+
+@pytest.mark.parametrize("args, message", [
+    (["+model/nrom=layernorm"], "unknown config group 'model/nrom'. Did you mean 'model/norm'?"),
+    (["-m", "optim.lr=1e-3,2e-3", "optim.lrr=1e-3"], "unknown key 'optim.lrr'. Did you mean 'optim.lr'?"),
+])
+def test_unknown_group_or_key_exits_2_with_one_line_before_any_job(tmp_path, args, message):
+    proc = run_cli(["lmlab-train", *args], cwd=tmp_path)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert proc.stderr.startswith(f"lmlab-train: error: {message}")
+    assert not (tmp_path / "outputs").exists()
+
+
+def test_a_failed_sweep_job_is_recorded_and_the_sweep_goes_on(tiny_overrides, tmp_path):
+    sweep = tmp_path / "sweep"
+    proc = run_cli(["lmlab-train", "-m", "model/position=rope,alibi,nope", "model/attention=linear", *tiny_overrides,
+                    "trainer.max_steps=6", f"hydra.sweep.dir={sweep}"], cwd=tmp_path)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert (sweep / "1" / "error.txt").read_text().startswith("model/position=alibi adds a bias to softmax attention")
+    assert (sweep / "0" / "checkpoints" / "last.ckpt").is_file() and (sweep / "2" / "checkpoints" / "last.ckpt").is_file()
+    assert "1 of 3 jobs failed" in proc.stderr and f"  {sweep / '1'}: model/position=alibi adds" in proc.stderr
+    assert "Traceback" not in proc.stderr
 
 
 def test_bad_value_exits_2_with_one_message(tiny_overrides, tmp_path):
