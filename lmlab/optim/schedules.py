@@ -36,8 +36,8 @@ def _check(total_steps: int, warmup_steps: int, min_lr_ratio: float = 0.0) -> No
 
 
 def default_warmup(total_steps: int) -> int:
-    """Warmup when none is set: 50 steps, or a fifth of a shorter run (at least one step)."""
-    return max(1, min(50, total_steps // 5))
+    """Warmup when none is set: 50 steps, or half of a run shorter than 100 steps (at least one step)."""
+    return max(1, min(50, total_steps // 2))
 
 
 def warmup_steps(sched_cfg, total_steps: int) -> int:
@@ -78,7 +78,7 @@ def inverse_sqrt(step: int, max_lr: float, warmup_steps: int) -> float:
 
 @dataclass
 class CosineConfig:
-    warmup_steps: int | None = None  # None: min(50, a fifth of the run)
+    warmup_steps: int | None = None  # None: min(50, half the run)
     min_lr_ratio: float = 0.1  # floor as a fraction of the peak learning rate
     cosine_steps: int | None = None  # None: the run's total steps
 
@@ -95,7 +95,7 @@ def cosine_schedule(max_lr: float, total_steps: int, cfg: CosineConfig) -> Calla
 
 @dataclass
 class ConstantConfig:
-    warmup_steps: int | None = None  # None: min(50, a fifth of the run)
+    warmup_steps: int | None = None  # None: min(50, half the run)
 
 
 @SCHEDULERS.register("constant", config=ConstantConfig)
@@ -108,7 +108,7 @@ def constant_schedule(max_lr: float, total_steps: int, cfg: ConstantConfig) -> C
 
 @dataclass
 class LinearConfig:
-    warmup_steps: int | None = None  # None: min(50, a fifth of the run)
+    warmup_steps: int | None = None  # None: min(50, half the run)
     min_lr_ratio: float = 0.0  # the learning rate at the last step, as a fraction of the peak
 
 
@@ -123,7 +123,7 @@ def linear_schedule(max_lr: float, total_steps: int, cfg: LinearConfig) -> Calla
 
 @dataclass
 class WSDConfig:
-    warmup_steps: int | None = None  # None: min(50, a fifth of the run)
+    warmup_steps: int | None = None  # None: min(50, half the run)
     decay_fraction: float = 0.2  # the last fraction of the run decays
     decay_shape: str = "sqrt"  # linear, cosine or sqrt (1 - sqrt(progress))
     min_lr_ratio: float = 0.0
@@ -160,7 +160,7 @@ def wsd_schedule(max_lr: float, total_steps: int, cfg: WSDConfig) -> Callable[[i
 
 @dataclass
 class InverseSqrtConfig:
-    warmup_steps: int | None = None  # None: min(50, a fifth of the run)
+    warmup_steps: int | None = None  # None: min(50, half the run)
 
 
 @SCHEDULERS.register("inverse_sqrt", config=InverseSqrtConfig)
