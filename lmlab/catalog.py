@@ -20,6 +20,8 @@ BUILTIN_MODULES = (
     "lmlab.parallel.strategies",
     "lmlab.training",
     "lmlab.training.loggers",
+    "lmlab.inference.quant",
+    "lmlab.inference.samplers",
     "lmlab.training.config",  # the schema of train.yaml
 )
 

@@ -33,7 +33,7 @@ def cmd_list(args: argparse.Namespace) -> int:
 # `lmlab bench NAME ...` runs the `main(argv)` of the module named here.
 BENCHMARKS = {"tokenizer": "lmlab.tokenizers.bench", "moe": "lmlab.nn.moe.bench", "comm": "lmlab.parallel.comm_bench",
               "parallel": "lmlab.parallel.bench", "train": "lmlab.training.bench",
-              "kernels": "lmlab.kernels.bench"}
+              "kernels": "lmlab.kernels.bench", "generate": "lmlab.inference.bench"}
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -46,6 +46,7 @@ VERBS = {
     "plot-lr": ("lmlab.cli.plot_lr", "PNG of the learning-rate schedule a training config would use"),
     "upcycle": ("lmlab.cli.upcycle", "dense checkpoint -> MoE checkpoint whose experts copy the FFN"),
     "export-hf": ("lmlab.cli.export_hf", "checkpoint -> Hugging Face Llama model folder"),
+    "generate": ("lmlab.cli.generate", "text from a checkpoint or Hugging Face Llama folder, streamed"),
 }
 
 

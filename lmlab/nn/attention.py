@@ -126,11 +126,17 @@ class MultiHeadAttention(nn.Module):
             raise ConfigError(f"attention.window={self.window} is larger than data.context_length={context_length}; "
                               "a window that covers the whole context is plain global attention")
 
-    def forward(self, x: torch.Tensor, position: PositionEncoding, positions: torch.Tensor) -> torch.Tensor:
+    def project(self, x: torch.Tensor, position: PositionEncoding, positions: torch.Tensor):
+        """Queries (b, n_heads, s, d), keys and values (b, n_kv_heads, s, d), normed and rotated; a KV cache
+        (generation) stores the keys and values."""
         q = self.q_norm(rearrange(self.q_proj(x), "b s (h d) -> b h s d", h=self.n_heads))
         k = self.k_norm(rearrange(self.k_proj(x), "b s (h d) -> b h s d", h=self.n_kv_heads))
         v = rearrange(self.v_proj(x), "b s (h d) -> b h s d", h=self.n_kv_heads)
         q, k = position.rotate(q, k, positions)
+        return q, k, v
+
+    def forward(self, x: torch.Tensor, position: PositionEncoding, positions: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.project(x, position, positions)
         bias = position.attn_bias(positions, positions)
         if self.kernel is not None and bias is None:
             out = self.kernel(q, k, v, True, self.score_scale)

@@ -26,8 +26,10 @@ BLOCKS = Registry("block", group="model/block", doc="residual block layouts")
 class Block(nn.Module):
     """Shared construction of a block: `self_attn`, `mlp` and one norm per name in `norm_names`.
 
-    Subclasses define `forward(x, position, positions)`. `final_norm` says whether the model
-    should normalise the last block's output (a layout that already ends in a norm says no).
+    Subclasses define `forward(x, position, positions, cache=None)` and run attention through
+    `attend`, which hands it to the layer's KV cache during generation (lmlab.inference).
+    `final_norm` says whether the model should normalise the last block's output (a layout that
+    already ends in a norm says no).
     """
 
     norm_names: tuple[str, ...] = ()
@@ -42,6 +44,12 @@ class Block(nn.Module):
         for name in self.norm_names:
             setattr(self, name, NORMS.build(model_cfg.norm, d))
 
+    def attend(self, h: torch.Tensor, position: PositionEncoding, positions: torch.Tensor, cache=None) -> torch.Tensor:
+        """Self-attention of h; with a cache (generation), the cache runs it over the cached keys too."""
+        if cache is None:
+            return self.self_attn(h, position, positions)
+        return cache(self.self_attn, h, position, positions)
+
 
 @BLOCKS.register("prenorm")
 class PreNormBlock(Block):
@@ -49,8 +57,8 @@ class PreNormBlock(Block):
 
     norm_names = ("input_layernorm", "post_attention_layernorm")
 
-    def forward(self, x: torch.Tensor, position: PositionEncoding, positions: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), position, positions)
+    def forward(self, x: torch.Tensor, position: PositionEncoding, positions: torch.Tensor, cache=None) -> torch.Tensor:
+        x = x + self.attend(self.input_layernorm(x), position, positions, cache)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -63,8 +71,8 @@ class PostNormBlock(Block):
     norm_names = ("post_attention_layernorm", "post_mlp_layernorm")
     final_norm = False  # the last block's output is normalised already
 
-    def forward(self, x: torch.Tensor, position: PositionEncoding, positions: torch.Tensor) -> torch.Tensor:
-        x = self.post_attention_layernorm(x + self.self_attn(x, position, positions))
+    def forward(self, x: torch.Tensor, position: PositionEncoding, positions: torch.Tensor, cache=None) -> torch.Tensor:
+        x = self.post_attention_layernorm(x + self.attend(x, position, positions, cache))
         return self.post_mlp_layernorm(x + self.mlp(x))
 
 
@@ -78,8 +86,8 @@ class SandwichBlock(Block):
     # post_feedforward_layernorm (note the clash on post_attention_layernorm).
     norm_names = ("input_layernorm", "attn_output_layernorm", "post_attention_layernorm", "mlp_output_layernorm")
 
-    def forward(self, x: torch.Tensor, position: PositionEncoding, positions: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn_output_layernorm(self.self_attn(self.input_layernorm(x), position, positions))
+    def forward(self, x: torch.Tensor, position: PositionEncoding, positions: torch.Tensor, cache=None) -> torch.Tensor:
+        x = x + self.attn_output_layernorm(self.attend(self.input_layernorm(x), position, positions, cache))
         return x + self.mlp_output_layernorm(self.mlp(self.post_attention_layernorm(x)))
 
 
@@ -91,6 +99,6 @@ class ParallelBlock(Block):
     # together; PaLM reports ~15% faster training at large scale for a small quality cost.
     norm_names = ("input_layernorm",)
 
-    def forward(self, x: torch.Tensor, position: PositionEncoding, positions: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, position: PositionEncoding, positions: torch.Tensor, cache=None) -> torch.Tensor:
         h = self.input_layernorm(x)
-        return x + self.self_attn(h, position, positions) + self.mlp(h)
+        return x + self.attend(h, position, positions, cache) + self.mlp(h)

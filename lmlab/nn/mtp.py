@@ -43,7 +43,8 @@ class MTPModule(nn.Module):
         self.norm = NORMS.build(model_cfg.norm, d) if self.layer.final_norm else nn.Identity()
 
     def forward(self, hidden: torch.Tensor, next_embeddings: torch.Tensor, position: PositionEncoding,
-                positions: torch.Tensor) -> torch.Tensor:
-        """hidden (B, S, d) of the previous depth at positions t, next_embeddings (B, S, d) of tokens t+d."""
+                positions: torch.Tensor, cache=None) -> torch.Tensor:
+        """hidden (B, S, d) of the previous depth at positions t, next_embeddings (B, S, d) of tokens t+d;
+        `cache`: the block's KV cache when drafting with these modules (self-speculation)."""
         x = self.eh_proj(torch.cat([self.hnorm(hidden), self.enorm(next_embeddings)], dim=-1))
-        return self.layer(x, position, positions)
+        return self.layer(x, position, positions, cache)

@@ -26,15 +26,16 @@ class PositionEncoding(nn.Module):
         self.max_seq_len = max_seq_len
 
     def embed(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """x: (batch, seq, d_model); positions: (seq,)."""
+        """x: (batch, seq, d_model); positions: (seq,), or (batch, seq) when each sequence has its own."""
         return x
 
     def rotate(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """q, k: (batch, heads, seq, head_dim); positions: (seq,)."""
+        """q, k: (batch, heads, seq, head_dim); positions: (seq,) or (batch, seq)."""
         return q, k
 
     def attn_bias(self, q_positions: torch.Tensor, k_positions: torch.Tensor) -> torch.Tensor | None:
-        """Added to the attention scores: (heads, q_len, k_len), or None."""
+        """Added to the attention scores: (heads, q_len, k_len), or (batch, heads, q_len, k_len) for
+        positions of shape (batch, len); or None."""
         return None
 
 
@@ -83,6 +84,8 @@ class RoPE(PositionEncoding):
 
     def rotate(self, q, k, positions):
         cos, sin = self.cos[positions].to(q.dtype), self.sin[positions].to(q.dtype)
+        if positions.dim() == 2:  # per-sequence positions (generation): broadcast over heads
+            cos, sin = cos[:, None], sin[:, None]
         return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
 
 
@@ -149,5 +152,5 @@ class ALiBi(PositionEncoding):
         return None
 
     def attn_bias(self, q_positions, k_positions):
-        distance = (q_positions[:, None] - k_positions[None, :]).clamp_min(0)  # future keys are masked anyway
-        return -self.slopes[:, None, None] * distance
+        distance = (q_positions[..., :, None] - k_positions[..., None, :]).clamp_min(0)  # future keys are masked anyway
+        return -self.slopes[:, None, None] * distance[..., None, :, :]

@@ -73,9 +73,11 @@ def load_balancing_loss(probs: torch.Tensor, expert_index: torch.Tensor, n_exper
 
 
 class Router(nn.Module):
-    """Base: checks the MoE settings shared by every router; `learned` says whether a gate feeds it."""
+    """Base: checks the MoE settings shared by every router; `learned` says whether a gate feeds it,
+    `causal` whether a token's routing ignores later tokens (generation needs it)."""
 
     learned = True
+    causal = True
 
     def __init__(self, cfg: MoEConfig):
         super().__init__()
@@ -177,6 +179,8 @@ class ExpertChoiceRouter(Router):
     later positions included: for causal language modelling this leaks the future, so use it
     as a training-time study, not for generation.
     """
+
+    causal = False
 
     @dataclass
     class Config(MoEConfig):

@@ -1,0 +1,287 @@
+"""`lmlab bench generate [OVERRIDES...]`: decode speed of lmlab's engine against Hugging Face `generate`.
+
+    lmlab bench generate model=llama400m model.vocab_size=50304 --json gen.json --plot tokens_per_s.png
+
+In one process and on the same weights (random, or `--ckpt`'s), for each prompt length and batch
+size: lmlab eager, lmlab compiled (torch.compile + CUDA graphs), Hugging Face `generate` with its
+dynamic cache (`hf`) and with its static cache under torch.compile (`hf-static`), all greedy with
+no stop token, so every run makes exactly `--new` tokens. Reported: time to first token, time per
+output token, prefill and decode tokens/s, KV-cache bytes, and at each batch the bandwidth
+roofline: bytes one decode step must read (the weights once, plus the batch's keys and values at
+the mean length) over the device-to-device copy bandwidth measured in the same run. Then the KV
+bytes per token of each attention kind at the model's size. Medians of `--repeats` runs after one
+warm-up run (which compiles and captures the graphs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from lmlab.cli.overrides import CONF_DIR, prepare
+from lmlab.inference.engine import Engine
+from lmlab.inference.quant import quantize
+from lmlab.nn.transformer import Transformer
+from lmlab.timing import sync
+from lmlab.tokenizers.base import expected_vocab_size
+
+ENGINES = ("eager", "compiled", "hf", "hf-static")
+QUANT_FIT = {"int4": {"group_size": 64}}  # llama400m's FFN width, 2752, is a multiple of 64, not 128
+DEFAULT_OVERRIDES = ["model=llama400m", "model.vocab_size=50304"]
+
+
+def copy_bandwidth(device: torch.device, n_bytes: int = 1 << 30, repeats: int = 10) -> float:
+    """Bytes per second of a device-to-device copy, counting the read and the write."""
+    src = torch.empty(n_bytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    times = []
+    for _ in range(repeats):
+        sync()
+        start = time.perf_counter()
+        dst.copy_(src)
+        sync()
+        times.append(time.perf_counter() - start)
+    return 2 * n_bytes / statistics.median(times)
+
+
+def weight_bytes_per_step(model: Transformer) -> int:
+    """Bytes of the weights one decode step reads: every parameter and persistent buffer (quantized
+    weights are buffers) but the embedding table (one row per token), unless the output head shares it."""
+    tensors = {t.data_ptr(): t for t in model.state_dict().values()}
+    if model.lm_head.weight is not model.embed_tokens.weight:
+        tensors.pop(model.embed_tokens.weight.data_ptr())
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def _lmlab_run(engine: Engine, prompts: torch.Tensor, new: int) -> dict:
+    out = engine.generate(prompts.tolist(), max_new_tokens=new, sync_every=64)
+    s = out.stats
+    return {"ttft_s": s.ttft_s, "tpot_s": s.tpot_s, "prefill_tokens_per_s": s.prefill_tokens_per_s,
+            "decode_tokens_per_s": s.decode_tokens_per_s, "kv_cache_bytes": s.kv_cache_bytes,
+            "tokens": out.tokens[0][:8]}
+
+
+class HFContender:
+    """The same weights as `transformers`' LlamaForCausalLM, generating with its own `generate`."""
+
+    def __init__(self, model: Transformer, static: bool):
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        from lmlab.hf import to_hf_llama
+
+        config, state = to_hf_llama(model)
+        weight = model.embed_tokens.weight
+        self.model = LlamaForCausalLM(LlamaConfig(**config)).to(weight.device, weight.dtype).eval()
+        self.model.load_state_dict(state)
+        self.static = static
+        if static:
+            self.model.forward = torch.compile(self.model.forward, mode="reduce-overhead", fullgraph=True)
+
+    def _generate(self, prompts: torch.Tensor, new: int):
+        kwargs = {"cache_implementation": "static"} if self.static else {}
+        return self.model.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=new,
+                                   min_new_tokens=new, do_sample=False, pad_token_id=0, **kwargs)
+
+    def run(self, prompts: torch.Tensor, new: int) -> dict:
+        sync()
+        start = time.perf_counter()
+        self._generate(prompts, 1)
+        sync()
+        ttft = time.perf_counter() - start
+        start = time.perf_counter()
+        out = self._generate(prompts, new)
+        sync()
+        total = time.perf_counter() - start
+        decode_s = max(total - ttft, 1e-9)
+        batch = prompts.shape[0]
+        return {"ttft_s": ttft, "tpot_s": decode_s / (new - 1), "prefill_tokens_per_s": prompts.numel() / ttft,
+                "decode_tokens_per_s": batch * (new - 1) / decode_s, "kv_cache_bytes": None,
+                "tokens": out[0, prompts.shape[1]:prompts.shape[1] + 8].tolist()}
+
+
+def _median_run(run, repeats: int) -> dict:
+    runs = [run() for _ in range(repeats)]
+    keys = [k for k, v in runs[0].items() if isinstance(v, float)]
+    return {**runs[-1], **{k: statistics.median(r[k] for r in runs) for k in keys}}
+
+
+def kv_bytes_by_attention(cfg, vocab: int, length: int = 4096) -> dict[str, dict]:
+    """Cache bytes per token and per sequence of `length` tokens for each attention kind at the
+    model's width and depth, from the caches the engine allocates (on the meta device)."""
+    heads = cfg.model.attention.get("n_heads", 16)
+    kinds = {"mha": {"name": "mha", "n_heads": heads},
+             "gqa (n_kv_heads=4)": {"name": "mha", "n_heads": heads, "n_kv_heads": 4},
+             "mqa": {"name": "mha", "n_heads": heads, "n_kv_heads": 1},
+             "mla (kv_lora_rank=256)": {"name": "mla", "n_heads": heads, "kv_lora_rank": 256, "qk_rope_head_dim": 32},
+             "sliding window 1024": {"name": "mha", "n_heads": heads, "window": 1024},
+             "linear": {"name": "linear", "n_heads": heads}}
+    base = OmegaConf.to_container(cfg.model, resolve=True)
+    table = {}
+    for kind, attention in kinds.items():
+        with torch.device("meta"):
+            model = Transformer(OmegaConf.create({**base, "attention": attention, "max_seq_len": length}), vocab)
+        engine = Engine(model.to(torch.bfloat16))
+        engine.begin(1, length)
+        total = engine.kv_cache_bytes()
+        table[kind] = {"bytes_per_token": total / length, "bytes_at_length": total, "length": length}
+    return table
+
+
+def _roofline(model: Transformer, batch: int, prompt: int, new: int, bandwidth: float) -> float:
+    """Decode tokens/s if each step only had to read its bytes at the measured bandwidth."""
+    mean_len = prompt + new / 2
+    step_bytes = weight_bytes_per_step(model) + batch * mean_len * model.kv_cache_bytes_per_token(
+        model.embed_tokens.weight.element_size())
+    return batch * bandwidth / step_bytes
+
+
+def run_benchmark(model: Transformer, engines: list[str], batches: list[int], prompts: list[int], new: int,
+                  repeats: int, seed: int = 0, label: str = "") -> dict:
+    """Rows of timings per prompt length, batch and engine; `label` is appended to the engine names."""
+    device = model.embed_tokens.weight.device
+    bandwidth = copy_bandwidth(device) if device.type == "cuda" else None
+    rows = []
+    for prompt_len in prompts:
+        for batch in batches:
+            ids = torch.randint(0, model.vocab_size, (batch, prompt_len),
+                                generator=torch.Generator().manual_seed(seed)).to(device)
+            for name in engines:
+                row = {"engine": name + label, "batch": batch, "prompt": prompt_len, "new": new}
+                run = _contender(name, model)
+                run(ids, new)  # warm-up: compiles and captures
+                row.update(_median_run(lambda: run(ids, new), repeats))
+                if bandwidth:
+                    row["roofline_tokens_per_s"] = _roofline(model, batch, prompt_len, new, bandwidth)
+                    row["fraction_of_roofline"] = row["decode_tokens_per_s"] / row["roofline_tokens_per_s"]
+                rows.append(row)
+                print(format_row(row), flush=True)
+    return {"rows": rows, "copy_bandwidth_bytes_per_s": bandwidth, "parameters": model.num_parameters(),
+            "weight_bytes_per_step": weight_bytes_per_step(model),
+            "kv_bytes_per_token": model.kv_cache_bytes_per_token(model.embed_tokens.weight.element_size())}
+
+
+_CONTENDERS: dict[tuple[str, int], object] = {}
+
+
+def _contender(name: str, model: Transformer):
+    """The run function of one engine, built once per model (engines keep their compiled graphs)."""
+    key = (name, id(model))
+    if key not in _CONTENDERS:
+        builders = {"eager": lambda: _engine_run(Engine(model)), "compiled": lambda: _engine_run(Engine(model, True)),
+                    "hf": lambda: HFContender(model, static=False).run,
+                    "hf-static": lambda: HFContender(model, static=True).run}
+        _CONTENDERS[key] = builders[name]()
+    return _CONTENDERS[key]
+
+
+def _engine_run(engine: Engine):
+    return lambda ids, new: _lmlab_run(engine, ids, new)
+
+
+HEADER = (f"{'engine':<10} {'batch':>5} {'prompt':>6} {'TTFT ms':>9} {'TPOT ms':>8} {'prefill tok/s':>14} "
+          f"{'decode tok/s':>13} {'KV MiB':>8} {'roofline':>9}")
+
+
+def format_row(row: dict) -> str:
+    kv = "" if row["kv_cache_bytes"] is None else f"{row['kv_cache_bytes'] / 2**20:.0f}"
+    roof = f"{row['fraction_of_roofline']:.0%}" if "fraction_of_roofline" in row else ""
+    return (f"{row['engine']:<10} {row['batch']:>5} {row['prompt']:>6} {row['ttft_s'] * 1e3:>9.1f} "
+            f"{row['tpot_s'] * 1e3:>8.2f} {row['prefill_tokens_per_s']:>14,.0f} {row['decode_tokens_per_s']:>13,.0f} "
+            f"{kv:>8} {roof:>9}")
+
+
+def plot(rows: list[dict], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for (engine, prompt) in sorted({(r["engine"], r["prompt"]) for r in rows}):
+        mine = sorted((r for r in rows if r["engine"] == engine and r["prompt"] == prompt), key=lambda r: r["batch"])
+        if len(mine) < 2:
+            continue
+        ax.plot([r["batch"] for r in mine], [r["decode_tokens_per_s"] for r in mine], marker="o",
+                label=f"{engine}, {prompt}-token prompt")
+    ax.set(xscale="log", yscale="log", xlabel="batch size", ylabel="decode tokens/s", title=title)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+
+
+def build_model(overrides: list[str], ckpt: str | None, device: torch.device, dtype: torch.dtype) -> Transformer:
+    if ckpt:
+        from lmlab.training.checkpoints import load
+
+        model, _, _ = load(ckpt)
+    else:
+        prepare(overrides)
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+            cfg = compose("train", overrides=overrides)
+        torch.manual_seed(0)
+        model = Transformer(cfg.model, cfg.model.vocab_size or expected_vocab_size(cfg.tokenizer))
+    return model.to(device, dtype).eval()
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="lmlab bench generate", description=__doc__.splitlines()[0])
+    parser.add_argument("overrides", nargs="*", help=f"lmlab-train model overrides (default: {' '.join(DEFAULT_OVERRIDES)})")
+    parser.add_argument("--ckpt", default=None, help="a checkpoint's weights instead of a random model")
+    parser.add_argument("--engines", default=",".join(ENGINES), help=f"comma-separated, of {', '.join(ENGINES)}")
+    parser.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32, 128])
+    parser.add_argument("--prompt", type=int, nargs="+", default=[128, 512], help="prompt lengths")
+    parser.add_argument("--new", type=int, default=256, help="new tokens per sequence")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    parser.add_argument("--quant", nargs="*", default=[], metavar="NAME",
+                        help="also time the compiled engine on a copy of the model quantized by each quant entry "
+                             "(round to nearest: the speed of GPTQ's weights, without calibration data)")
+    parser.add_argument("--kv-table", action="store_true", help="only print the KV bytes per attention kind")
+    parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--plot", type=Path, default=None, help="PNG of decode tokens/s against batch size")
+    args = parser.parse_args(argv)
+    engines = [e for e in args.engines.split(",") if e]
+    if unknown := sorted(set(engines) - set(ENGINES)):
+        parser.error(f"unknown engine {', '.join(unknown)}; choose from {', '.join(ENGINES)}")
+    if args.new < 2 or args.repeats < 1:
+        parser.error("--new must be at least 2 and --repeats at least 1")
+    overrides = args.overrides or DEFAULT_OVERRIDES
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    model = build_model(overrides, args.ckpt, device, getattr(torch, args.dtype))
+    prepare(overrides)
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose("train", overrides=overrides)
+    kv_table = kv_bytes_by_attention(cfg, model.vocab_size)
+    print(f"KV cache of each attention kind at d_model={cfg.model.d_model}, {cfg.model.n_layers} layers, bf16:")
+    for kind, row in kv_table.items():
+        print(f"  {kind:<24} {row['bytes_per_token'] / 1024:>8.1f} KiB/token  "
+              f"{row['bytes_at_length'] / 2**20:>8.1f} MiB at {row['length']} tokens")
+    result = {"kv_by_attention": kv_table, "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+              "torch": torch.__version__, "dtype": args.dtype, "overrides": overrides, "ckpt": args.ckpt}
+    if not args.kv_table:
+        print(f"{model.num_parameters() / 1e6:.0f}M parameters, {args.dtype}, {args.new} new tokens, greedy\n{HEADER}")
+        result.update(run_benchmark(model, engines, args.batch, args.prompt, args.new, args.repeats))
+        for name in args.quant:
+            quantized = copy.deepcopy(model)
+            report = quantize(quantized, {"name": name, "method": "rtn", **QUANT_FIT.get(name, {})})
+            print(f"{name}: {report['layers']} layers, kernels {report['kernels']}", flush=True)
+            result["rows"] += run_benchmark(quantized, ["compiled"], args.batch, args.prompt, args.new, args.repeats,
+                                            label=f"+{name}")["rows"]
+        if args.plot:
+            plot(result["rows"], args.plot, f"{model.num_parameters() / 1e6:.0f}M, {args.new} new tokens, "
+                                            f"{result['device']}")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=2))
+    return 0

@@ -1,0 +1,184 @@
+"""KV caches: what each attention entry keeps between generation steps, and the protocol they share.
+
+A cache is made per layer by the factory registered for the layer's attention class,
+
+    @cache_for(MyAttention)
+    def my_cache(attn, state, batch_size, max_len, device, dtype, lookahead=0) -> LayerCache: ...
+
+and is called as `cache(attn, x, position, positions)` in place of `attn(x, position, positions)`:
+it attends the new tokens `x` over everything cached so far and stores what later steps need.
+So a new attention entry gets generation by registering its cache; the engine never changes.
+
+All caches of a model share one `CacheState`: the cache slots this forward's tokens go to (the same
+for every sequence, because prompts are left-padded to a common length) and each sequence's first
+real slot (its padding ends there). Buffers are preallocated and written in place with tensor
+indices, so the decode step has static shapes and can be compiled and captured in a CUDA graph.
+Rolling back (speculative decoding) is free for slot-addressed caches: a later step rewrites a
+slot before any query at or after it reads it, and keys past the current query are masked.
+`lookahead` is how many slots one forward may write and then roll back (a ring buffer keeps that
+many more).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from einops import rearrange
+
+from lmlab.errors import ConfigError
+from lmlab.nn.attention import MultiHeadAttention, softcapped_attention
+from lmlab.nn.positions import PositionEncoding
+
+CacheFactory = Callable[..., "LayerCache"]
+CACHE_FACTORIES: dict[type, CacheFactory] = {}
+
+
+def cache_for(attention_cls: type) -> Callable[[CacheFactory], CacheFactory]:
+    """Register the cache factory of an attention class (subclasses inherit it)."""
+
+    def decorator(factory: CacheFactory) -> CacheFactory:
+        CACHE_FACTORIES[attention_cls] = factory
+        return factory
+
+    return decorator
+
+
+def factory_for(attn: torch.nn.Module) -> CacheFactory:
+    for cls in type(attn).__mro__:
+        if cls in CACHE_FACTORIES:
+            return CACHE_FACTORIES[cls]
+    raise ConfigError(f"attention {type(attn).__name__} has no KV cache, so it cannot generate; register one with "
+                      "@lmlab.inference.cache.cache_for")
+
+
+@dataclass
+class CacheState:
+    """Shared by every layer's cache during one forward."""
+
+    slots: torch.Tensor  # (S,) long: the cache slots of this forward's tokens, the same for all sequences
+    start: torch.Tensor  # (B,) long: each sequence's first real slot (left padding fills the slots before)
+
+    def positions(self) -> torch.Tensor:
+        """(B, S) position of each new token within its own sequence (0 on padding)."""
+        return (self.slots[None, :] - self.start[:, None]).clamp_min(0)
+
+    def key_positions(self, key_slots: torch.Tensor) -> torch.Tensor:
+        return (key_slots[None, :] - self.start[:, None]).clamp_min(0)
+
+    def allowed(self, key_slots: torch.Tensor, window: int | None) -> torch.Tensor:
+        """(B, 1, S, K) bool: query slot q sees key slot k when start <= k <= q (and q - k < window).
+        A padding query also sees itself, so that no softmax row is empty."""
+        q, k = self.slots[:, None], key_slots[None, :]
+        seen = (k <= q) & (k >= 0)
+        if window is not None:
+            seen &= (q - k) < window
+        seen = seen[None] & (k[None] >= self.start[:, None, None])
+        return (seen | (k == q)[None])[:, None]
+
+
+def score_mask(state: CacheState, key_slots: torch.Tensor, window: int | None, position: PositionEncoding,
+               additive: bool, dtype: torch.dtype) -> torch.Tensor:
+    """The attention mask over the cached keys: bool, or additive (with ALiBi's bias) where needed."""
+    allowed = state.allowed(key_slots, window)
+    bias = position.attn_bias(state.positions(), state.key_positions(key_slots))
+    if bias is None and not additive:
+        return allowed
+    base = torch.zeros((), dtype=dtype, device=allowed.device) if bias is None else bias.to(dtype)
+    return base.masked_fill(~allowed, float("-inf"))
+
+
+class LayerCache:
+    """Base of the per-layer caches: its tensors live in `self.tensors` (name -> tensor). `rewindable`:
+    whether moving the write slot back undoes the later tokens (false for recurrent states)."""
+
+    rewindable = True
+
+    def __init__(self, state: CacheState):
+        self.state = state
+        self.tensors: dict[str, torch.Tensor] = {}
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+    def reset(self) -> None:
+        """Forget every sequence (a new generation starts)."""
+        for t in self.tensors.values():
+            t.zero_()
+
+    def __call__(self, attn, x: torch.Tensor, position: PositionEncoding, positions: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+
+def _mha_attend(attn: MultiHeadAttention, q, k, v, mask: torch.Tensor) -> torch.Tensor:
+    if attn.softcap is not None:
+        out = softcapped_attention(q, k, v, mask, attn.softcap, attn.score_scale)
+    else:
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=attn.score_scale,
+                                             enable_gqa=attn.n_kv_heads != attn.n_heads)
+    return attn.o_proj(rearrange(out, "b h s d -> b s (h d)"))
+
+
+class KVCache(LayerCache):
+    """Keys and values of every slot, n_kv_heads of them (GQA/MQA heads are never repeated)."""
+
+    def __init__(self, attn: MultiHeadAttention, state: CacheState, batch_size: int, max_len: int, device, dtype):
+        super().__init__(state)
+        shape = (batch_size, attn.n_kv_heads, max_len, attn.head_dim)
+        self.tensors = {"k": torch.zeros(shape, device=device, dtype=dtype),
+                        "v": torch.zeros(shape, device=device, dtype=dtype)}
+        self.key_slots = torch.arange(max_len, device=device)
+
+    def __call__(self, attn, x, position, positions):
+        q, k, v = attn.project(x, position, positions)
+        keys, values = self.tensors["k"], self.tensors["v"]
+        keys.index_copy_(2, self.state.slots, k)
+        values.index_copy_(2, self.state.slots, v)
+        mask = score_mask(self.state, self.key_slots, attn.window, position, attn.softcap is not None, q.dtype)
+        return _mha_attend(attn, q, keys, values, mask)
+
+
+class SlidingKVCache(LayerCache):
+    """A ring buffer for a sliding-window layer: its memory is the window (plus the slots a speculative
+    step may roll back), whatever the sequence length. `ring_slots` says which slot each entry holds."""
+
+    def __init__(self, attn: MultiHeadAttention, state: CacheState, batch_size: int, size: int, device, dtype):
+        super().__init__(state)
+        shape = (batch_size, attn.n_kv_heads, size, attn.head_dim)
+        self.size = size
+        self.tensors = {"k": torch.zeros(shape, device=device, dtype=dtype),
+                        "v": torch.zeros(shape, device=device, dtype=dtype)}
+        self.ring_slots = torch.full((size,), -1, device=device)
+
+    def reset(self) -> None:
+        super().reset()
+        self.ring_slots.fill_(-1)
+
+    def __call__(self, attn, x, position, positions):
+        q, k, v = attn.project(x, position, positions)
+        slots = self.state.slots
+        # Attend over the ring and the new tokens together, then store the newest `size` of them.
+        keys = torch.cat([self.tensors["k"], k], dim=2)
+        values = torch.cat([self.tensors["v"], v], dim=2)
+        # Entries at or past this forward's first slot were rolled back (speculative decoding): hide them.
+        key_slots = torch.cat([self.ring_slots.masked_fill(self.ring_slots >= slots[0], -1), slots])
+        mask = score_mask(self.state, key_slots, attn.window, position, attn.softcap is not None, q.dtype)
+        out = _mha_attend(attn, q, keys, values, mask)
+        newest = slice(-self.size, None)
+        index = slots[newest] % self.size
+        self.tensors["k"].index_copy_(2, index, k[:, :, newest])
+        self.tensors["v"].index_copy_(2, index, v[:, :, newest])
+        self.ring_slots.index_copy_(0, index, slots[newest])
+        return out
+
+
+@cache_for(MultiHeadAttention)
+def mha_cache(attn: MultiHeadAttention, state: CacheState, batch_size: int, max_len: int, device, dtype,
+              lookahead: int = 0) -> LayerCache:
+    """A ring of window + lookahead slots for a local layer whose window is shorter than the generation,
+    else every slot."""
+    if attn.window is not None and attn.window + lookahead < max_len:
+        return SlidingKVCache(attn, state, batch_size, attn.window + lookahead, device, dtype)
+    return KVCache(attn, state, batch_size, max_len, device, dtype)

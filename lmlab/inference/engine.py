@@ -1,0 +1,196 @@
+"""The inference engine: a Transformer with preallocated per-layer caches, run as prefill and decode.
+
+    engine = Engine(model, compile=True)          # compile: torch.compile + a CUDA graph per shape
+    out = engine.generate([ids_a, ids_b], sampler=SAMPLERS.build("top_p"), max_new_tokens=200)
+
+Lower-level steps, for speculative decoding and other loops: `begin(batch, max_len, start)` resets
+the caches for a batch whose prompts are left-padded so that sequence b starts at slot start[b];
+`extend(ids)` runs S tokens per sequence at the next slots and returns their logits; `decode(tokens)`
+runs one token per sequence (compiled and graph-replayed where enabled); `rewind(slot)` moves the
+write position back. MTP modules are not run (drafting with them is lmlab.inference.speculative's).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import torch
+
+from lmlab.errors import ConfigError
+from lmlab.inference import linear_state, mla_cache  # noqa: F401 - their caches register on import
+from lmlab.inference.cache import CacheState, LayerCache, factory_for
+from lmlab.nn.moe import MoELayer
+from lmlab.nn.transformer import Transformer
+
+log = logging.getLogger(__name__)
+
+CACHE_LEN_MULTIPLE = 128  # cache lengths are rounded up, so nearby lengths share compiled graphs
+# Inductor's coordinate-descent tuning of its kernels' launch parameters: on an H200 it took the
+# batch-1 decode step of the ~400M model from 1.58 to 0.88 ms (2026-12-01), at a longer compile.
+COMPILE_OPTIONS = {"coordinate_descent_tuning": True}
+
+
+def check_generatable(model: Transformer) -> None:
+    """One clear error for a model whose outputs at a position depend on later tokens."""
+    for name, module in model.named_modules():
+        if isinstance(module, MoELayer) and not getattr(module.router, "causal", True):
+            raise ConfigError(f"{name}: model/moe={type(module.router).__name__} routes each expert's top tokens "
+                              "over the whole batch, so a token's output depends on later tokens; it cannot generate")
+    for block in model.layers:
+        factory_for(block.self_attn)
+
+
+class Engine:
+    """Generation with a KV cache per layer; see the module docstring."""
+
+    def __init__(self, model: Transformer, compile: bool = False):
+        check_generatable(model)
+        self.model = model.eval()
+        weight = model.embed_tokens.weight
+        self.device, self.dtype = weight.device, weight.dtype
+        self.compile = compile
+        self.cuda_graphs = compile and self.device.type == "cuda"
+        if compile:  # one compiled graph per (batch, cache length, tokens per step): allow many
+            torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 256)
+        self.state: CacheState | None = None
+        self.caches: list[LayerCache] = []
+        self.next_slot = 0
+        self.shape: tuple[int, int, int] | None = None  # (batch, cache length, lookahead) of the caches
+        self._steps: dict[int, _StaticStep] = {}  # tokens per sequence -> its static step
+        self.last_hidden: torch.Tensor | None = None  # the last extend's final hidden states (before the norm)
+
+    # -- caches -------------------------------------------------------------------------------
+    def cache_length(self, needed: int) -> int:
+        return CACHE_LEN_MULTIPLE * math.ceil(needed / CACHE_LEN_MULTIPLE)
+
+    @torch.inference_mode()
+    def begin(self, batch_size: int, max_len: int, start: torch.Tensor | None = None, lookahead: int = 0) -> None:
+        """Empty caches for `batch_size` sequences of up to `max_len` slots; sequence b's first real
+        slot is start[b] (left padding before it). Caches and graphs are reused when the shape repeats."""
+        shape = (batch_size, self.cache_length(max_len), lookahead)
+        if shape != self.shape:
+            self._allocate(*shape)
+        else:
+            for cache in self.caches:
+                cache.reset()
+        starts = torch.zeros(batch_size, dtype=torch.long) if start is None else start
+        self.state.start.copy_(starts)
+        self.next_slot = 0
+
+    def _allocate(self, batch_size: int, length: int, lookahead: int) -> None:
+        self.caches, self._steps = [], {}
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        self.shape = (batch_size, length, lookahead)
+        self.state = CacheState(slots=torch.zeros(1, dtype=torch.long, device=self.device),
+                                start=torch.zeros(batch_size, dtype=torch.long, device=self.device))
+        self.caches = [factory_for(block.self_attn)(block.self_attn, self.state, batch_size, length, self.device,
+                                                    self.dtype, lookahead=lookahead) for block in self.model.layers]
+        for size in sorted({1, lookahead + 1}):
+            self._steps[size] = _StaticStep(self, batch_size, size)
+
+    def kv_cache_bytes(self) -> int:
+        return sum(cache.nbytes() for cache in self.caches)
+
+    @property
+    def rewindable(self) -> bool:
+        return all(cache.rewindable for cache in self.caches)
+
+    # -- forward passes -----------------------------------------------------------------------
+    def _hidden(self, ids: torch.Tensor) -> torch.Tensor:
+        model, positions = self.model, self.state.positions()
+        model._route_by("layers.", ids)
+        x = model.position.embed(model.embed_tokens(ids), positions)
+        for layer, cache in zip(model.layers, self.caches):
+            x = layer(x, model.position, positions, cache)
+        return x
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.model._head(self.model.norm(hidden)).float()
+
+    @torch.inference_mode()
+    def extend(self, ids: torch.Tensor, all_logits: bool = False) -> torch.Tensor:
+        """Run ids (B, S) at the next S slots: float32 logits (B, S, V), or of the last token only (B, V)."""
+        self._check_room(ids.shape[1])
+        self.state.slots = torch.arange(self.next_slot, self.next_slot + ids.shape[1], device=self.device)
+        hidden = self._hidden(ids.to(self.device))
+        self.last_hidden = hidden
+        self.next_slot += ids.shape[1]
+        return self.logits(hidden if all_logits else hidden[:, -1])
+
+    @torch.inference_mode()
+    def decode(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens (B,) -> float32 logits (B, V), or (B, S) -> (B, S, V) for S = lookahead + 1 (a speculative
+        step's verification). Compiled and replayed as a CUDA graph where enabled; the returned tensor
+        is reused by the next call of the same size."""
+        ids = tokens.view(tokens.shape[0], -1)
+        step = self._steps.get(ids.shape[1])
+        if step is None:
+            raise ValueError(f"decode takes 1 or lookahead + 1 = {self.shape[2] + 1} tokens per sequence, "
+                             f"got {ids.shape[1]}; use extend for other lengths")
+        self._check_room(ids.shape[1])
+        logits, self.last_hidden = step(ids, self.next_slot)
+        self.next_slot += ids.shape[1]
+        return logits[:, 0] if tokens.dim() == 1 else logits
+
+    def rewind(self, slot: int) -> None:
+        """Forget the tokens at slots >= `slot` (caches whose `rewindable` is true)."""
+        if not self.rewindable:
+            raise ConfigError("this model's caches cannot roll back (a recurrent state); rewind is not possible")
+        self.next_slot = slot
+
+    def _check_room(self, n: int) -> None:
+        if self.state is None:
+            raise RuntimeError("Engine.begin(batch_size, max_len) must run before extend or decode")
+        if self.next_slot + n > self.shape[1]:
+            raise ConfigError(f"{self.next_slot + n} slots needed but the caches hold {self.shape[1]}; "
+                              "call begin with a larger max_len")
+
+    def generate(self, prompts, sampler=None, max_new_tokens: int = 256, **kwargs):
+        """Generate from token-id prompts; see `lmlab.inference.generate.generate` for the options."""
+        from lmlab.inference.generate import generate
+
+        return generate(self, prompts, sampler, max_new_tokens, **kwargs)
+
+
+class _StaticStep:
+    """A forward of `size` tokens per sequence on static input tensors: eager, compiled, or replayed
+    from a CUDA graph (captured when the caches are made; the warm-up writes are reset)."""
+
+    def __init__(self, engine: Engine, batch_size: int, size: int):
+        self.engine = engine
+        self.ids = torch.zeros(batch_size, size, dtype=torch.long, device=engine.device)
+        self.slots = torch.arange(size, device=engine.device)
+        self.offsets = torch.arange(size, device=engine.device)
+        self.run = torch.compile(self._forward, dynamic=False, options=COMPILE_OPTIONS) if engine.compile else self._forward
+        self.graph: torch.cuda.CUDAGraph | None = None
+        if engine.cuda_graphs:
+            self._capture()
+
+    def _forward(self) -> tuple[torch.Tensor, torch.Tensor]:
+        hidden = self.engine._hidden(self.ids)
+        return self.engine.logits(hidden), hidden
+
+    def __call__(self, ids: torch.Tensor, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
+        self.ids.copy_(ids)
+        torch.add(self.offsets, slot, out=self.slots)
+        self.engine.state.slots = self.slots
+        if self.graph is None:
+            return self.run()
+        self.graph.replay()
+        return self.outputs
+
+    @torch.inference_mode()
+    def _capture(self) -> None:
+        self.engine.state.slots = self.slots
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(3):  # compiles on the first call
+                self.run()
+        torch.cuda.current_stream().wait_stream(stream)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.outputs = self.run()
+        for cache in self.engine.caches:
+            cache.reset()

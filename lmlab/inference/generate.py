@@ -1,0 +1,212 @@
+"""Batched generation on an `Engine`: prompts of different lengths, samplers, stop tokens and
+strings, streaming, and the timings a user compares engines by.
+
+Prompts are left-padded to a common length, so every sequence writes the same cache slot at each
+step while keeping its own positions. The loop keeps tokens, finished flags and a non-finite check
+on the device and syncs with the host only every `sync_every` steps (each step when streaming or
+when stop strings need the text).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from lmlab.errors import ConfigError
+from lmlab.timing import sync
+
+StreamCallback = Callable[[list[int | None]], None]  # each step: the new token of each sequence, None once finished
+
+
+class GenerationError(RuntimeError):
+    """Generation cannot go on (the model's logits turned non-finite)."""
+
+
+@dataclass
+class GenerationStats:
+    batch: int
+    prompt_tokens: int  # real (unpadded) prompt tokens
+    new_tokens: int  # generated tokens, over all sequences
+    steps: int  # decode steps run (the first token comes from the prefill)
+    ttft_s: float  # prefill and first token
+    decode_s: float  # the remaining steps
+    kv_cache_bytes: int
+
+    @property
+    def tpot_s(self) -> float:
+        """Time per output token of one sequence (per decode step)."""
+        return self.decode_s / max(self.steps, 1)
+
+    @property
+    def prefill_tokens_per_s(self) -> float:
+        return self.prompt_tokens / self.ttft_s
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        """Tokens per second over the batch during decoding (finished sequences' steps count too)."""
+        return self.batch * self.steps / max(self.decode_s, 1e-12)
+
+
+@dataclass
+class Generation:
+    tokens: list[list[int]]  # new tokens of each prompt, without the stop token
+    finish_reasons: list[str]  # "stop" (a stop token or string) or "length" (max_new_tokens)
+    stats: GenerationStats
+    texts: list[str] | None = None  # decoded (cut before a stop string) when a tokenizer was given
+    extra: dict = field(default_factory=dict)  # e.g. speculative decoding's acceptance rate
+
+
+def prepare_prompts(prompts: Sequence[Sequence[int]], max_new_tokens: int, max_seq_len: int,
+                    truncate: bool = False) -> list[list[int]]:
+    """Check the request before any work; with `truncate`, keep the last tokens of long prompts."""
+    if max_new_tokens <= 0:
+        raise ConfigError(f"max_new_tokens must be > 0, got {max_new_tokens}")
+    if not prompts:
+        raise ConfigError("no prompts to generate from")
+    prompts = [list(map(int, p)) for p in prompts]
+    if any(not p for p in prompts):
+        raise ConfigError("a prompt is empty: generation needs at least one token to start from")
+    room = max_seq_len - max_new_tokens
+    if room < 1:
+        raise ConfigError(f"max_new_tokens={max_new_tokens} leaves no room for a prompt in the model's context "
+                          f"of {max_seq_len} tokens")
+    longest = max(len(p) for p in prompts)
+    if longest > room:
+        if not truncate:
+            raise ConfigError(f"a prompt of {longest} tokens plus max_new_tokens={max_new_tokens} exceeds the model's "
+                              f"context of {max_seq_len} tokens; shorten it, lower max_new_tokens, or set "
+                              f"truncate=true to keep its last {room} tokens")
+        prompts = [p[-room:] for p in prompts]
+    return prompts
+
+
+def left_pad(prompts: list[list[int]], device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids (B, P) with zeros before each prompt, start (B,): each prompt's first slot)."""
+    width = max(len(p) for p in prompts)
+    ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    for row, p in enumerate(prompts):
+        ids[row, width - len(p):] = torch.tensor(p)
+    start = torch.tensor([width - len(p) for p in prompts])
+    return ids.to(device), start.to(device)
+
+
+def token_counts(ids: torch.Tensor, start: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """(B, V) occurrences of each token in each (unpadded) prompt, for the penalties."""
+    real = torch.arange(ids.shape[1], device=ids.device)[None, :] >= start[:, None]
+    return torch.zeros(ids.shape[0], vocab_size, device=ids.device).scatter_add_(1, ids, real.float())
+
+
+class StopStrings:
+    """Finds stop strings in the decoded tail of each sequence."""
+
+    def __init__(self, stops: Sequence[str], tokenizer):
+        if stops and tokenizer is None:
+            raise ConfigError("stop strings need the tokenizer, to see the text")
+        self.stops, self.tokenizer = [s for s in stops if s], tokenizer
+        self.tail = 4 * max((len(s) for s in self.stops), default=0) + 4  # a token is at least one byte
+
+    def hit(self, tokens: list[int]) -> bool:
+        text = self.tokenizer.decode(tokens[-self.tail:])
+        return any(s in text for s in self.stops)
+
+    def cut(self, text: str) -> str:
+        ends = [text.find(s) for s in self.stops if s in text]
+        return text[:min(ends)] if ends else text
+
+
+@torch.inference_mode()
+def generate(engine, prompts: Sequence[Sequence[int]], sampler=None, max_new_tokens: int = 256,
+             stop_token_ids: Sequence[int] = (), stop_strings: Sequence[str] = (), tokenizer=None,
+             stream: StreamCallback | None = None, truncate: bool = False, sync_every: int = 16) -> Generation:
+    """Generate from each prompt (token ids) until a stop token or string, or `max_new_tokens`."""
+    from lmlab.inference.samplers import SAMPLERS  # registry entries load with the engine's users
+
+    model, device = engine.model, engine.device
+    prompts = prepare_prompts(prompts, max_new_tokens, model.max_seq_len, truncate)
+    sampler = SAMPLERS.build("greedy") if sampler is None else sampler
+    stops = StopStrings(stop_strings, tokenizer)
+    generator = sampler.generator(device)
+    ids, start = left_pad(prompts, device)
+    batch = len(prompts)
+    stop_ids = torch.tensor(sorted(set(stop_token_ids)), dtype=torch.long, device=device)
+    out = torch.zeros(batch, max_new_tokens, dtype=torch.long, device=device)
+    finished = torch.zeros(batch, dtype=torch.bool, device=device)
+    nonfinite = torch.zeros(max_new_tokens, dtype=torch.bool, device=device)
+    counts = token_counts(ids, start, model.vocab_size) if sampler.needs_counts else None
+    step_every = 1 if stream is not None or stops.stops else sync_every
+
+    sync()
+    began = time.perf_counter()
+    engine.begin(batch, ids.shape[1] + max_new_tokens, start)
+    logits = engine.extend(ids)
+    ttft = decode_began = None
+    n = 0
+    host_done = [False] * batch
+    for n in range(max_new_tokens):
+        nonfinite[n] = ~torch.isfinite(logits).all()
+        token = sampler.sample(logits, counts, generator)
+        token = torch.where(finished, 0, token)
+        out[:, n] = token
+        if counts is not None:
+            counts.scatter_add_(1, token[:, None], (~finished).float()[:, None])
+        was_finished = finished.clone() if stream is not None else None
+        finished |= torch.isin(token, stop_ids)
+        if n == 0:
+            sync()
+            ttft = time.perf_counter() - began
+            decode_began = time.perf_counter()
+        last = n == max_new_tokens - 1
+        if (n + 1) % step_every == 0 or last:
+            _check_finite(nonfinite, n)
+            if stream is not None:
+                stream([None if done else t for done, t in zip(was_finished.tolist(), token.tolist())])
+            if stops.stops:
+                _mark_stop_strings(out, n, finished, host_done, stops)
+            if bool(finished.all()):
+                break
+        if not last:
+            logits = engine.decode(token)
+    sync()
+    decode_s = time.perf_counter() - decode_began
+    return build_generation(out[:, :n + 1].tolist(), stop_token_ids, stops, tokenizer, ttft, decode_s, n,
+                   sum(map(len, prompts)), engine.kv_cache_bytes())
+
+
+def _check_finite(nonfinite: torch.Tensor, n: int) -> None:
+    bad = nonfinite[:n + 1].nonzero()
+    if len(bad):
+        step = int(bad[0])
+        raise GenerationError(f"the logits turned non-finite (NaN or inf) at generation step {step} (new token "
+                              f"{step + 1}); the weights or activations overflow (try float32, or check the checkpoint)")
+
+
+def _mark_stop_strings(out: torch.Tensor, n: int, finished: torch.Tensor, host_done: list[bool],
+                       stops: StopStrings) -> None:
+    rows = out[:, :n + 1].tolist()
+    for b, tokens in enumerate(rows):
+        if not host_done[b] and stops.hit(tokens):
+            host_done[b] = True
+            finished[b] = True
+
+
+def build_generation(rows: list[list[int]], stop_token_ids: Sequence[int], stops: StopStrings, tokenizer,
+                     ttft: float, decode_s: float, steps: int, prompt_tokens: int, kv_bytes: int) -> Generation:
+    """The result of a generation from each sequence's new tokens: cut at the first stop token (left
+    out) or after the tokens that complete a stop string (the text is cut before it)."""
+    stop_set = set(stop_token_ids)
+    tokens, reasons = [], []
+    for row in rows:
+        end = next((i for i, t in enumerate(row) if t in stop_set), None)  # the stop token is left out
+        if end is None and stops.stops:  # the tokens that complete a stop string stay; the text is cut
+            end = next((i + 1 for i in range(len(row)) if stops.hit(row[:i + 1])), None)
+        tokens.append(row if end is None else row[:end])
+        reasons.append("length" if end is None else "stop")
+    texts = None
+    if tokenizer is not None:
+        texts = [stops.cut(tokenizer.decode(t)) if stops.stops else tokenizer.decode(t) for t in tokens]
+    stats = GenerationStats(batch=len(rows), prompt_tokens=prompt_tokens, new_tokens=sum(map(len, tokens)),
+                            steps=steps, ttft_s=ttft, decode_s=decode_s, kv_cache_bytes=kv_bytes)
+    return Generation(tokens, reasons, stats, texts)

@@ -1,0 +1,131 @@
+"""The generation loop: batches of mixed prompt lengths, stops, streaming, the non-finite guard,
+bad requests, and token-for-token agreement with Hugging Face `generate` on a converted Llama."""
+
+import pytest
+import torch
+
+from lmlab.errors import ConfigError
+from lmlab.inference.engine import Engine
+from lmlab.inference.generate import GenerationError
+from lmlab.inference.samplers import SAMPLERS
+from lmlab.nn import ModelConfig, Transformer
+
+VOCAB = 64
+
+
+def _model(**kw) -> Transformer:
+    parts = dict(d_model=32, n_layers=2, max_seq_len=48, norm="rmsnorm", ffn="swiglu", position="rope",
+                 attention={"name": "mha", "n_heads": 4, "n_kv_heads": 2}, block="prenorm")
+    torch.manual_seed(0)
+    return Transformer(ModelConfig(**{**parts, **kw}), vocab_size=VOCAB).eval()
+
+
+PROMPTS = [[5, 9, 2], [7, 1, 3, 3, 8, 20, 11], [4], [30, 31, 32, 33, 34]]
+
+
+@pytest.mark.parametrize("attention", [{"name": "mha", "n_heads": 4, "n_kv_heads": 2},
+                                       {"name": "mha", "n_heads": 4, "window": 4}, "mla", "linear"])
+@pytest.mark.parametrize("position", ["rope", "learned", "alibi"])
+def test_batch_of_mixed_lengths_equals_one_by_one(attention, position):
+    if attention == "linear" and position == "alibi":
+        pytest.skip("linear attention refuses ALiBi")
+    engine = Engine(_model(attention=attention, position=position))
+    batched = engine.generate(PROMPTS, max_new_tokens=10).tokens
+    alone = [engine.generate([p], max_new_tokens=10).tokens[0] for p in PROMPTS]
+    assert batched == alone
+
+
+def test_sampled_batch_is_reproducible_under_seed():
+    engine = Engine(_model())
+    sampler = SAMPLERS.build({"name": "top_p", "p": 0.9, "seed": 3, "repetition_penalty": 1.3})
+    first = engine.generate(PROMPTS, sampler, max_new_tokens=12).tokens
+    assert engine.generate(PROMPTS, sampler, max_new_tokens=12).tokens == first
+    other = SAMPLERS.build({"name": "top_p", "p": 0.9, "seed": 4, "repetition_penalty": 1.3})
+    assert engine.generate(PROMPTS, other, max_new_tokens=12).tokens != first
+
+
+def test_stop_token_ends_each_sequence_on_its_own():
+    engine = Engine(_model())
+    free = engine.generate(PROMPTS, max_new_tokens=12).tokens
+    stop = free[1][3]
+    out = engine.generate(PROMPTS, max_new_tokens=12, stop_token_ids=[stop])
+    for row, got, reason in zip(free, out.tokens, out.finish_reasons):
+        expected = row[:row.index(stop)] if stop in row else row
+        assert got == expected
+        assert reason == ("stop" if stop in row else "length")
+
+
+class _Letters:
+    """A tokenizer whose token i is the letter chr(97 + i % 26)."""
+
+    def decode(self, ids):
+        return "".join(chr(97 + i % 26) for i in ids)
+
+
+def test_stop_string_cuts_the_text_and_streaming_sees_every_token():
+    engine = Engine(_model())
+    free = engine.generate([PROMPTS[1]], max_new_tokens=12).tokens[0]
+    stop = _Letters().decode(free[4:6])
+    streamed = []
+    out = engine.generate([PROMPTS[1]], max_new_tokens=12, stop_strings=[stop], tokenizer=_Letters(),
+                          stream=lambda tokens: streamed.append(tokens[0]))
+    text = _Letters().decode(free)
+    assert out.texts[0] == text[:text.index(stop)]
+    assert out.finish_reasons == ["stop"]
+    assert streamed == out.tokens[0] == free[:len(streamed)]
+
+
+def test_stats_are_filled():
+    out = Engine(_model()).generate(PROMPTS, max_new_tokens=6)
+    s = out.stats
+    assert s.prompt_tokens == sum(map(len, PROMPTS)) and s.new_tokens == 4 * 6 and s.steps == 5
+    assert s.ttft_s > 0 and s.tpot_s > 0 and s.decode_tokens_per_s > 0 and s.kv_cache_bytes > 0
+
+
+def test_non_finite_logits_stop_generation_naming_the_step():
+    model = _model()
+    engine = Engine(model)
+    calls = []
+
+    def poison_after_two(module, inputs, output):
+        calls.append(1)
+        return output.fill_(float("nan")) if len(calls) > 2 else output
+
+    model.lm_head.register_forward_hook(poison_after_two)
+    with pytest.raises(GenerationError, match="step 2"):
+        engine.generate([PROMPTS[0]], max_new_tokens=8)
+
+
+@pytest.mark.parametrize("prompts, kwargs, message", [
+    ([[1, 2]], {"max_new_tokens": 0}, "max_new_tokens must be > 0"),
+    ([[]], {}, "prompt is empty"),
+    ([], {}, "no prompts"),
+    ([[1] * 45], {"max_new_tokens": 5}, "truncate=true"),
+    ([[1, 2]], {"max_new_tokens": 60}, "leaves no room"),
+    ([[1, 2]], {"max_new_tokens": 5, "stop_strings": ["x"]}, "need the tokenizer"),
+])
+def test_bad_requests_fail_before_work(prompts, kwargs, message):
+    with pytest.raises(ConfigError, match=message):
+        Engine(_model()).generate(prompts, **kwargs)
+
+
+def test_truncate_keeps_the_prompts_end():
+    engine = Engine(_model())
+    long = list(range(1, 46))
+    out = engine.generate([long], max_new_tokens=5, truncate=True)
+    assert out.tokens == engine.generate([long[-43:]], max_new_tokens=5).tokens
+
+
+def test_greedy_matches_transformers_generate_on_a_converted_llama():
+    transformers = pytest.importorskip("transformers")
+    from lmlab.hf import from_hf_llama
+
+    config = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    torch.manual_seed(0)
+    hf = transformers.LlamaForCausalLM(config).eval()
+    model = from_hf_llama(config.to_dict(), hf.state_dict())
+    prompt = torch.tensor([[3, 17, 99, 4, 56, 21]])
+    expected = hf.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=20, min_new_tokens=20,
+                           do_sample=False, pad_token_id=0)[0, prompt.shape[1]:].tolist()
+    assert Engine(model).generate(prompt.tolist(), max_new_tokens=20).tokens[0] == expected
