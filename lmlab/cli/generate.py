@@ -156,7 +156,7 @@ class ModelSource:
     max_seq_len: int
     stop_ids: list[int]  # the end-of-text token(s)
     load: Callable[[], Transformer]  # float32 on the CPU, in eval mode
-    corpus: Callable[[], tuple[np.ndarray, int]] | None  # -> (training token ids, their context length), if known
+    corpus: Callable[[], tuple[np.ndarray, np.ndarray, int]] | None  # -> (training, validation ids, context length)
 
 
 def open_model(path: str, key: str) -> ModelSource:
@@ -181,7 +181,8 @@ def _lmlab_checkpoint(path: str, key: str) -> ModelSource:
 
     def corpus():
         tokens = load_or_build(SOURCES.build(config.data), tokenizer, config.cache_dir).tokens
-        return tokens[:int(len(tokens) * (1 - config.data.val_fraction))], config.data.context_length
+        split = int(len(tokens) * (1 - config.data.val_fraction))  # as the DataModule splits
+        return tokens[:split], tokens[split:], config.data.context_length
 
     return ModelSource(setting=f"{key}={path}", tokenizer=tokenizer,
                        vocab_size=model_weights(checkpoint)["embed_tokens.weight"].shape[0],
@@ -247,7 +248,7 @@ def calibration_source(cfg: GenerateConfig, source: ModelSource) -> Callable[[],
         raise ConfigError(f"{what} calibrates on text, and {source.setting} names no training data: pass "
                           "calibration_file=PATH (plain text), or use quant.method=rtn")
     try:
-        tokens, context = source.corpus()
+        tokens, _, context = source.corpus()
     except ConfigError as err:
         raise ConfigError(f"{what} calibrates on {source.setting}'s training data, which cannot be read ({err}); "
                           "pass calibration_file=PATH (plain text), or use quant.method=rtn") from None

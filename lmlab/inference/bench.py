@@ -11,6 +11,10 @@ roofline: bytes one decode step must read (the weights once, plus the batch's ke
 the mean length) over the device-to-device copy bandwidth measured in the same run. Then the KV
 bytes per token of each attention kind at the model's size. Medians of `--repeats` runs after one
 warm-up run (which compiles and captures the graphs).
+
+With `--ckpt` (a trained model), `--quant int8 int4` reports each entry's validation perplexity and
+batch-1 speed against the unquantized weights (GPTQ calibrated on the training split), and
+`--draft CKPT` speculative decoding against the target alone (lmlab.inference.bench_checkpoint).
 """
 
 from __future__ import annotations
@@ -29,12 +33,24 @@ from omegaconf import OmegaConf
 from lmlab.cli.overrides import CONF_DIR, prepare
 from lmlab.inference.engine import Engine
 from lmlab.inference.quant import quantize
+from lmlab.inference.quant.registry import GROUP_SIZES
 from lmlab.nn.transformer import Transformer
 from lmlab.timing import sync
 from lmlab.tokenizers.base import expected_vocab_size
 
 ENGINES = ("eager", "compiled", "hf", "hf-static")
-QUANT_FIT = {"int4": {"group_size": 64}}  # llama400m's FFN width, 2752, is a multiple of 64, not 128
+
+
+def int4_group_size(model: Transformer) -> dict:
+    """The largest int4 group that divides every layer Linear's input width (llama400m's FFN, 2752: 64)."""
+    widths = {m.in_features for m in model.layers.modules() if isinstance(m, torch.nn.Linear)}
+    fits = [size for size in GROUP_SIZES if all(w % size == 0 for w in widths)]
+    if not fits:
+        raise SystemExit(f"lmlab bench generate: no int4 group size ({GROUP_SIZES}) divides the input widths {widths}")
+    return {"group_size": max(fits)}
+
+
+QUANT_FIT = {"int4": int4_group_size}  # per entry: settings that make it fit the model
 DEFAULT_OVERRIDES = ["model=llama400m", "model.vocab_size=50304"]
 
 
@@ -118,8 +134,9 @@ def kv_bytes_by_attention(cfg, vocab: int, length: int = 4096) -> dict[str, dict
     """Cache bytes per token and per sequence of `length` tokens for each attention kind at the
     model's width and depth, from the caches the engine allocates (on the meta device)."""
     heads = cfg.model.attention.get("n_heads", 16)
+    groups = max(1, heads // 4)  # GQA with a quarter of the heads' keys and values
     kinds = {"mha": {"name": "mha", "n_heads": heads},
-             "gqa (n_kv_heads=4)": {"name": "mha", "n_heads": heads, "n_kv_heads": 4},
+             f"gqa (n_kv_heads={groups})": {"name": "mha", "n_heads": heads, "n_kv_heads": groups},
              "mqa": {"name": "mha", "n_heads": heads, "n_kv_heads": 1},
              "mla (kv_lora_rank=256)": {"name": "mla", "n_heads": heads, "kv_lora_rank": 256, "qk_rope_head_dim": 32},
              "sliding window 1024": {"name": "mha", "n_heads": heads, "window": 1024},
@@ -220,18 +237,49 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
     fig.savefig(path, dpi=120)
 
 
-def build_model(overrides: list[str], ckpt: str | None, device: torch.device, dtype: torch.dtype) -> Transformer:
+def build_model(overrides: list[str], ckpt: str | None, device: torch.device, dtype: torch.dtype):
+    """(model, its config): a checkpoint's, or a random model of the overrides' config."""
     if ckpt:
         from lmlab.training.checkpoints import load
 
-        model, _, _ = load(ckpt)
+        model, _, cfg = load(ckpt)
     else:
         prepare(overrides)
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
             cfg = compose("train", overrides=overrides)
         torch.manual_seed(0)
         model = Transformer(cfg.model, cfg.model.vocab_size or expected_vocab_size(cfg.tokenizer))
-    return model.to(device, dtype).eval()
+    return model.to(device, dtype).eval(), cfg
+
+
+def _quant_config(name: str, model: Transformer) -> dict:
+    fit = QUANT_FIT.get(name)
+    return {"name": name, **(fit(model) if fit else {})}
+
+
+def checkpoint_quant(model: Transformer, args) -> list[dict]:
+    from lmlab.inference.bench_checkpoint import CheckpointData, quant_quality
+
+    quants = [_quant_config(name, model) for name in args.quant]
+    rows = quant_quality(model, CheckpointData(args.ckpt), quants, args.new)
+    for row in rows:
+        change = f"{row['ppl_change']:+.2%}, {row['speedup']:.2f}x" if "speedup" in row else "reference"
+        print(f"quant {row['quant']:<5} validation perplexity {row['ppl']:.3f} ({change}), batch-1 compiled decode "
+              f"{row['decode_tokens_per_s']:,.0f} tokens/s", flush=True)
+    return rows
+
+
+def checkpoint_speculative(model: Transformer, args) -> dict:
+    from lmlab.inference.bench_checkpoint import CheckpointData, speculative_speedup
+
+    draft, _ = build_model([], args.draft, model.embed_tokens.weight.device, model.embed_tokens.weight.dtype)
+    prompts = CheckpointData(args.ckpt).prompts(args.spec_prompts, args.prompt[0])
+    row = speculative_speedup(model, draft, prompts, args.new, args.draft_k)
+    print(f"speculative, k={row['k']}, {row['draft_parameters'] / 1e6:.1f}M draft for a "
+          f"{row['target_parameters'] / 1e6:.1f}M target: {row['speculative_tokens_per_s']:,.0f} against "
+          f"{row['target_tokens_per_s']:,.0f} tokens/s alone ({row['speedup']:.2f}x), acceptance "
+          f"{row['acceptance_rate']:.0%}, identical outputs {row['identical_outputs']}/{row['prompts']}", flush=True)
+    return row
 
 
 def main(argv: list[str]) -> int:
@@ -247,6 +295,11 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--quant", nargs="*", default=[], metavar="NAME",
                         help="also time the compiled engine on a copy of the model quantized by each quant entry "
                              "(round to nearest: the speed of GPTQ's weights, without calibration data)")
+    parser.add_argument("--draft", default=None, metavar="CKPT",
+                        help="with --ckpt: speculative decoding with this draft checkpoint against the target alone "
+                             "(batch 1, greedy, prompts from the validation split)")
+    parser.add_argument("--draft-k", type=int, default=4, help="draft tokens per round (default 4)")
+    parser.add_argument("--spec-prompts", type=int, default=8, help="prompts for the speculative comparison")
     parser.add_argument("--kv-table", action="store_true", help="only print the KV bytes per attention kind")
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--plot", type=Path, default=None, help="PNG of decode tokens/s against batch size")
@@ -256,12 +309,11 @@ def main(argv: list[str]) -> int:
         parser.error(f"unknown engine {', '.join(unknown)}; choose from {', '.join(ENGINES)}")
     if args.new < 2 or args.repeats < 1:
         parser.error("--new must be at least 2 and --repeats at least 1")
+    if args.draft and not args.ckpt:
+        parser.error("--draft needs --ckpt (the target it drafts for)")
     overrides = args.overrides or DEFAULT_OVERRIDES
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    model = build_model(overrides, args.ckpt, device, getattr(torch, args.dtype))
-    prepare(overrides)
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        cfg = compose("train", overrides=overrides)
+    model, cfg = build_model(overrides, args.ckpt, device, getattr(torch, args.dtype))
     kv_table = kv_bytes_by_attention(cfg, model.vocab_size)
     print(f"KV cache of each attention kind at d_model={cfg.model.d_model}, {cfg.model.n_layers} layers, bf16:")
     for kind, row in kv_table.items():
@@ -272,12 +324,16 @@ def main(argv: list[str]) -> int:
     if not args.kv_table:
         print(f"{model.num_parameters() / 1e6:.0f}M parameters, {args.dtype}, {args.new} new tokens, greedy\n{HEADER}")
         result.update(run_benchmark(model, engines, args.batch, args.prompt, args.new, args.repeats))
-        for name in args.quant:
+        if args.ckpt and args.quant:  # a trained model: calibrated weights, and the perplexity they cost
+            result["quant_quality"] = checkpoint_quant(model, args)
+        for name in [] if args.ckpt else args.quant:
             quantized = copy.deepcopy(model)
-            report = quantize(quantized, {"name": name, "method": "rtn", **QUANT_FIT.get(name, {})})
+            report = quantize(quantized, {**_quant_config(name, model), "method": "rtn"})
             print(f"{name}: {report['layers']} layers, kernels {report['kernels']}", flush=True)
             result["rows"] += run_benchmark(quantized, ["compiled"], args.batch, args.prompt, args.new, args.repeats,
                                             label=f"+{name}")["rows"]
+        if args.draft:
+            result["speculative"] = checkpoint_speculative(model, args)
         if args.plot:
             plot(result["rows"], args.plot, f"{model.num_parameters() / 1e6:.0f}M, {args.new} new tokens, "
                                             f"{result['device']}")

@@ -165,7 +165,14 @@ class _StaticStep:
         self.run = torch.compile(self._forward, dynamic=False, options=COMPILE_OPTIONS) if engine.compile else self._forward
         self.graph: torch.cuda.CUDAGraph | None = None
         if engine.cuda_graphs:
-            self._capture()
+            try:
+                self._capture()
+            except RuntimeError as err:  # a host sync inside the step (e.g. a layer reading sizes back) cannot be captured
+                self.graph = None
+                for cache in engine.caches:
+                    cache.reset()
+                log.warning("the %d-token decode step runs compiled without a CUDA graph: %s", size,
+                            str(err).splitlines()[0])
 
     def _forward(self) -> tuple[torch.Tensor, torch.Tensor]:
         hidden = self.engine._hidden(self.ids)

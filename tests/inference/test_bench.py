@@ -1,0 +1,67 @@
+"""`lmlab bench generate` on the CPU: lmlab and Hugging Face `generate` make the same greedy tokens
+from the same weights, the byte counts behind the roofline, and the checkpoint figures (perplexity
+of a quantized copy, speculative decoding against the target alone) on a model trained here."""
+
+import copy
+
+import pytest
+import torch
+
+import lmlab
+from lmlab.cli.compose import compose_config
+from lmlab.inference.bench import kv_bytes_by_attention, run_benchmark, weight_bytes_per_step
+from lmlab.inference.bench_checkpoint import CheckpointData, perplexity, quant_quality, speculative_speedup
+from lmlab.inference.quant import quantize
+from lmlab.training import train
+from tests.conftest import TINY
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory) -> str:
+    folder = tmp_path_factory.mktemp("run")
+    train(compose_config([*TINY, f"cache_dir={folder / 'cache'}", "trainer.max_steps=3", "sched.warmup_steps=1",
+                          "trainer.val_every=3"]), folder)
+    return str(folder / "checkpoints" / "last.ckpt")
+
+
+def test_lmlab_and_transformers_make_the_same_tokens(ckpt):
+    pytest.importorskip("transformers")
+    model, _, _ = lmlab.load(ckpt)
+    rows = run_benchmark(model, ["eager", "hf"], batches=[1, 3], prompts=[8], new=5, repeats=1)["rows"]
+    assert [(r["engine"], r["batch"]) for r in rows] == [("eager", 1), ("hf", 1), ("eager", 3), ("hf", 3)]
+    assert rows[0]["tokens"] == rows[1]["tokens"] and rows[2]["tokens"] == rows[3]["tokens"]
+    assert all(r["decode_tokens_per_s"] > 0 and r["ttft_s"] > 0 for r in rows)
+
+
+def test_weight_bytes_count_quantized_buffers_and_skip_the_embedding(ckpt):
+    model, _, _ = lmlab.load(ckpt)
+    dense = weight_bytes_per_step(model)
+    assert dense == 4 * (model.num_parameters() - model.embed_tokens.weight.numel())
+    quantize(model, "int8")
+    assert dense / 4.5 < weight_bytes_per_step(model) < dense / 3  # int8 weights, a scale per row
+
+
+def test_kv_bytes_shrink_from_mha_to_mqa_and_linear_is_constant(ckpt):
+    _, _, cfg = lmlab.load(ckpt)
+    table = kv_bytes_by_attention(cfg, vocab=1024, length=512)
+    per_token = {kind: row["bytes_per_token"] for kind, row in table.items()}
+    assert per_token["mqa"] < per_token["mha"]
+    assert per_token["linear"] == table["linear"]["bytes_at_length"] / 512
+
+
+def test_quantized_perplexity_is_measured_on_the_validation_split(ckpt):
+    model, _, _ = lmlab.load(ckpt)
+    data = CheckpointData(ckpt)
+    rows = quant_quality(model, data, ["int8"], new=4, compile=False)
+    assert [r["quant"] for r in rows] == ["none", "int8"]
+    assert rows[0]["ppl"] == pytest.approx(perplexity(model, *data.val))
+    assert abs(rows[1]["ppl_change"]) < 0.05 and rows[1]["speedup"] > 0
+
+
+def test_speculative_with_the_target_as_draft_accepts_everything(ckpt):
+    model, _, _ = lmlab.load(ckpt)
+    prompts = CheckpointData(ckpt).prompts(2, 16)
+    row = speculative_speedup(model, copy.deepcopy(model), prompts, new=8, k=3, compile=False)
+    assert row["identical_outputs"] == 2 and row["acceptance_rate"] == 1.0
+    assert row["speedup"] > 0 and row["draft_parameters"] == row["target_parameters"]
+    assert torch.is_tensor(model.lm_head.weight)
