@@ -69,7 +69,8 @@ class GenerateConfig:
     calibration_file: str | None = None  # text for GPTQ's calibration (default: the checkpoint's training data)
     device: str = "auto"  # auto (cuda when there is one) | cpu | cuda
     dtype: str = "auto"  # auto (bfloat16 on CUDA, float32 on CPU) | float32 | bfloat16
-    compile: bool = False  # torch.compile the decode step, replayed as a CUDA graph on CUDA
+    compile: bool = False  # torch.compile the decode step (a wait of up to a minute), replayed as a CUDA graph on CUDA
+    cuda_graphs: bool | None = None  # replay the decode step from a CUDA graph; None: on CUDA (a fraction of a second)
     plugins: list[str] = field(default_factory=list)  # modules imported before the config is composed
 
     def __post_init__(self) -> None:
@@ -327,8 +328,10 @@ def generate(cfg: GenerateConfig, out=None, err=None) -> None:
         report = quantize(model, cfg.quant, calibration() if calibration else None, progress=True)
         print(f"lmlab generate: quantized {report['layers']} Linear layers ({report['quant']}, {report['method']}): "
               f"{report['bytes_before'] / 2**20:,.2f} -> {report['bytes_after'] / 2**20:,.2f} MiB", file=err)
-    engine = Engine(model, compile=cfg.compile)
-    draft_engine = Engine(draft.load().to(device, dtype), compile=cfg.compile) if draft is not None else None
+    graphs = cfg.cuda_graphs is not False  # Engine replays graphs on CUDA only
+    engine = Engine(model, compile=cfg.compile, cuda_graphs=graphs)
+    draft_engine = (Engine(draft.load().to(device, dtype), compile=cfg.compile, cuda_graphs=graphs)
+                    if draft is not None else None)
     options = dict(max_new_tokens=cfg.max_new_tokens, stop_token_ids=target.stop_ids, stop_strings=cfg.stop,
                    tokenizer=target.tokenizer)
 

@@ -3,7 +3,8 @@
     lmlab bench generate model=llama400m model.vocab_size=50304 --json gen.json --plot tokens_per_s.png
 
 In one process and on the same weights (random, or `--ckpt`'s), for each prompt length and batch
-size: lmlab eager, lmlab compiled (torch.compile + CUDA graphs), Hugging Face `generate` with its
+size: lmlab eager, lmlab eager replayed from CUDA graphs (`graphs`), lmlab compiled (torch.compile
++ CUDA graphs), Hugging Face `generate` with its
 dynamic cache (`hf`) and with its static cache under torch.compile (`hf-static`), all greedy with
 no stop token, so every run makes exactly `--new` tokens. Reported: time to first token, time per
 output token, prefill and decode tokens/s, KV-cache bytes, and at each batch the bandwidth
@@ -38,7 +39,7 @@ from lmlab.nn.transformer import Transformer
 from lmlab.timing import sync
 from lmlab.tokenizers.base import expected_vocab_size
 
-ENGINES = ("eager", "compiled", "hf", "hf-static")
+ENGINES = ("eager", "graphs", "compiled", "hf", "hf-static")
 
 
 def int4_group_size(model: Transformer) -> dict:
@@ -193,7 +194,9 @@ def _contender(name: str, model: Transformer):
     """The run function of one engine, built once per model (engines keep their compiled graphs)."""
     key = (name, id(model))
     if key not in _CONTENDERS:
-        builders = {"eager": lambda: _engine_run(Engine(model)), "compiled": lambda: _engine_run(Engine(model, True)),
+        builders = {"eager": lambda: _engine_run(Engine(model)),
+                    "graphs": lambda: _engine_run(Engine(model, cuda_graphs=True)),
+                    "compiled": lambda: _engine_run(Engine(model, True)),
                     "hf": lambda: HFContender(model, static=False).run,
                     "hf-static": lambda: HFContender(model, static=True).run}
         _CONTENDERS[key] = builders[name]()

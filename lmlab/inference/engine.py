@@ -1,6 +1,7 @@
 """The inference engine: a Transformer with preallocated per-layer caches, run as prefill and decode.
 
     engine = Engine(model, compile=True)          # compile: torch.compile + a CUDA graph per shape
+    engine = Engine(model, cuda_graphs=True)      # eager step replayed from a CUDA graph: no compile wait
     out = engine.generate([ids_a, ids_b], sampler=SAMPLERS.build("top_p"), max_new_tokens=200)
 
 Lower-level steps, for speculative decoding and other loops: `begin(batch, max_len, start)` resets
@@ -43,13 +44,15 @@ def check_generatable(model: Transformer) -> None:
 class Engine:
     """Generation with a KV cache per layer; see the module docstring."""
 
-    def __init__(self, model: Transformer, compile: bool = False):
+    def __init__(self, model: Transformer, compile: bool = False, cuda_graphs: bool | None = None):
+        """compile: torch.compile the decode step. cuda_graphs: replay it from a CUDA graph (default: when
+        compiled on CUDA; without compile it still removes the Python cost of launching each kernel)."""
         check_generatable(model)
         self.model = model.eval()
         weight = model.embed_tokens.weight
         self.device, self.dtype = weight.device, weight.dtype
         self.compile = compile
-        self.cuda_graphs = compile and self.device.type == "cuda"
+        self.cuda_graphs = self.device.type == "cuda" and (compile if cuda_graphs is None else cuda_graphs)
         if compile:  # one compiled graph per (batch, cache length, tokens per step): allow many
             torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 256)
         self.state: CacheState | None = None

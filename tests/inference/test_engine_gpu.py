@@ -1,5 +1,6 @@
-"""On CUDA: the compiled, graph-captured decode step computes what the eager engine computes, for
-the cache kinds (full, ring buffer, latent, recurrent), and whole generations agree."""
+"""On CUDA: the graph-replayed decode step, compiled or not, computes what the eager engine computes,
+for the cache kinds (full, ring buffer, latent, recurrent), and whole generations agree; an MoE
+model generates with graphs too (or falls back to the compiled step without them)."""
 
 import pytest
 import torch
@@ -19,17 +20,29 @@ def _model(attention) -> Transformer:
     return Transformer(cfg, vocab_size=128).cuda().eval()
 
 
+@pytest.mark.parametrize("compile", [True, False])
 @pytest.mark.parametrize("attention", [{"name": "mha", "n_heads": 4, "n_kv_heads": 2},
                                        {"name": "mha", "n_heads": 4, "window": 8}, "mla", "linear"])
-def test_compiled_graph_decode_matches_eager(attention):
+def test_graph_replayed_decode_matches_eager(attention, compile):
     torch.backends.cuda.matmul.allow_tf32 = False
     model = _model(attention)
-    eager, compiled = Engine(model), Engine(model, compile=True)
-    assert compiled.cuda_graphs
-    for engine in (eager, compiled):
+    eager, replayed = Engine(model), Engine(model, compile=compile, cuda_graphs=True)
+    assert replayed.cuda_graphs
+    for engine in (eager, replayed):
         engine.begin(3, 40, torch.tensor([4, 0, 8], device="cuda"))
         engine.extend(torch.randint(0, 128, (3, 9), generator=torch.Generator().manual_seed(0)).cuda())
+    assert all(step.graph is not None for step in replayed._steps.values())  # captured, not fallen back
     for step in range(12):
         token = torch.tensor([step, 2 * step, 3 * step], device="cuda")
-        torch.testing.assert_close(compiled.decode(token), eager.decode(token), atol=1e-4, rtol=1e-4)
-    assert eager.generate(PROMPTS, max_new_tokens=30).tokens == compiled.generate(PROMPTS, max_new_tokens=30).tokens
+        torch.testing.assert_close(replayed.decode(token), eager.decode(token), atol=1e-4, rtol=1e-4)
+    assert eager.generate(PROMPTS, max_new_tokens=30).tokens == replayed.generate(PROMPTS, max_new_tokens=30).tokens
+
+
+def test_moe_model_generates_with_graphs_requested():
+    torch.manual_seed(0)
+    cfg = ModelConfig(d_model=64, n_layers=2, max_seq_len=96, norm="rmsnorm", ffn="swiglu", position="rope",
+                      attention={"name": "mha", "n_heads": 4}, block="prenorm",
+                      moe={"name": "topk", "n_experts": 4, "k": 2})
+    model = Transformer(cfg, vocab_size=128).cuda().eval()
+    expected = Engine(model).generate(PROMPTS, max_new_tokens=10).tokens
+    assert Engine(model, cuda_graphs=True).generate(PROMPTS, max_new_tokens=10).tokens == expected
