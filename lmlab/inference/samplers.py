@@ -132,10 +132,13 @@ class Sampler:
 
     def process(self, logits: Tensor, counts: Tensor | None = None) -> Tensor:
         """The logits after every processor: penalties, temperature, dropped tokens at -inf."""
+        return self._apply(self.processors, logits, counts)
+
+    def _apply(self, processors: list[LogitProcessor], logits: Tensor, counts: Tensor | None) -> Tensor:
         if self.needs_counts and counts is None:
             raise ValueError("this sampler applies a penalty: pass counts (token occurrences per sequence)")
         logits = logits.float()
-        for processor in self.processors:
+        for processor in processors:
             logits = processor(logits, counts)
         return logits
 
@@ -146,10 +149,9 @@ class Sampler:
     def sample(self, logits: Tensor, counts: Tensor | None = None,
                generator: torch.Generator | None = None) -> Tensor:
         """The next token of each row, [B] long."""
-        processed = self.process(logits, counts)
-        if self.greedy:
-            return processed.argmax(-1)
-        return exponential_race(processed.softmax(-1), generator)
+        if self.greedy:  # the argmax of the penalised logits: keep_argmax's masking would not change it
+            return self._apply(self.processors[:-1], logits, counts).argmax(-1)
+        return exponential_race(self.process(logits, counts).softmax(-1), generator)
 
     def generator(self, device: torch.device | str) -> torch.Generator | None:
         """A generator seeded with `seed` for `sample`; None (torch's global RNG) when no seed is set."""
