@@ -260,11 +260,11 @@ def _quant_config(name: str, model: Transformer) -> dict:
     return {"name": name, **(fit(model) if fit else {})}
 
 
-def checkpoint_quant(model: Transformer, args) -> list[dict]:
-    from lmlab.inference.bench_checkpoint import CheckpointData, quant_quality
+def checkpoint_quant(model: Transformer, data, args) -> list[dict]:
+    from lmlab.inference.bench_checkpoint import quant_quality
 
     quants = [_quant_config(name, model) for name in args.quant]
-    rows = quant_quality(model, CheckpointData(args.ckpt), quants, args.new)
+    rows = quant_quality(model, data, quants, args.new)
     for row in rows:
         change = f"{row['ppl_change']:+.2%}, {row['speedup']:.2f}x" if "speedup" in row else "reference"
         print(f"quant {row['quant']:<5} validation perplexity {row['ppl']:.3f} ({change}), batch-1 compiled decode "
@@ -272,11 +272,11 @@ def checkpoint_quant(model: Transformer, args) -> list[dict]:
     return rows
 
 
-def checkpoint_speculative(model: Transformer, args) -> dict:
-    from lmlab.inference.bench_checkpoint import CheckpointData, speculative_speedup
+def checkpoint_speculative(model: Transformer, data, args) -> dict:
+    from lmlab.inference.bench_checkpoint import speculative_speedup
 
     draft, _ = build_model([], args.draft, model.embed_tokens.weight.device, model.embed_tokens.weight.dtype)
-    prompts = CheckpointData(args.ckpt).prompts(args.spec_prompts, args.prompt[0])
+    prompts = data.prompts(args.spec_prompts, args.prompt[0])
     row = speculative_speedup(model, draft, prompts, args.new, args.draft_k)
     print(f"speculative, k={row['k']}, {row['draft_parameters'] / 1e6:.1f}M draft for a "
           f"{row['target_parameters'] / 1e6:.1f}M target: {row['speculative_tokens_per_s']:,.0f} against "
@@ -327,8 +327,13 @@ def main(argv: list[str]) -> int:
     if not args.kv_table:
         print(f"{model.num_parameters() / 1e6:.0f}M parameters, {args.dtype}, {args.new} new tokens, greedy\n{HEADER}")
         result.update(run_benchmark(model, engines, args.batch, args.prompt, args.new, args.repeats))
+        data = None
+        if args.ckpt and (args.quant or args.draft):  # its corpus, read once for both
+            from lmlab.inference.bench_checkpoint import CheckpointData
+
+            data = CheckpointData(args.ckpt)
         if args.ckpt and args.quant:  # a trained model: calibrated weights, and the perplexity they cost
-            result["quant_quality"] = checkpoint_quant(model, args)
+            result["quant_quality"] = checkpoint_quant(model, data, args)
         for name in [] if args.ckpt else args.quant:
             quantized = copy.deepcopy(model)
             report = quantize(quantized, {**_quant_config(name, model), "method": "rtn"})
@@ -336,7 +341,7 @@ def main(argv: list[str]) -> int:
             result["rows"] += run_benchmark(quantized, ["compiled"], args.batch, args.prompt, args.new, args.repeats,
                                             label=f"+{name}")["rows"]
         if args.draft:
-            result["speculative"] = checkpoint_speculative(model, args)
+            result["speculative"] = checkpoint_speculative(model, data, args)
         if args.plot:
             plot(result["rows"], args.plot, f"{model.num_parameters() / 1e6:.0f}M, {args.new} new tokens, "
                                             f"{result['device']}")

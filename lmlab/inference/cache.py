@@ -61,6 +61,12 @@ class CacheState:
     slots: torch.Tensor  # (S,) long: the cache slots of this forward's tokens, the same for all sequences
     start: torch.Tensor  # (B,) long: each sequence's first real slot (left padding fills the slots before)
 
+    @classmethod
+    def empty(cls, batch_size: int, device) -> CacheState:
+        """Before any forward: one slot, and no left padding."""
+        return cls(slots=torch.zeros(1, dtype=torch.long, device=device),
+                   start=torch.zeros(batch_size, dtype=torch.long, device=device))
+
     def positions(self) -> torch.Tensor:
         """(B, S) position of each new token within its own sequence (0 on padding)."""
         return (self.slots[None, :] - self.start[:, None]).clamp_min(0)

@@ -85,8 +85,7 @@ class Engine:
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
         self.shape = (batch_size, length, lookahead)
-        self.state = CacheState(slots=torch.zeros(1, dtype=torch.long, device=self.device),
-                                start=torch.zeros(batch_size, dtype=torch.long, device=self.device))
+        self.state = CacheState.empty(batch_size, self.device)
         self.caches = [factory_for(block.self_attn)(block.self_attn, self.state, batch_size, length, self.device,
                                                     self.dtype, lookahead=lookahead) for block in self.model.layers]
         for size in sorted({1, lookahead + 1}):
@@ -174,7 +173,7 @@ class _StaticStep:
                 self.graph = None
                 for cache in engine.caches:
                     cache.reset()
-                log.warning("the %d-token decode step runs compiled without a CUDA graph: %s", size,
+                log.warning("the %d-token decode step runs without a CUDA graph: %s", size,
                             str(err).splitlines()[0])
 
     def _forward(self) -> tuple[torch.Tensor, torch.Tensor]:

@@ -75,8 +75,7 @@ def check_draft(target_model, draft_model, target_tokenizer=None, draft_tokenize
 def _check_rewindable(blocks, who: str) -> None:
     """Speculation rolls caches back; a recurrent state cannot. Checked on 'meta' tensors, before any work."""
     meta = torch.device("meta")
-    state = CacheState(slots=torch.zeros(1, dtype=torch.long, device=meta),
-                       start=torch.zeros(1, dtype=torch.long, device=meta))
+    state = CacheState.empty(1, meta)
     for block in blocks:
         if not factory_for(block.self_attn)(block.self_attn, state, 1, 1, meta, torch.float32).rewindable:
             raise ConfigError(f"the {who}'s {type(block.self_attn).__name__} layers keep a recurrent state that "
@@ -154,8 +153,7 @@ class MTPDraft(Drafter):
 
     def start(self, prompt: Tensor, k: int) -> None:
         target, length = self.target, self.target.shape[1]
-        self.state = CacheState(slots=torch.zeros(1, dtype=torch.long, device=target.device),
-                                start=torch.zeros(1, dtype=torch.long, device=target.device))
+        self.state = CacheState.empty(1, target.device)
         self.caches = [factory_for(m.layer.self_attn)(m.layer.self_attn, self.state, 1, length, target.device,
                                                       target.dtype, lookahead=k) for m in self.modules]
         # hidden[d]: depth d's hidden state by position (depth 0: the main model's, before its final norm)
