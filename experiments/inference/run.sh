@@ -10,6 +10,8 @@
 #          50304-row embedding), into $D/target and $D/draft; checkpoints stay on the machine
 #   checkpoint  on those checkpoints: validation perplexity and batch-1 speed of int8 and int4
 #          (GPTQ), and speculative decoding with the draft against the target alone
+# Env: STEPS (training steps, 600), TRAIN_COMPILE (true), QUANT (entries for checkpoint, "int8 int4";
+#      empty: speculative decoding only), CORPUS.
 # Usage: experiments/inference/run.sh OUT_DIR [tests|bench|quant|train|checkpoint ...]
 #        (tests bench quant by default; train and checkpoint go in one call: the machine keeps nothing)
 set -euo pipefail
@@ -21,7 +23,7 @@ LMLAB="python -m lmlab.cli.main"  # runs from a checkout without installing, as 
 B="$LMLAB bench generate model=llama400m model.vocab_size=50304 --prompt 128 --new 256 --repeats 1"
 CORPUS=${CORPUS:-outputs/data/tinyshakespeare.txt}
 DATA="data=text_files data.paths=[$CORPUS] tokenizer.vocab_size=8192 model.vocab_size=50304 data.context_length=512
-      data.batch_size=32 trainer.compile=true trainer.progress_bar=false cache_dir=$D/cache"
+      data.batch_size=32 trainer.compile=${TRAIN_COMPILE:-true} trainer.progress_bar=false cache_dir=$D/cache"
 TRAIN="python -m lmlab.cli.train $DATA trainer.max_steps=${STEPS:-600} trainer.val_every=200"
 for part in $PARTS; do
     echo "== $part -> $D" >&2
@@ -37,7 +39,7 @@ for part in $PARTS; do
                $TRAIN model=llama400m model.d_model=768 model.n_layers=4 model.attention.n_heads=12 \
                    hydra.run.dir="$D/draft" 2>&1 | tail -4 | tee "$D/train-draft.txt" ;;
         checkpoint) $LMLAB bench generate --ckpt "$D/target/checkpoints/last.ckpt" --engines compiled --batch 1 \
-                        --prompt 128 --new 256 --repeats 1 --quant int8 int4 --draft "$D/draft/checkpoints/last.ckpt" \
+                        --prompt 128 --new 256 --repeats 1 --quant ${QUANT-int8 int4} --draft "$D/draft/checkpoints/last.ckpt" \
                         --json "$D/bench-checkpoint.json" 2>&1 | grep -v -i warn | tail -12 \
                         | tee "$D/bench-checkpoint.txt" ;;
         *) echo "unknown part '$part'; parts: tests bench quant train checkpoint" >&2; exit 2 ;;

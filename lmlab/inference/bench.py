@@ -4,7 +4,8 @@
 
 In one process and on the same weights (random, or `--ckpt`'s), for each prompt length and batch
 size: lmlab eager, lmlab eager replayed from CUDA graphs (`graphs`), lmlab compiled (torch.compile
-+ CUDA graphs), Hugging Face `generate` with its
++ CUDA graphs; `compiled-sdpa` attends with masked SDPA instead of the flash-decoding kernel),
+Hugging Face `generate` with its
 dynamic cache (`hf`) and with its static cache under torch.compile (`hf-static`), all greedy with
 no stop token, so every run makes exactly `--new` tokens. Reported: time to first token, time per
 output token, prefill and decode tokens/s, KV-cache bytes, and at each batch the bandwidth
@@ -39,7 +40,7 @@ from lmlab.nn.transformer import Transformer
 from lmlab.timing import sync
 from lmlab.tokenizers.base import expected_vocab_size
 
-ENGINES = ("eager", "graphs", "compiled", "hf", "hf-static")
+ENGINES = ("eager", "graphs", "compiled", "compiled-sdpa", "hf", "hf-static")
 
 
 def int4_group_size(model: Transformer) -> dict:
@@ -197,6 +198,7 @@ def _contender(name: str, model: Transformer):
         builders = {"eager": lambda: _engine_run(Engine(model)),
                     "graphs": lambda: _engine_run(Engine(model, cuda_graphs=True)),
                     "compiled": lambda: _engine_run(Engine(model, True)),
+                    "compiled-sdpa": lambda: _engine_run(Engine(model, True, attention_kernel=False)),
                     "hf": lambda: HFContender(model, static=False).run,
                     "hf-static": lambda: HFContender(model, static=True).run}
         _CONTENDERS[key] = builders[name]()
@@ -207,14 +209,14 @@ def _engine_run(engine: Engine):
     return lambda ids, new: _lmlab_run(engine, ids, new)
 
 
-HEADER = (f"{'engine':<10} {'batch':>5} {'prompt':>6} {'TTFT ms':>9} {'TPOT ms':>8} {'prefill tok/s':>14} "
+HEADER = (f"{'engine':<13} {'batch':>5} {'prompt':>6} {'TTFT ms':>9} {'TPOT ms':>8} {'prefill tok/s':>14} "
           f"{'decode tok/s':>13} {'KV MiB':>8} {'roofline':>9}")
 
 
 def format_row(row: dict) -> str:
     kv = "" if row["kv_cache_bytes"] is None else f"{row['kv_cache_bytes'] / 2**20:.0f}"
     roof = f"{row['fraction_of_roofline']:.0%}" if "fraction_of_roofline" in row else ""
-    return (f"{row['engine']:<10} {row['batch']:>5} {row['prompt']:>6} {row['ttft_s'] * 1e3:>9.1f} "
+    return (f"{row['engine']:<13} {row['batch']:>5} {row['prompt']:>6} {row['ttft_s'] * 1e3:>9.1f} "
             f"{row['tpot_s'] * 1e3:>8.2f} {row['prefill_tokens_per_s']:>14,.0f} {row['decode_tokens_per_s']:>13,.0f} "
             f"{kv:>8} {roof:>9}")
 

@@ -60,6 +60,9 @@ class CacheState:
 
     slots: torch.Tensor  # (S,) long: the cache slots of this forward's tokens, the same for all sequences
     start: torch.Tensor  # (B,) long: each sequence's first real slot (left padding fills the slots before)
+    # (q, k_cache, v_cache, slots, start, scale, window) -> out: attention over slot-addressed caches with
+    # this mask computed inside (lmlab.kernels.decode_attention_triton); None: SDPA with the mask built here
+    attention_kernel: Callable | None = None
 
     @classmethod
     def empty(cls, batch_size: int, device) -> CacheState:
@@ -127,6 +130,15 @@ def _mha_attend(attn: MultiHeadAttention, q, k, v, mask: torch.Tensor) -> torch.
     return attn.o_proj(rearrange(out, "b h s d -> b s (h d)"))
 
 
+def _kernel_applies(attn: MultiHeadAttention, position: PositionEncoding, q: torch.Tensor, keys: torch.Tensor) -> bool:
+    """The decode-attention kernel computes plain softmax attention without a position bias, for a few
+    new tokens (decode, speculative verification; prefill keeps SDPA)."""
+    from lmlab.kernels.decode_attention_triton import unsupported  # here: Triton is optional, and only set kernels need it
+
+    no_bias = type(position).attn_bias is PositionEncoding.attn_bias
+    return attn.softcap is None and no_bias and unsupported(q, keys) is None
+
+
 class KVCache(LayerCache):
     """Keys and values of every slot, n_kv_heads of them (GQA/MQA heads are never repeated)."""
 
@@ -142,6 +154,10 @@ class KVCache(LayerCache):
         keys, values = self.tensors["k"], self.tensors["v"]
         keys.index_copy_(2, self.state.slots, k)
         values.index_copy_(2, self.state.slots, v)
+        kernel = self.state.attention_kernel
+        if kernel is not None and _kernel_applies(attn, position, q, keys):
+            out = kernel(q, keys, values, self.state.slots, self.state.start, attn.score_scale, attn.window)
+            return attn.o_proj(rearrange(out, "b h s d -> b s (h d)"))
         mask = score_mask(self.state, self.key_slots, attn.window, position, attn.softcap is not None, q.dtype)
         return _mha_attend(attn, q, keys, values, mask)
 

@@ -20,6 +20,8 @@ import torch
 from lmlab.errors import ConfigError
 from lmlab.inference import linear_state, mla_cache  # noqa: F401 - their caches register on import
 from lmlab.inference.cache import CacheState, LayerCache, factory_for
+from lmlab.kernels.registry import triton_unavailable
+from lmlab.nn.fused import fuse_projections
 from lmlab.nn.moe import MoELayer
 from lmlab.nn.transformer import Transformer
 
@@ -44,15 +46,20 @@ def check_generatable(model: Transformer) -> None:
 class Engine:
     """Generation with a KV cache per layer; see the module docstring."""
 
-    def __init__(self, model: Transformer, compile: bool = False, cuda_graphs: bool | None = None):
+    def __init__(self, model: Transformer, compile: bool = False, cuda_graphs: bool | None = None,
+                 attention_kernel: bool | None = None):
         """compile: torch.compile the decode step. cuda_graphs: replay it from a CUDA graph (default: when
-        compiled on CUDA; without compile it still removes the Python cost of launching each kernel)."""
+        compiled on CUDA; without compile it still removes the Python cost of launching each kernel).
+        attention_kernel: decode steps attend with the Triton flash-decoding kernel where it applies
+        (default: on CUDA with Triton), else SDPA with a mask."""
         check_generatable(model)
         self.model = model.eval()
         weight = model.embed_tokens.weight
         self.device, self.dtype = weight.device, weight.dtype
         self.compile = compile
         self.cuda_graphs = self.device.type == "cuda" and (compile if cuda_graphs is None else cuda_graphs)
+        self.attention_kernel = _decode_attention_kernel(self.device, attention_kernel)
+        fuse_projections(model)  # q/k/v and gate/up as one matmul each
         if compile:  # one compiled graph per (batch, cache length, tokens per step): allow many
             torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 256)
         self.state: CacheState | None = None
@@ -71,6 +78,7 @@ class Engine:
         """Empty caches for `batch_size` sequences of up to `max_len` slots; sequence b's first real
         slot is start[b] (left padding before it). Caches and graphs are reused when the shape repeats."""
         shape = (batch_size, self.cache_length(max_len), lookahead)
+        fuse_projections(self.model)  # again where the model changed since (moved, quantized)
         if shape != self.shape:
             self._allocate(*shape)
         else:
@@ -86,6 +94,7 @@ class Engine:
             torch.cuda.empty_cache()
         self.shape = (batch_size, length, lookahead)
         self.state = CacheState.empty(batch_size, self.device)
+        self.state.attention_kernel = self.attention_kernel
         self.caches = [factory_for(block.self_attn)(block.self_attn, self.state, batch_size, length, self.device,
                                                     self.dtype, lookahead=lookahead) for block in self.model.layers]
         for size in sorted({1, lookahead + 1}):
@@ -153,6 +162,18 @@ class Engine:
         from lmlab.inference.generate import generate
 
         return generate(self, prompts, sampler, max_new_tokens, **kwargs)
+
+
+def _decode_attention_kernel(device: torch.device, wanted: bool | None):
+    """lmlab.kernels.decode_attention_triton's kernel, or None (SDPA): by default on CUDA with Triton."""
+    missing = triton_unavailable() if device.type == "cuda" else "the model is not on a CUDA device"
+    if wanted and missing:
+        raise ConfigError(f"attention_kernel=True, but {missing}")
+    if missing or wanted is False:
+        return None
+    from lmlab.kernels.decode_attention_triton import decode_attention
+
+    return decode_attention
 
 
 class _StaticStep:

@@ -21,6 +21,7 @@ _TRITON = {
     "FusedRMSNorm": "rmsnorm_triton", "rms_norm_triton": "rmsnorm_triton",
     "FusedSwiGLU": "swiglu_triton", "swiglu_triton": "swiglu_triton",
     "FusedCrossEntropy": "cross_entropy_triton", "cross_entropy_triton": "cross_entropy_triton",
+    "decode_attention": "decode_attention_triton",
 }
 
 __all__ = ["FlashAttentionReference", "chunked_cross_entropy", "flash_attention_reference", *_TRITON]

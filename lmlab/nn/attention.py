@@ -16,6 +16,7 @@ from einops import rearrange
 from torch import nn
 
 from lmlab.errors import ConfigError
+from lmlab.nn.fused import fused_outputs
 from lmlab.nn.norms import NORMS
 from lmlab.nn.positions import PositionEncoding
 from lmlab.registry import Registry
@@ -52,6 +53,8 @@ def softcapped_attention(q, k, v, mask: torch.Tensor | None, cap: float, scale: 
 @ATTENTION.register("mha")
 class MultiHeadAttention(nn.Module):
     """Causal multi-head attention; n_kv_heads < n_heads gives GQA, n_kv_heads=1 gives MQA."""
+
+    fusable_projections = ("q_proj", "k_proj", "v_proj")  # read the same input (lmlab.nn.fused)
 
     @dataclass
     class Config:
@@ -129,9 +132,11 @@ class MultiHeadAttention(nn.Module):
     def project(self, x: torch.Tensor, position: PositionEncoding, positions: torch.Tensor):
         """Queries (b, n_heads, s, d), keys and values (b, n_kv_heads, s, d), normed and rotated; a KV cache
         (generation) stores the keys and values."""
-        q = self.q_norm(rearrange(self.q_proj(x), "b s (h d) -> b h s d", h=self.n_heads))
-        k = self.k_norm(rearrange(self.k_proj(x), "b s (h d) -> b h s d", h=self.n_kv_heads))
-        v = rearrange(self.v_proj(x), "b s (h d) -> b h s d", h=self.n_kv_heads)
+        fused = fused_outputs(self, x)  # one matmul for q, k and v where an inference engine fused them
+        q, k, v = (fused[name] if fused else getattr(self, name)(x) for name in self.fusable_projections)
+        q = self.q_norm(rearrange(q, "b s (h d) -> b h s d", h=self.n_heads))
+        k = self.k_norm(rearrange(k, "b s (h d) -> b h s d", h=self.n_kv_heads))
+        v = rearrange(v, "b s (h d) -> b h s d", h=self.n_kv_heads)
         q, k = position.rotate(q, k, positions)
         return q, k, v
 

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lmlab.errors import ConfigError
+from lmlab.nn.fused import fused_outputs
 
 Projection = Callable[[str, torch.Tensor], torch.Tensor]  # (projection name, input) -> input @ W.T
 from lmlab.registry import Registry
@@ -60,7 +61,8 @@ class FFN(nn.Module):
         raise NotImplementedError
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.combine(x, lambda name, h: getattr(self, name)(h))
+        fused = fused_outputs(self, x)  # the projections of x, from one matmul, where an inference engine fused them
+        return self.combine(x, lambda name, h: fused[name] if name in fused else getattr(self, name)(h))
 
 
 class MLP(FFN):
@@ -138,6 +140,7 @@ class GLU(FFN):
     """down(act(gate(x)) * up(x)): the gated three-matrix FFN; subclasses define `act`."""
 
     projections = ("gate_proj", "up_proj", "down_proj")
+    fusable_projections = ("gate_proj", "up_proj")  # both read x (lmlab.nn.fused)
 
     @dataclass
     class Config:

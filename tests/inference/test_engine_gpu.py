@@ -1,5 +1,6 @@
-"""On CUDA: the graph-replayed decode step, compiled or not, computes what the eager engine computes,
-for the cache kinds (full, ring buffer, latent, recurrent), and whole generations agree; an MoE
+"""On CUDA: the graph-replayed decode step, compiled or not and with the flash-decoding kernel,
+computes what the eager engine with SDPA computes, for the cache kinds (full, ring buffer, latent,
+recurrent), and whole generations agree; an MoE
 model generates with graphs too (or falls back to the compiled step without them)."""
 
 import pytest
@@ -26,8 +27,9 @@ def _model(attention) -> Transformer:
 def test_graph_replayed_decode_matches_eager(attention, compile):
     torch.backends.cuda.matmul.allow_tf32 = False
     model = _model(attention)
-    eager, replayed = Engine(model), Engine(model, compile=compile, cuda_graphs=True)
-    assert replayed.cuda_graphs
+    eager = Engine(model, attention_kernel=False)
+    replayed = Engine(model, compile=compile, cuda_graphs=True)
+    assert replayed.cuda_graphs and replayed.attention_kernel is not None
     for engine in (eager, replayed):
         engine.begin(3, 40, torch.tensor([4, 0, 8], device="cuda"))
         engine.extend(torch.randint(0, 128, (3, 9), generator=torch.Generator().manual_seed(0)).cuda())
