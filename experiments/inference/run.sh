@@ -40,7 +40,7 @@ for part in $PARTS; do
                    hydra.run.dir="$D/draft" 2>&1 | tail -4 | tee "$D/train-draft.txt" ;;
         checkpoint) $LMLAB bench generate --ckpt "$D/target/checkpoints/last.ckpt" --engines compiled --batch 1 \
                         --prompt 128 --new 256 --repeats 1 --quant ${QUANT-int8 int4} --draft "$D/draft/checkpoints/last.ckpt" \
-                        --json "$D/bench-checkpoint.json" 2>&1 | grep -v -i warn | tail -12 \
+                        --json "$D/bench-checkpoint.json" 2>&1 | grep --line-buffered -v -i warn \
                         | tee "$D/bench-checkpoint.txt" ;;
         *) echo "unknown part '$part'; parts: tests bench quant train checkpoint" >&2; exit 2 ;;
     esac
