@@ -22,6 +22,7 @@ BUILTIN_MODULES = (
     "lmlab.training.loggers",
     "lmlab.inference.quant",
     "lmlab.inference.samplers",
+    "lmlab.eval.tasks",
     "lmlab.training.config",  # the schema of train.yaml
 )
 

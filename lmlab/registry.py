@@ -75,12 +75,15 @@ class _Empty:
 class Registry:
     """Entries of one kind of part, registered by name and built from config."""
 
-    def __init__(self, name: str, group: str, doc: str):
+    def __init__(self, name: str, group: str, doc: str, entries_apart: bool = False):
+        """entries_apart: each entry's node goes to GROUP.NAME instead of GROUP, so that a list of entries
+        (`eval=[mmlu,gsm8k]`) can be selected at once, each with its own fields (`eval.mmlu.shots=0`)."""
         if name in REGISTRIES:
             raise RegistryError(f"a registry named '{name}' exists already")
         self.name = name
         self.group = group
         self.doc = doc
+        self.entries_apart = entries_apart
         self._entries: dict[str, Entry] = {}
         REGISTRIES[name] = self
 
@@ -97,7 +100,8 @@ class Registry:
                 raise RegistryError(f"{self.name} '{name}' is registered already by {self._entries[name].target!r}")
             doc = (target.__doc__ or "").strip().splitlines()
             self._entries[name] = Entry(name, target, cfg_cls, doc[0] if doc else "")
-            ConfigStore.instance().store(group=self.group, name=name, node=_named(cfg_cls, name))
+            package = f"{self.group.replace('/', '.')}.{name}" if self.entries_apart else None
+            ConfigStore.instance().store(group=self.group, name=name, node=_named(cfg_cls, name), package=package)
             return target
 
         return decorator

@@ -44,6 +44,15 @@ def make_cfg():
     return compose_config
 
 
+def train_tiny(folder: Path, steps: int, *overrides: str) -> str:
+    """A TINY run of `steps` steps in `folder` (validated at the end); returns its last checkpoint."""
+    from lmlab.training import train
+
+    train(compose_config([*TINY, f"cache_dir={folder / 'cache'}", f"trainer.max_steps={steps}", "sched.warmup_steps=1",
+                          f"trainer.val_every={steps}", *overrides]), folder)
+    return str(folder / "checkpoints" / "last.ckpt")
+
+
 def run_cli(args: list[str], cwd: Path, env_extra: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """Run an lmlab console entry point the way a user does, in a fresh process."""
     env = {**os.environ, **(env_extra or {})}

@@ -129,9 +129,11 @@ def _fmt(value: float | None, digits: int) -> str:
 def table(runs: list[Run], root: Path) -> str:
     keys = differing_keys(runs)
     failed = any(r.error for r in runs)
-    header = ["run", *keys, "train/loss", "val/loss", "val/bpb", "tokens/s", *(["failed"] if failed else [])]
+    evals = sorted({tag for r in runs for tag in r.scalars if tag.startswith("eval/")})  # lmlab-train eval=[...]
+    header = ["run", *keys, "train/loss", "val/loss", "val/bpb", *evals, "tokens/s", *(["failed"] if failed else [])]
     rows = [[str(r.path.relative_to(root)) if r.path != root else ".", *(r.overrides.get(k, "") for k in keys),
              _fmt(r.final("train/loss"), 4), _fmt(r.final("val/loss"), 4), _fmt(r.final("val/bpb"), 4),
+             *(_fmt(r.final(tag), 4) for tag in evals),
              _fmt(r.median("perf/tokens_per_s"), 0), *([(r.error or "").replace("|", "\\|")] if failed else [])]
             for r in runs]
     widths = [max(len(str(c)) for c in col) for col in zip(header, *rows)]

@@ -42,6 +42,7 @@ from lmlab.inference.generate import Generation, GenerationError, prepare_prompt
 from lmlab.inference.quant import QUANTS, quantize
 from lmlab.inference.samplers import SAMPLERS
 from lmlab.inference.speculative import check_draft, speculative_generate
+from lmlab.jsonl import json_lines
 from lmlab.nn.transformer import Transformer
 from lmlab.registry import unknown_name_message
 from lmlab.tokenizers import BPETokenizer
@@ -114,14 +115,8 @@ def read_prompts(cfg: GenerateConfig) -> list[str]:
     if not path.is_file():
         raise ConfigError(f"prompt_file={path} is not a file")
     prompts = []
-    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as err:
-            raise ConfigError(f"prompt_file={path} line {n} is not JSON ({err}); write one "
-                              '{"prompt": "..."} object per line') from None
+    for n, record in json_lines(path.read_text(encoding="utf-8"), f"prompt_file={path}",
+                                'write one {"prompt": "..."} object per line'):
         prompt = record.get("prompt") if isinstance(record, dict) else None
         if not isinstance(prompt, str) or not prompt:
             raise ConfigError(f'prompt_file={path} line {n} has no "prompt" string (or an empty one); write one '

@@ -117,6 +117,11 @@ class LayerCache:
         for t in self.tensors.values():
             t.zero_()
 
+    def copy_from(self, other: LayerCache, index: torch.Tensor) -> None:
+        """Hold sequences `index` of `other`, the same layer's cache for another batch (tensors are batch-first)."""
+        for name, t in self.tensors.items():
+            t.copy_(other.tensors[name].index_select(0, index))
+
     def __call__(self, attn, x: torch.Tensor, position: PositionEncoding, positions: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
@@ -177,6 +182,10 @@ class SlidingKVCache(LayerCache):
     def reset(self) -> None:
         super().reset()
         self.ring_slots.fill_(-1)
+
+    def copy_from(self, other: LayerCache, index: torch.Tensor) -> None:
+        super().copy_from(other, index)
+        self.ring_slots.copy_(other.ring_slots)  # which slot each entry holds: the same for every sequence
 
     def __call__(self, attn, x, position, positions):
         q, k, v = attn.project(x, position, positions)

@@ -100,6 +100,21 @@ class Engine:
         for size in sorted({1, lookahead + 1}):
             self._steps[size] = _StaticStep(self, batch_size, size)
 
+    @torch.inference_mode()
+    def select(self, index: torch.Tensor) -> None:
+        """Go on with sequences `index` (B',) of the current batch, repeats allowed: a prompt prefilled
+        once continues as several sequences (the choices of a question, n samples of a problem)."""
+        if self.state is None:
+            raise RuntimeError("Engine.begin and extend must run before select")
+        index = index.to(self.device)
+        old_caches, old_start, old_shape = self.caches, self.state.start, self.shape
+        self._allocate(len(index), old_shape[1], old_shape[2])
+        for cache, old in zip(self.caches, old_caches):
+            cache.copy_from(old, index)
+        self.state.start.copy_(old_start.index_select(0, index))
+        if self.last_hidden is not None:
+            self.last_hidden = self.last_hidden.index_select(0, index)
+
     def kv_cache_bytes(self) -> int:
         return sum(cache.nbytes() for cache in self.caches)
 

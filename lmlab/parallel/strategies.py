@@ -39,9 +39,11 @@ class DistributedConfig:
 
 
 class Parallel:
-    """Base of the entries: `distributed` says whether the run has one process per device."""
+    """Base of the entries: `distributed` says whether the run has one process per device, and
+    `shards_parameters` whether a rank holds only part of the weights (no rank can run the model alone)."""
 
     distributed = True
+    shards_parameters = False
 
     def __init__(self, cfg: DistributedConfig | None = None):
         self.cfg = cfg
@@ -183,6 +185,8 @@ class FullyShardedStrategy(ModelParallelStrategy):
 @PARALLEL.register("fsdp")
 class FullySharded(Parallel):
     """FSDP2 through Lightning: parameters, gradients and optimizer state sharded (ZeRO-3)."""
+
+    shards_parameters = True
 
     @dataclass
     class Config(DistributedConfig):

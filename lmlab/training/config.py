@@ -35,11 +35,14 @@ class TrainerConfig:
     checkpoint_every: int = 500  # steps; a checkpoint is also written at the end and on Ctrl-C/SIGTERM
     progress_bar: bool = True  # a live bar on a terminal; plain lines every log_every steps otherwise
     compile: bool = False  # torch.compile each block and the loss (see lmlab.training.compile)
+    eval_every: int | None = None  # steps between runs of the `eval` tasks (None: after the last step only)
 
     def __post_init__(self) -> None:
         at_least("trainer", self, 1, "max_steps", "val_every", "val_batches", "log_every", "accumulate_grad_batches",
                  "num_nodes", "checkpoint_every", "max_consecutive_skips")
         at_least("trainer", self, 0, "grad_clip")
+        if self.eval_every is not None:
+            at_least("trainer", self, 1, "eval_every")
 
 
 @dataclass
@@ -53,6 +56,7 @@ class TrainConfig:
     parallel: Any = MISSING
     kernels: Any = MISSING
     logger: Any = MISSING
+    eval: Any = field(default_factory=dict)  # evaluation tasks run during training (eval=[mmlu,gsm8k]) and eval.limit
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     seed: int = 0
     ckpt_path: str | None = None  # resume from this checkpoint (weights, optimizer, step)

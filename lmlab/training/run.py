@@ -25,6 +25,7 @@ from lmlab.parallel.strategies import PARALLEL, Parallel
 from lmlab.tokenizers import TOKENIZERS
 from lmlab.tokenizers.base import expected_vocab_size
 from lmlab.training.checkpoints import CONFIG_KEY, checkpoint_tokenizer, model_weights, read_checkpoint
+from lmlab.training.evaluation import EvalDuringTraining, eval_tasks
 from lmlab.training.loggers import build_logger
 from lmlab.training.losses import LOSSES
 from lmlab.training.module import LanguageModelTask, step_guard_for
@@ -160,6 +161,7 @@ def train(cfg: DictConfig, output_dir: str | Path) -> dict[str, float]:
     L.seed_everything(cfg.seed, workers=True, verbose=False)
     source, data_cfg = preflight(cfg)
     parallel = check_parallel(cfg, data_cfg.batch_size)
+    tasks, eval_limit = eval_tasks(cfg, parallel)
     if cfg.ckpt_path and (saved := finished_run(cfg.ckpt_path, cfg.trainer.max_steps)) is not None:
         return saved
 
@@ -201,6 +203,7 @@ def train(cfg: DictConfig, output_dir: str | Path) -> dict[str, float]:
             StepProgress(t.max_steps, t.log_every, bar=t.progress_bar),
             GracefulStop(output_dir / "checkpoints" / "last.ckpt", t.max_steps),
             *([StepProfiler(output_dir, t.max_steps)] if cfg.profile else []),
+            *([EvalDuringTraining(tasks, eval_limit, t.eval_every, t.max_steps)] if tasks else []),
         ],
         enable_progress_bar=False,  # StepProgress counts steps; Lightning's bar counts epochs and batches
         enable_model_summary=False,  # the parameter count is logged above; its FLOPs column reads 0

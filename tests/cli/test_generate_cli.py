@@ -9,7 +9,6 @@ import pytest
 import torch
 
 import lmlab
-from lmlab.cli.compose import compose_config
 from lmlab.cli.generate import StreamPrinter, parse_config
 from lmlab.cli.main import main
 from lmlab.inference.engine import Engine
@@ -19,9 +18,8 @@ from lmlab.inference.samplers import SAMPLERS
 from lmlab.tokenizers import EOT, ByteTokenizer
 from lmlab.tokenizers.base import pack_tokenizer
 from lmlab.tokenizers.hf_files import save_hf_tokenizer
-from lmlab.training import train
 from lmlab.training.checkpoints import TOKENIZER_KEY
-from tests.conftest import TINY, run_cli
+from tests.conftest import run_cli, train_tiny
 
 PROMPT = "def f(x):"
 PROMPTS = ["def f(x):", "class A, B:", "import os\n"]
@@ -31,10 +29,7 @@ NEW = 12
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory) -> str:
     """A 3-step run with one MTP module (unused in plain decoding, the drafter of draft=mtp)."""
-    folder = tmp_path_factory.mktemp("run")
-    train(compose_config([*TINY, f"cache_dir={folder / 'cache'}", "trainer.max_steps=3", "sched.warmup_steps=1",
-                          "trainer.val_every=3", "model.mtp.depth=1"]), folder)
-    return str(folder / "checkpoints" / "last.ckpt")
+    return train_tiny(tmp_path_factory.mktemp("run"), 3, "model.mtp.depth=1")
 
 
 @pytest.fixture(scope="module")

@@ -8,20 +8,15 @@ import pytest
 import torch
 
 import lmlab
-from lmlab.cli.compose import compose_config
 from lmlab.inference.bench import kv_bytes_by_attention, run_benchmark, weight_bytes_per_step
 from lmlab.inference.bench_checkpoint import CheckpointData, perplexity, quant_quality, speculative_speedup
 from lmlab.inference.quant import quantize
-from lmlab.training import train
-from tests.conftest import TINY
+from tests.conftest import train_tiny
 
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory) -> str:
-    folder = tmp_path_factory.mktemp("run")
-    train(compose_config([*TINY, f"cache_dir={folder / 'cache'}", "trainer.max_steps=3", "sched.warmup_steps=1",
-                          "trainer.val_every=3"]), folder)
-    return str(folder / "checkpoints" / "last.ckpt")
+    return train_tiny(tmp_path_factory.mktemp("run"), 3)
 
 
 def test_lmlab_and_transformers_make_the_same_tokens(ckpt):

@@ -1,0 +1,3 @@
+"""The built-in evaluation tasks; importing this registers them."""
+
+from lmlab.eval.tasks import gsm8k, mmlu, perplexity  # noqa: F401
