@@ -121,8 +121,8 @@ class Scorer:
             tokens[row, :len(c)] = torch.tensor(list(c))
         tokens = tokens.to(self.device)
         lengths = torch.tensor([len(c) for c in continuations], device=self.device)
-        logprobs = first[index].gather(-1, tokens[:, :1])  # (N, 1)
-        greedy = first[index].argmax(-1, keepdim=True) == tokens[:, :1]
+        logprobs = first[index, tokens[:, 0]][:, None]  # (N, 1), without copying a context's row per continuation
+        greedy = (first.argmax(-1)[index] == tokens[:, 0])[:, None]
         if longest > 1:  # the rest in one forward of every continuation, each on its context's cache
             engine.select(index)
             rest = engine.extend(tokens[:, :-1], all_logits=True).log_softmax(-1)  # (N, longest - 1, V)
