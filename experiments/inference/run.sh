@@ -5,15 +5,20 @@
 #          compiled (CUDA graphs) and Hugging Face generate at batch 1, 8, 32, 128 with a 128-token
 #          prompt and 256 new tokens, then lmlab eager at batch 1
 #   quant  the compiled engine at batch 1 on int8 and int4 (group 64) copies of the same weights
-#   train  a llama400m target and a ~4x smaller draft (d_model 768, 4 layers: fewer layers, since a
-#          batch-1 step costs per layer) on tinyshakespeare (CORPUS=path), same BPE (vocab 8192 in a
-#          50304-row embedding), into $D/target and $D/draft; checkpoints stay on the machine
+#   train  target then draft:
+#   target a llama400m on tinyshakespeare (CORPUS=path), BPE vocab 8192 in a 50304-row embedding, into
+#          $D/target; a folder holding a checkpoint resumes from it (ckpt_path=auto), so a run longer
+#          than one call spans two on the same warm machine: TRAIN_SECONDS stops the first with SIGTERM
+#          (the run saves checkpoints/last.ckpt) and the same command without it finishes the run
+#   draft  a ~4x smaller draft (d_model 768, 4 layers: fewer layers, since a batch-1 step costs per
+#          layer) on the same data, into $D/draft; checkpoints stay on the machine
 #   checkpoint  on those checkpoints: validation perplexity and batch-1 speed of int8 and int4
 #          (GPTQ), and speculative decoding with the draft against the target alone
-# Env: STEPS (training steps, 600), TRAIN_COMPILE (true), QUANT (entries for checkpoint, "int8 int4";
-#      empty: speculative decoding only), CORPUS.
+# Env: STEPS (target training steps, 600), DRAFT_STEPS (STEPS), TRAIN_COMPILE (true), TRAIN_SECONDS (none),
+#      QUANT (entries for checkpoint, "int8 int4"; empty: speculative decoding only), CORPUS.
 # Usage: experiments/inference/run.sh OUT_DIR [tests|bench|quant|train|checkpoint ...]
-#        (tests bench quant by default; train and checkpoint go in one call: the machine keeps nothing)
+#        (tests bench quant by default; checkpoint needs train in the same call, or in an earlier call
+#        on the same machine while it stays warm: a machine given back keeps nothing)
 set -euo pipefail
 D=${1:?usage: run.sh OUT_DIR [tests|bench|quant ...]}
 shift
@@ -24,7 +29,8 @@ B="$LMLAB bench generate model=llama400m model.vocab_size=50304 --prompt 128 --n
 CORPUS=${CORPUS:-outputs/data/tinyshakespeare.txt}
 DATA="data=text_files data.paths=[$CORPUS] tokenizer.vocab_size=8192 model.vocab_size=50304 data.context_length=512
       data.batch_size=32 trainer.compile=${TRAIN_COMPILE:-true} trainer.progress_bar=false cache_dir=$D/cache"
-TRAIN="python -m lmlab.cli.train $DATA trainer.max_steps=${STEPS:-600} trainer.val_every=200"
+TRAIN="python -m lmlab.cli.train $DATA trainer.val_every=200 trainer.checkpoint_every=100000 ckpt_path=auto"
+PARTS=${PARTS//train/target draft}
 for part in $PARTS; do
     echo "== $part -> $D" >&2
     case $part in
@@ -35,13 +41,16 @@ for part in $PARTS; do
                    | tee "$D/bench-eager.txt" ;;
         quant) $B --engines compiled --batch 1 --quant int8 int4 --json "$D/bench-quant.json" 2>&1 \
                    | grep -v -i warn | tail -8 | tee "$D/bench-quant.txt" ;;
-        train) $TRAIN model=llama400m hydra.run.dir="$D/target" 2>&1 | tail -4 | tee "$D/train-target.txt"
-               $TRAIN model=llama400m model.d_model=768 model.n_layers=4 model.attention.n_heads=12 \
-                   hydra.run.dir="$D/draft" 2>&1 | tail -4 | tee "$D/train-draft.txt" ;;
+        target) # timeout's 124 (TRAIN_SECONDS ran out: the run saved and stopped) is not a failure
+                ${TRAIN_SECONDS:+timeout -s TERM $TRAIN_SECONDS} $TRAIN model=llama400m trainer.max_steps=${STEPS:-600} \
+                    hydra.run.dir="$D/target" 2>&1 | tail -4 | tee -a "$D/train-target.txt" || [ $? = 124 ] ;;
+        draft) $TRAIN model=llama400m model.d_model=768 model.n_layers=4 model.attention.n_heads=12 \
+                   trainer.max_steps=${DRAFT_STEPS:-${STEPS:-600}} hydra.run.dir="$D/draft" 2>&1 | tail -4 \
+                   | tee "$D/train-draft.txt" ;;
         checkpoint) $LMLAB bench generate --ckpt "$D/target/checkpoints/last.ckpt" --engines compiled --batch 1 \
                         --prompt 128 --new 256 --repeats 1 --quant ${QUANT-int8 int4} --draft "$D/draft/checkpoints/last.ckpt" \
                         --json "$D/bench-checkpoint.json" 2>&1 | grep --line-buffered -v -i warn \
                         | tee "$D/bench-checkpoint.txt" ;;
-        *) echo "unknown part '$part'; parts: tests bench quant train checkpoint" >&2; exit 2 ;;
+        *) echo "unknown part '$part'; parts: tests bench quant train target draft checkpoint" >&2; exit 2 ;;
     esac
 done

@@ -284,6 +284,9 @@ def checkpoint_speculative(model: Transformer, data, args) -> dict:
           f"{row['target_parameters'] / 1e6:.1f}M target: {row['speculative_tokens_per_s']:,.0f} against "
           f"{row['target_tokens_per_s']:,.0f} tokens/s alone ({row['speedup']:.2f}x), acceptance "
           f"{row['acceptance_rate']:.0%}, identical outputs {row['identical_outputs']}/{row['prompts']}", flush=True)
+    if row["divergences"]:
+        print("  first differing token of each differing pair, and the target's top-1 minus top-2 logit there: "
+              + ", ".join(f"{d['at']} ({d['target_margin']:.3f})" for d in row["divergences"]), flush=True)
     return row
 
 

@@ -107,4 +107,24 @@ def speculative_speedup(target: Transformer, draft: Transformer, prompts: list[l
             "speculative_tokens_per_s": speed["speculative"], "speedup": speed["speculative"] / speed["target"],
             "acceptance_rate": sum(accepted) / len(accepted),
             "identical_outputs": sum(a == b for a, b in zip(outputs["target"], outputs["speculative"])),
+            "divergences": divergences(target, prompts, outputs["target"], outputs["speculative"]),
             "draft_parameters": draft.num_parameters(), "target_parameters": target.num_parameters()}
+
+
+@torch.inference_mode()
+def divergences(target: Transformer, prompts: list[list[int]], alone: list[list[int]],
+                speculative: list[list[int]]) -> list[dict]:
+    """Where greedy outputs part: the first differing token of each pair, and the target's margin there
+    (top-1 minus top-2 logit after the prompt and the common prefix, one plain forward). In exact
+    arithmetic the outputs are equal; in bf16 the verifier's (k+1)-token forward rounds differently from
+    a one-token decode step, so a margin near the rounding error can flip the greedy choice."""
+    device = target.embed_tokens.weight.device
+    found = []
+    for i, (prompt, a, b) in enumerate(zip(prompts, alone, speculative)):
+        at = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), None if len(a) == len(b) else min(len(a), len(b)))
+        if at is None:
+            continue
+        logits = target(torch.tensor([prompt + a[:at]], device=device))[0, -1].float()
+        top = logits.topk(2).values
+        found.append({"prompt": i, "at": at, "target_margin": (top[0] - top[1]).item()})
+    return found

@@ -7,9 +7,10 @@ in-place updates (optimizer steps, `load_state_dict`) reach both. The module's f
 `fused_outputs(self, x)` for the projections of x: one matmul then replaces several, which at decode
 time, where each matmul reads its weights to multiply a few rows, saves launches and reads.
 
-The fused path runs only without autograd (the Linears' parameters need their own gradients) and
-while the group still holds the module's current parameters: replacing a Linear (quantization)
-or its parameter (sharding) silently returns the module to its own Linears.
+The fused path runs only without autograd (the Linears' parameters need their own gradients), while
+the group still holds the module's current parameters (replacing a Linear, as quantization does, or
+its parameter, as sharding does, silently returns the module to its own Linears), and while no forward
+hook watches one of its Linears (GPTQ's calibration and activation probes must see every call).
 """
 
 from __future__ import annotations
@@ -34,6 +35,14 @@ class FusedLinears:
     def serves(self, module: nn.Module) -> bool:
         """The module still has these parameters (no Linear or parameter was replaced since)."""
         return all(getattr(getattr(module, name), "weight", None) is param for name, param in zip(self.names, self.params))
+
+    def watched(self, module: nn.Module) -> bool:
+        """A forward hook (module or global) would miss the Linears' calls if they ran fused."""
+        hooks = nn.modules.module
+        if hooks._global_forward_pre_hooks or hooks._global_forward_hooks:
+            return True
+        return any(getattr(module, name)._forward_pre_hooks or getattr(module, name)._forward_hooks
+                   for name in self.names)
 
     def aliased(self) -> bool:
         """Every parameter is still a view of the fused weight (a device move breaks that)."""
@@ -82,8 +91,8 @@ def _fuse_all(model: nn.Module) -> int:
 
 def fused_outputs(module: nn.Module, x: torch.Tensor) -> dict[str, torch.Tensor]:
     """{name: projection of x} of the module's fused group, or {} where the module must run its own
-    Linears (not fused, autograd on, or the group no longer serves the module)."""
+    Linears (not fused, autograd on, the group no longer serves the module, or hooks watch them)."""
     group = module.__dict__.get("fused_projections")
-    if group is None or torch.is_grad_enabled() or not group.serves(module):
+    if group is None or torch.is_grad_enabled() or not group.serves(module) or group.watched(module):
         return {}
     return group(x)

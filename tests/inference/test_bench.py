@@ -9,7 +9,8 @@ import torch
 
 import lmlab
 from lmlab.inference.bench import kv_bytes_by_attention, run_benchmark, weight_bytes_per_step
-from lmlab.inference.bench_checkpoint import CheckpointData, perplexity, quant_quality, speculative_speedup
+from lmlab.inference.bench_checkpoint import (CheckpointData, divergences, perplexity, quant_quality,
+                                              speculative_speedup)
 from lmlab.inference.quant import quantize
 from tests.conftest import train_tiny
 
@@ -57,6 +58,17 @@ def test_speculative_with_the_target_as_draft_accepts_everything(ckpt):
     model, _, _ = lmlab.load(ckpt)
     prompts = CheckpointData(ckpt).prompts(2, 16)
     row = speculative_speedup(model, copy.deepcopy(model), prompts, new=8, k=3, compile=False)
-    assert row["identical_outputs"] == 2 and row["acceptance_rate"] == 1.0
+    assert row["identical_outputs"] == 2 and row["acceptance_rate"] == 1.0 and row["divergences"] == []
     assert row["speedup"] > 0 and row["draft_parameters"] == row["target_parameters"]
     assert torch.is_tensor(model.lm_head.weight)
+
+
+def test_divergences_name_the_first_differing_token_and_the_targets_margin_there(ckpt):
+    model, _, _ = lmlab.load(ckpt)
+    prompts = CheckpointData(ckpt).prompts(3, 16)
+    alone = [[5, 6, 7, 8]] * 3
+    found = divergences(model, prompts, alone, [[5, 6, 7, 8], [5, 6, 9, 8], [5, 6, 7]])
+    assert [(d["prompt"], d["at"]) for d in found] == [(1, 2), (2, 3)]
+    with torch.no_grad():
+        top = model(torch.tensor([prompts[1] + [5, 6]]))[0, -1].topk(2).values
+    assert found[0]["target_margin"] == pytest.approx((top[0] - top[1]).item(), rel=1e-4)

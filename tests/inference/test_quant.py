@@ -7,8 +7,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from lmlab.errors import ConfigError
+from lmlab.inference.engine import Engine
 from lmlab.inference.quant import QUANTS, Int4Linear, Int8Linear, quantize
-from lmlab.inference.quant.gptq import gptq
+from lmlab.inference.quant.gptq import collect_hessians, gptq
 from lmlab.inference.quant.grid import INT4, INT8, round_to_nearest
 from lmlab.nn import ModelConfig, Transformer
 
@@ -145,6 +146,23 @@ def test_quantize_int4_keeps_the_head_and_logits_near_and_gptq_beats_rtn_on_held
         with torch.no_grad():
             errors[method] = rel_error(model(ids), ref)
     assert errors["rtn"] < 0.1 and errors["gptq"] < errors["rtn"], errors
+
+
+def test_gptq_calibrates_a_model_an_engine_has_fused_like_a_fresh_one():
+    fused, fresh = tiny_model(), tiny_model()
+    Engine(fused)  # fuses q/k/v and gate/up; GPTQ's input hooks must still see those Linears
+    cfg = {"name": "int4", "group_size": 32, "method": "gptq"}
+    for model in (fused, fresh):
+        quantize(model, cfg, calibration=token_batches(2, seed=4))
+    for (name, a), b in zip(fused.state_dict().items(), fresh.state_dict().values()):
+        torch.testing.assert_close(a, b, msg=name)
+
+
+def test_gptq_refuses_a_linear_the_calibration_pass_never_called():
+    model = tiny_model()
+    linears = {"layers.0.mlp.up_proj": model.layers[0].mlp.up_proj, "stray": nn.Linear(64, 8)}
+    with pytest.raises(ConfigError, match="1 Linear.*no calibration input, e.g. stray"):
+        collect_hessians(model, linears, token_batches(1, seed=0))
 
 
 def test_moe_gates_mtp_modules_and_routed_experts_stay_in_full_precision():

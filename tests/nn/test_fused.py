@@ -80,3 +80,21 @@ def test_modules_that_cannot_fuse_are_left_alone():
     model = _model(ffn="gelu")  # two-matrix FFN: nothing to fuse
     assert fuse_projections(model) == 2
     assert "fused_projections" not in vars(model.layers[0].mlp)
+
+
+def test_hooked_linears_see_their_own_calls():
+    model = _model()
+    fuse_projections(model)
+    seen = []
+    attn = model.layers[0].self_attn
+    handles = [attn.k_proj.register_forward_pre_hook(lambda m, args: seen.append("k")),
+               nn.modules.module.register_module_forward_hook(lambda m, args, out: seen.append(type(m).__name__))]
+    with torch.no_grad():
+        model(IDS)
+    assert seen.count("k") == 1 and seen.count("Linear") == 2 * 7 + 1  # seven per layer, and the head
+    for handle in handles:
+        handle.remove()
+    seen.clear()
+    with torch.no_grad():
+        model(IDS)
+    assert not seen

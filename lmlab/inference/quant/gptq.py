@@ -55,6 +55,9 @@ def collect_hessians(model: nn.Module, linears: dict[str, nn.Linear],
         model.train(was_training)
     if n_batches == 0:
         raise ConfigError("quant.method=gptq got no calibration batches; pass token-id batches or use quant.method=rtn")
+    if idle := [name for name, n in rows.items() if n == 0]:  # its H would be 0 and GPTQ would zero its weight
+        raise ConfigError(f"GPTQ: {len(idle)} Linear(s) saw no calibration input, e.g. {idle[0]}: the model's "
+                          "forward never called them")
     return {name: 2 * sums[name] / max(rows[name], 1) for name in linears}
 
 
