@@ -2,8 +2,10 @@
 
 MMLU (Hendrycks et al., 2021; the harness's `mmlu` task): a header naming the subject, the k shots of the
 same subject's dev split each followed by "Answer: X", then the question ending in "Answer:"; the model is
-scored on the continuations " A" to " D". GSM8K (the harness's `gsm8k` task): "Question: ...\\nAnswer: <worked
-solution ending '#### N'>" shots, then the question; the model writes its own solution.
+scored on the continuations " A" to " D". Its cloze form (the harness's `mmlu_continuation`): no lettered
+options, "Question: ...\\nAnswer:", and each option's own text as the continuation. GSM8K (the harness's
+`gsm8k` task): "Question: ...\\nAnswer: <worked solution ending '#### N'>" shots, then the question; the
+model writes its own solution.
 """
 
 from __future__ import annotations
@@ -51,6 +53,20 @@ def _mmlu_shots(shots: Sequence[MMLUQuestion]) -> str:
 def mmlu_prompt(question: MMLUQuestion, shots: Sequence[MMLUQuestion]) -> str:
     """The log-likelihood prompt, ending in "Answer:"; score each of `MMLU_CONTINUATIONS` after it."""
     return f"{_mmlu_header(question.subject)}{_mmlu_shots(shots)}{_mmlu_block(question)}Answer:"
+
+
+def mmlu_continuation_prompt(question: MMLUQuestion, shots: Sequence[MMLUQuestion]) -> str:
+    """The cloze prompt, ending in "Answer:"; score `mmlu_option_continuations(question)` after it. Each shot
+    is answered by the text of its correct option."""
+    worked = "".join(f"Question: {shot.question.strip()}\nAnswer: {shot.choices[MMLU_LETTERS.index(shot.answer)]}\n\n"
+                     for shot in shots)
+    header = f"The following are questions (with answers) about {question.subject.replace('_', ' ')}.\n\n"
+    return f"{header}{worked}Question: {question.question.strip()}\nAnswer:"
+
+
+def mmlu_option_continuations(question: MMLUQuestion) -> tuple[str, ...]:
+    """The cloze form's continuations: each option's text after a space."""
+    return tuple(f" {choice}" for choice in question.choices)
 
 
 def mmlu_generative_prompt(question: MMLUQuestion, shots: Sequence[MMLUQuestion]) -> str:

@@ -4,8 +4,8 @@ import pytest
 
 from lmlab.errors import ConfigError
 from lmlab.eval.datasets import GSM8KProblem, MMLUQuestion, read_gsm8k, read_mmlu
-from lmlab.eval.prompts import (GSM8K_STOP, MMLU_CONTINUATIONS, few_shot, gsm8k_prompt, mmlu_generative_prompt,
-                                mmlu_prompt)
+from lmlab.eval.prompts import (GSM8K_STOP, MMLU_CONTINUATIONS, few_shot, gsm8k_prompt, mmlu_continuation_prompt,
+                                mmlu_generative_prompt, mmlu_option_continuations, mmlu_prompt)
 
 FIXTURES = Path(__file__).parent / "fixtures"
 SHOT = MMLUQuestion("high_school_geography", "Which river flows through Cairo?",
@@ -27,6 +27,14 @@ def test_mmlu_zero_shot_prompt_is_the_header_and_the_question():
     assert mmlu_prompt(QUESTION, []) == (
         "The following are multiple choice questions (with answers) about high school geography.\n\n"
         "Which continent has the most countries?\nA. Asia\nB. Europe\nC. Africa\nD. South America\nAnswer:")
+
+
+def test_mmlu_continuation_prompt_answers_shots_with_the_option_text_and_lists_no_options():
+    assert mmlu_continuation_prompt(QUESTION, [SHOT]) == (
+        "The following are questions (with answers) about high school geography.\n\n"
+        "Question: Which river flows through Cairo?\nAnswer: The Nile\n\n"
+        "Question: Which continent has the most countries?\nAnswer:")
+    assert mmlu_option_continuations(QUESTION) == (" Asia", " Europe", " Africa", " South America")
 
 
 def test_mmlu_generative_prompt_asks_for_the_letter_after_the_shots():

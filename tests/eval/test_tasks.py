@@ -60,6 +60,29 @@ def test_mmlu_picks_the_most_likely_letter_and_tables_each_subject():
     assert record["correct"] == (record["predicted"] == question.answer)
 
 
+def test_mmlu_continuation_scores_each_option_text_and_normalises_by_its_length():
+    scorer = _scorer()
+    task = EVAL_TASKS.build({"name": "mmlu_continuation", "path": str(FIXTURES / "mmlu"), "shots": 1})
+    result = task.run(scorer, limit=2)
+    assert result.task == "mmlu_continuation" and result.examples == 4
+    assert set(result.metrics) == {"acc", "acc_micro", "acc_norm", "acc_norm_micro"}
+    question, record = task.data.limited(2)[0], result.records[0]
+    prompt = task.data.prompt(question)
+    assert "\nA. " not in prompt and prompt.endswith("\nAnswer:")
+    options = [f" {choice}" for choice in question.choices]
+    logprobs = []
+    for option in options:  # brute force: the prompt and the option in one forward each
+        ids = scorer.tokenizer.encode(prompt + option)
+        with torch.no_grad():
+            rows = scorer.model(torch.tensor([ids])).float().log_softmax(-1)[0]
+        logprobs.append(sum(rows[i - 1, ids[i]].item() for i in range(len(ids) - len(option), len(ids))))
+    assert record["logprobs"] == pytest.approx(logprobs, abs=1e-4)
+    per_char = [lp / len(option) for lp, option in zip(logprobs, options)]
+    assert record["predicted"] == "ABCD"[max(range(4), key=logprobs.__getitem__)]
+    assert record["predicted_norm"] == "ABCD"[max(range(4), key=per_char.__getitem__)]
+    assert record["correct_norm"] == (record["predicted_norm"] == question.answer)
+
+
 def test_a_model_that_knows_nothing_scores_a_quarter(tmp_path):
     rng = random.Random(0)
     for split, count in (("test", 3000), ("dev", 1)):
@@ -70,6 +93,7 @@ def test_a_model_that_knows_nothing_scores_a_quarter(tmp_path):
     result = EVAL_TASKS.build({"name": "mmlu", "path": str(tmp_path), "shots": 0}).run(_scorer(seed=3), None)
     assert result.examples == 3000
     assert result.metrics["acc"] == pytest.approx(0.25, abs=0.015)
+    assert result.metrics["acc_norm"] == result.metrics["acc"]  # the letters are all one character long
 
 
 def test_gsm8k_parses_the_final_number_and_estimates_pass_at_k():

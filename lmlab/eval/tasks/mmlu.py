@@ -1,5 +1,6 @@
-"""MMLU (Hendrycks et al., 2021): by log-likelihood of the answer letter, and in a generative form whose
-answer letter is parsed from free text. Accuracy per subject, macro (mean over subjects) and micro."""
+"""MMLU (Hendrycks et al., 2021): by log-likelihood of the answer letter, as a cloze over the options' own
+text, and in a generative form whose answer letter is parsed from free text. Accuracy per subject, macro
+(mean over subjects) and micro; the log-likelihood forms also length-normalised accuracy."""
 
 from __future__ import annotations
 
@@ -11,8 +12,8 @@ from tqdm.auto import tqdm
 from lmlab.errors import ConfigError
 from lmlab.eval.answers import choice_letter
 from lmlab.eval.datasets import MMLU_LETTERS, MMLUQuestion, load_mmlu
-from lmlab.eval.prompts import (MMLU_CONTINUATIONS, MMLU_GENERATIVE_STOP, few_shot, mmlu_generative_prompt,
-                                mmlu_prompt)
+from lmlab.eval.prompts import (MMLU_CONTINUATIONS, MMLU_GENERATIVE_STOP, few_shot, mmlu_continuation_prompt,
+                                mmlu_generative_prompt, mmlu_option_continuations, mmlu_prompt)
 from lmlab.eval.registry import EVAL_TASKS, EvalTask, TaskResult, check_generation_room, truncation_notes
 from lmlab.eval.scoring import Scorer
 from lmlab.inference.samplers import SAMPLERS
@@ -45,13 +46,19 @@ class MMLUQuestions:
         return [q for questions in self.by_subject.values() for q in questions[:limit]]
 
 
-def accuracy_table(questions: list[MMLUQuestion], correct: list[bool]) -> tuple[dict[str, float], list[dict]]:
-    """Macro and micro accuracy, and one row per subject."""
-    rows: dict[str, list[bool]] = {}
-    for q, ok in zip(questions, correct):
-        rows.setdefault(q.subject, []).append(ok)
-    table = [{"subject": s, "questions": len(v), "acc": sum(v) / len(v)} for s, v in rows.items()]
-    metrics = {"acc": sum(r["acc"] for r in table) / len(table), "acc_micro": sum(correct) / len(correct)}
+def accuracy_table(questions: list[MMLUQuestion],
+                   correct: dict[str, list[bool]]) -> tuple[dict[str, float], list[dict]]:
+    """For each metric of `correct` (name -> one bool per question): macro (the mean over subjects) and
+    micro (`<name>_micro`) accuracy, and one row per subject."""
+    rows: dict[str, list[int]] = {}
+    for i, q in enumerate(questions):
+        rows.setdefault(q.subject, []).append(i)
+    table = [{"subject": s, "questions": len(idx),
+              **{name: sum(ok[i] for i in idx) / len(idx) for name, ok in correct.items()}} for s, idx in rows.items()]
+    metrics = {}
+    for name, ok in correct.items():
+        metrics[name] = sum(r[name] for r in table) / len(table)
+        metrics[f"{name}_micro"] = sum(ok) / len(ok)
     return metrics, table
 
 
@@ -59,33 +66,62 @@ def accuracy_table(questions: list[MMLUQuestion], correct: list[bool]) -> tuple[
 class MMLU(EvalTask):
     """MMLU by the log-likelihood of each answer letter after the question (0- or k-shot)."""
 
+    task = "mmlu"
+    prompt = staticmethod(mmlu_prompt)
+
     @dataclass
     class Config(MMLUConfig):
         pass
 
-    def __init__(self, cfg: Config):
-        self.data = MMLUQuestions(cfg, "mmlu", mmlu_prompt)
+    def __init__(self, cfg: MMLUConfig):
+        self.data = MMLUQuestions(cfg, self.task, self.prompt)
+
+    @staticmethod
+    def continuations(question: MMLUQuestion) -> tuple[str, ...]:
+        return MMLU_CONTINUATIONS
 
     def run(self, scorer: Scorer, limit: int | None) -> TaskResult:
-        """`limit`: questions per subject."""
+        """`limit`: questions per subject. The choice of highest log-likelihood is `predicted`; of highest
+        log-likelihood per character (the harness's acc_norm), `predicted_norm`."""
         questions = self.data.limited(limit)
         started = time.perf_counter()
         encode = scorer.tokenizer.encode
-        letters = [encode(c) for c in MMLU_CONTINUATIONS]
-        requests = [(encode(self.data.prompt(q)), letter) for q in questions for letter in letters]
+        options = [self.continuations(q) for q in questions]
+        requests = []
+        for q, texts in zip(questions, options):
+            prompt = encode(self.data.prompt(q))
+            requests += [(prompt, encode(text)) for text in texts]
         truncated = scorer.truncated
-        with tqdm(total=len(questions), desc="mmlu", unit="q") as bar:
-            scores = scorer.loglikelihoods(requests, progress=lambda n: bar.update(n / len(letters)))
-        correct, records = [], []
-        for i, q in enumerate(questions):
-            logprobs = [s.logprob for s in scores[4 * i:4 * i + 4]]
-            predicted = MMLU_LETTERS[max(range(4), key=logprobs.__getitem__)]
-            correct.append(predicted == q.answer)
-            records.append({"subject": q.subject, "question": q.question, "answer": q.answer,
-                            "predicted": predicted, "logprobs": logprobs, "correct": predicted == q.answer})
-        metrics, table = accuracy_table(questions, correct)
-        return TaskResult("mmlu", metrics, len(questions), time.perf_counter() - started, table, records,
+        with tqdm(total=len(questions), desc=self.task, unit="q") as bar:
+            scores = iter(scorer.loglikelihoods(requests, progress=lambda n: bar.update(n / len(MMLU_LETTERS))))
+        correct, correct_norm, records = [], [], []
+        for q, texts in zip(questions, options):
+            logprobs = [next(scores).logprob for _ in texts]
+            best = MMLU_LETTERS[max(range(len(texts)), key=logprobs.__getitem__)]
+            best_norm = MMLU_LETTERS[max(range(len(texts)), key=lambda i: logprobs[i] / len(texts[i]))]
+            correct.append(best == q.answer)
+            correct_norm.append(best_norm == q.answer)
+            records.append({"subject": q.subject, "question": q.question, "answer": q.answer, "predicted": best,
+                            "predicted_norm": best_norm, "logprobs": logprobs, "correct": correct[-1],
+                            "correct_norm": correct_norm[-1]})
+        metrics, table = accuracy_table(questions, {"acc": correct, "acc_norm": correct_norm})
+        return TaskResult(self.task, metrics, len(questions), time.perf_counter() - started, table, records,
                           truncation_notes(scorer.truncated - truncated))
+
+
+@EVAL_TASKS.register("mmlu_continuation")
+class MMLUContinuation(MMLU):
+    """MMLU as a cloze (the harness's `mmlu_continuation`): no lettered options, each option's text scored
+    after "Answer:". Small models rank answers above chance this way long before they can map a letter to
+    an option; options differ in length, so acc_norm matters here."""
+
+    task = "mmlu_continuation"
+    prompt = staticmethod(mmlu_continuation_prompt)
+    continuations = staticmethod(mmlu_option_continuations)
+
+    @dataclass
+    class Config(MMLUConfig):
+        pass
 
 
 @EVAL_TASKS.register("mmlu_generative")
@@ -117,7 +153,7 @@ class MMLUGenerative(EvalTask):
         correct = [p == q.answer for p, q in zip(parsed, questions)]
         records = [{"subject": q.subject, "prompt": prompt, "completion": c, "answer": q.answer, "parsed": p,
                     "correct": ok} for q, prompt, c, p, ok in zip(questions, prompts, completions, parsed, correct)]
-        metrics, table = accuracy_table(questions, correct)
+        metrics, table = accuracy_table(questions, {"acc": correct})
         metrics["unparsed"] = sum(p is None for p in parsed) / len(parsed)
         return TaskResult("mmlu_generative", metrics, len(questions), time.perf_counter() - started, table, records,
                           truncation_notes(scorer.truncated - truncated))
