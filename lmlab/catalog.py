@@ -23,6 +23,7 @@ BUILTIN_MODULES = (
     "lmlab.inference.quant",
     "lmlab.inference.samplers",
     "lmlab.eval.tasks",
+    "lmlab.alignment",
     "lmlab.training.config",  # the schema of train.yaml
 )
 

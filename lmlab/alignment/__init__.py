@@ -1,0 +1,20 @@
+"""Post-training: the functional core on plain tensors (masks, log-probs, advantages) and the loss
+registries `rl_loss` (policy-gradient losses) and `pref_loss` (preference losses). It works with lmlab
+models and with any causal LM that returns logits, Hugging Face models included."""
+
+from lmlab.alignment.logprobs import compute_entropy, get_response_log_probs
+from lmlab.alignment.masked import masked_mean, masked_normalize, masked_sum
+from lmlab.alignment.pg_losses import (KL_ESTIMATORS, RL_LOSSES, compute_grpo_clip_loss,
+                                       compute_naive_policy_gradient_loss, compute_policy_gradient_loss,
+                                       grpo_microbatch_train_step, sft_microbatch_train_step)
+from lmlab.alignment.preference import ALPACA_TEMPLATE, PREFERENCE_LOSSES, compute_per_instance_dpo_loss
+from lmlab.alignment.rewards import compute_group_normalized_rewards, generalized_advantage_estimation
+from lmlab.alignment.tokens import tokenize_prompt_and_output
+
+__all__ = [
+    "ALPACA_TEMPLATE", "KL_ESTIMATORS", "PREFERENCE_LOSSES", "RL_LOSSES", "compute_entropy",
+    "compute_group_normalized_rewards", "compute_grpo_clip_loss", "compute_naive_policy_gradient_loss",
+    "compute_per_instance_dpo_loss", "compute_policy_gradient_loss", "generalized_advantage_estimation",
+    "get_response_log_probs", "grpo_microbatch_train_step", "masked_mean", "masked_normalize", "masked_sum",
+    "sft_microbatch_train_step", "tokenize_prompt_and_output",
+]

@@ -1,0 +1,123 @@
+"""Preference losses (registry `pref_loss`) on sequence log-probs of a chosen and a rejected response,
+and the per-instance DPO loss of two language models on one preference pair.
+
+Inputs are per example (batch,): the policy's and the frozen reference's summed log-probs of each
+response's tokens, and each response's token count (for the length-normalised entries).
+
+    loss = PREFERENCE_LOSSES.build({"name": "dpo", "beta": 0.1})
+    per_example = loss(policy_chosen, policy_rejected, ref_chosen, ref_rejected, chosen_len, rejected_len)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lmlab.alignment.logprobs import get_response_log_probs
+from lmlab.alignment.tokens import encode
+from lmlab.registry import Registry
+from lmlab.tokenizers import Tokenizer
+
+PREFERENCE_LOSSES = Registry("pref_loss", group="pref_loss", doc="preference losses: DPO, IPO, SimPO")
+
+# The Alpaca instruction format, the CS336 assignment's SFT and DPO template.
+ALPACA_TEMPLATE = ("Below is an instruction that describes a task. Write a response that appropriately completes "
+                   "the request.\n\n### Instruction:\n{prompt}\n\n### Response:\n{response}")
+
+
+def _margin(policy_chosen, policy_rejected, ref_chosen, ref_rejected) -> torch.Tensor:
+    """How much more the policy prefers the chosen response than the reference does (log-ratio margin)."""
+    return (policy_chosen - ref_chosen) - (policy_rejected - ref_rejected)
+
+
+@dataclass
+class BetaConfig:
+    beta: float = 0.1
+
+    def __post_init__(self):
+        if self.beta <= 0:
+            raise ValueError(f"pref_loss.beta must be > 0, got {self.beta}")
+
+
+@PREFERENCE_LOSSES.register("dpo")
+class DPO(nn.Module):
+    """DPO (Rafailov et al. 2023): -log sigmoid(beta * margin of the policy over the reference)."""
+
+    Config = BetaConfig
+
+    def __init__(self, cfg: BetaConfig):
+        super().__init__()
+        self.cfg = cfg
+
+    def forward(self, policy_chosen, policy_rejected, ref_chosen, ref_rejected, chosen_len=None, rejected_len=None):
+        return -F.logsigmoid(self.cfg.beta * _margin(policy_chosen, policy_rejected, ref_chosen, ref_rejected))
+
+
+@PREFERENCE_LOSSES.register("dpo_norm")
+class LengthNormalizedDPO(DPO):
+    """DPO on per-token log-ratios: each response's log-ratio divided by its length, so a long response
+    is not preferred for its length alone."""
+
+    Config = BetaConfig
+
+    def forward(self, policy_chosen, policy_rejected, ref_chosen, ref_rejected, chosen_len=None, rejected_len=None):
+        chosen = (policy_chosen - ref_chosen) / chosen_len
+        rejected = (policy_rejected - ref_rejected) / rejected_len
+        return -F.logsigmoid(self.cfg.beta * (chosen - rejected))
+
+
+@PREFERENCE_LOSSES.register("ipo")
+class IPO(DPO):
+    """IPO (Azar et al. 2023): (margin - 1 / (2 beta))^2, a squared loss that stops pushing once the margin
+    reaches its target, where DPO's keeps growing it (overfitting deterministic preferences)."""
+
+    Config = BetaConfig
+
+    def forward(self, policy_chosen, policy_rejected, ref_chosen, ref_rejected, chosen_len=None, rejected_len=None):
+        return (_margin(policy_chosen, policy_rejected, ref_chosen, ref_rejected) - 1 / (2 * self.cfg.beta)) ** 2
+
+
+@PREFERENCE_LOSSES.register("simpo")
+class SimPO(DPO):
+    """SimPO (Meng et al. 2024): no reference model; -log sigmoid(beta * (mean log-prob of chosen - of
+    rejected) - gamma), gamma a target reward margin."""
+
+    @dataclass
+    class Config(BetaConfig):
+        beta: float = 2.0
+        gamma: float = 0.5
+
+    def forward(self, policy_chosen, policy_rejected, ref_chosen=None, ref_rejected=None, chosen_len=None,
+                rejected_len=None):
+        reward_gap = policy_chosen / chosen_len - policy_rejected / rejected_len
+        return -F.logsigmoid(self.cfg.beta * reward_gap - self.cfg.gamma)
+
+
+def _sequence_log_prob(model: nn.Module, tokenizer, text: str, eos: int, prompt_len: int) -> torch.Tensor:
+    """Summed log-prob of the tokens after the first `prompt_len` of `text` + end-of-sequence."""
+    ids = encode(tokenizer, text, special_tokens=True) + [eos]
+    device = next(model.parameters()).device
+    ids = torch.tensor([ids], device=device)
+    log_probs = get_response_log_probs(model, ids[:, :-1], ids[:, 1:])["log_probs"]
+    return log_probs[0, max(prompt_len - 1, 0):].sum()
+
+
+def compute_per_instance_dpo_loss(lm: nn.Module, lm_ref: nn.Module, tokenizer, beta: float, prompt: str,
+                                  response_chosen: str, response_rejected: str,
+                                  template: str = ALPACA_TEMPLATE) -> torch.Tensor:
+    """The DPO loss of one preference pair: each response formatted with the prompt by `template`,
+    followed by the end-of-sequence token, scored by both models. The prompt's tokens are the same in
+    both sequences, so they cancel in the margin; only the responses' log-probs are summed."""
+    eos = tokenizer.eot_id if isinstance(tokenizer, Tokenizer) else tokenizer.eos_token_id
+    if eos is None:
+        raise ValueError("per-instance DPO appends an end-of-sequence token; this tokenizer has none")
+    prefix = template.format(prompt=prompt, response="")
+    prompt_len = len(encode(tokenizer, prefix, special_tokens=True))
+    texts = [template.format(prompt=prompt, response=r) for r in (response_chosen, response_rejected)]
+    policy = [_sequence_log_prob(lm, tokenizer, t, eos, prompt_len) for t in texts]
+    with torch.no_grad():
+        ref = [_sequence_log_prob(lm_ref, tokenizer, t, eos, prompt_len).to(policy[0].device) for t in texts]
+    return DPO(BetaConfig(beta))(policy[0], policy[1], ref[0], ref[1])
