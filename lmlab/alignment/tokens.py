@@ -30,19 +30,30 @@ def pad_id(tokenizer) -> int:
     return 0
 
 
+def sequences_to_tensors(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]],
+                         pad: int = 0) -> dict[str, torch.Tensor]:
+    """Token ids of each prompt followed by its response, right-padded with `pad` to the longest:
+    `input_ids` and `labels` (the same sequences shifted by one, both (batch, longest - 1)) and
+    `response_mask`, True where the label is a response token."""
+    if len(prompts) != len(responses):
+        raise ValueError(f"{len(prompts)} prompts but {len(responses)} responses")
+    longest = max(len(p) + len(r) for p, r in zip(prompts, responses))
+    if longest < 2:
+        raise ValueError("every prompt + response is shorter than 2 tokens: there is no next token to predict")
+    full = torch.full((len(prompts), longest), pad, dtype=torch.long)
+    mask = torch.zeros((len(prompts), longest), dtype=torch.bool)
+    for i, (p, r) in enumerate(zip(prompts, responses)):
+        full[i, :len(p) + len(r)] = torch.tensor([*p, *r], dtype=torch.long)
+        mask[i, len(p):len(p) + len(r)] = True
+    return {"input_ids": full[:, :-1], "labels": full[:, 1:], "response_mask": mask[:, 1:]}
+
+
 def tokenize_prompt_and_output(prompt_strs: Sequence[str], output_strs: Sequence[str],
                                tokenizer) -> dict[str, torch.Tensor]:
-    """Each prompt followed by its output, right-padded to the longest: `input_ids` and `labels` (the
-    same sequences shifted by one, both (batch, longest - 1)) and `response_mask`, True where the label
-    is an output token."""
+    """Each prompt followed by its output, tokenized by `tokenizer` (lmlab's or Hugging Face's), as
+    `sequences_to_tensors` lays them out."""
     if len(prompt_strs) != len(output_strs):
         raise ValueError(f"{len(prompt_strs)} prompts but {len(output_strs)} outputs")
     prompts = [encode(tokenizer, p, special_tokens=True) for p in prompt_strs]
     outputs = [encode(tokenizer, o, special_tokens=False) for o in output_strs]
-    longest = max(len(p) + len(o) for p, o in zip(prompts, outputs))
-    full = torch.full((len(prompts), longest), pad_id(tokenizer), dtype=torch.long)
-    mask = torch.zeros((len(prompts), longest), dtype=torch.bool)
-    for i, (p, o) in enumerate(zip(prompts, outputs)):
-        full[i, :len(p) + len(o)] = torch.tensor(p + o, dtype=torch.long)
-        mask[i, len(p):len(p) + len(o)] = True
-    return {"input_ids": full[:, :-1], "labels": full[:, 1:], "response_mask": mask[:, 1:]}
+    return sequences_to_tensors(prompts, outputs, pad_id(tokenizer))

@@ -1,0 +1,105 @@
+"""One on-policy RL step, functional: rollouts on lmlab's engine (G samples per prompt), rewards and
+group-normalised advantages, then one or more optimizer passes over the rollout batch with an `rl_loss`
+entry (the clipped ratio compares with the log-probs at rollout time).
+
+    batch = rollout(policy, tokenizer, prompts, truths, REWARDS.build("r1_zero"), group_size=8,
+                    sampler=SAMPLERS.build({"name": "temperature", "temperature": 1.0}), max_new_tokens=256,
+                    normalize_by_std=loss.normalize_by_std)
+    metrics = policy_update(policy, optimizer, batch, loss, epochs=1, micro_batch_size=16)
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from lmlab.alignment.logprobs import get_response_log_probs
+from lmlab.alignment.masked import masked_mean
+from lmlab.alignment.pg_losses import PolicyGradientLoss
+from lmlab.alignment.rewards import compute_group_normalized_rewards
+from lmlab.alignment.tokens import encode, pad_id, sequences_to_tensors
+from lmlab.inference.engine import Engine
+
+
+@dataclass
+class RolloutBatch:
+    texts: list[str]  # each response, decoded
+    tensors: dict[str, torch.Tensor]  # input_ids, labels, response_mask (sequences_to_tensors)
+    old_log_probs: torch.Tensor  # (batch, seq): the policy's at rollout time
+    raw_rewards: torch.Tensor  # (batch,)
+    advantages: torch.Tensor  # (batch,)
+    metrics: dict[str, float]
+
+
+def rollout(policy: nn.Module, tokenizer, prompts: Sequence[str], ground_truths: Sequence[str],
+            reward: Callable[[str, str], dict[str, float]], group_size: int, sampler, max_new_tokens: int,
+            stop_strings: Sequence[str] = (), normalize_by_std: bool = True, advantage_eps: float = 1e-6,
+            engine: Engine | None = None) -> RolloutBatch:
+    """`group_size` responses to each prompt from the policy (through `engine`, or a fresh eager one),
+    scored by `reward(response, ground_truth)`; leaves the policy in the training mode it had."""
+    if len(prompts) != len(ground_truths):
+        raise ValueError(f"{len(prompts)} prompts but {len(ground_truths)} ground truths")
+    was_training = policy.training
+    engine = engine or Engine(policy)
+    prompt_ids = [encode(tokenizer, p, special_tokens=True) for p in prompts for _ in range(group_size)]
+    eot = getattr(tokenizer, "eot_id", None) or getattr(tokenizer, "eos_token_id", None)
+    out = engine.generate(prompt_ids, sampler, max_new_tokens, stop_token_ids=[] if eot is None else [eot],
+                          stop_strings=stop_strings, tokenizer=tokenizer)
+    policy.train(was_training)
+    truths = [t for t in ground_truths for _ in range(group_size)]
+    advantages, raw, metrics = compute_group_normalized_rewards(reward, out.texts, truths, group_size,
+                                                                advantage_eps, normalize_by_std)
+    # The responses keep their stop token, so the policy learns to end its answer.
+    responses = [t if reason == "length" or eot is None else [*t, eot]
+                 for t, reason in zip(out.tokens, out.finish_reasons)]
+    tensors = sequences_to_tensors(prompt_ids, responses, pad_id(tokenizer))
+    device = next(policy.parameters()).device
+    tensors = {k: v.to(device) for k, v in tensors.items()}
+    with torch.no_grad():
+        old = get_response_log_probs(policy, tensors["input_ids"], tensors["labels"])["log_probs"]
+    lengths = torch.tensor([float(len(r)) for r in responses])
+    correct = raw > 0
+    metrics |= {"response_length": lengths.mean().item(),
+                "response_length_correct": lengths[correct].mean().item() if correct.any() else math.nan,
+                "response_length_incorrect": lengths[~correct].mean().item() if (~correct).any() else math.nan,
+                "accuracy": correct.float().mean().item()}
+    return RolloutBatch(out.texts, tensors, old, raw.to(device), advantages.to(device), metrics)
+
+
+def policy_update(policy: nn.Module, optimizer: torch.optim.Optimizer, batch: RolloutBatch, loss: PolicyGradientLoss,
+                  epochs: int = 1, micro_batch_size: int | None = None, grad_clip: float = 1.0,
+                  ref_log_probs: torch.Tensor | None = None) -> dict[str, float]:
+    """`epochs` passes over the rollout batch, one optimizer step per pass, its micro-batches accumulated
+    (each scaled by its share of the batch). Returns the last pass's loss, entropy, clip fraction, KL
+    and gradient norm."""
+    size = batch.old_log_probs.shape[0]
+    micro = micro_batch_size or size
+    if size % micro:
+        raise ValueError(f"micro_batch_size={micro} does not divide the rollout batch of {size}")
+    signal = batch.raw_rewards if loss.reads == "raw_rewards" else batch.advantages
+    policy.train()
+    for _ in range(epochs):
+        totals = {"loss": 0.0, "entropy": 0.0, "clip_fraction": 0.0, "kl": 0.0}
+        for start in range(0, size, micro):
+            rows = slice(start, start + micro)
+            t = {k: v[rows] for k, v in batch.tensors.items()}
+            out = get_response_log_probs(policy, t["input_ids"], t["labels"], return_token_entropy=True)
+            ref = None if ref_log_probs is None else ref_log_probs[rows]
+            per_token, stats = loss.token_loss(out["log_probs"], signal[rows], batch.old_log_probs[rows], ref)
+            scaled = loss.reduce(per_token, t["response_mask"]) * (micro / size)
+            scaled.backward()
+            mask = t["response_mask"]
+            totals["loss"] += scaled.item()
+            totals["entropy"] += masked_mean(out["token_entropy"].detach(), mask).item() * micro / size
+            if "clipped" in stats:
+                totals["clip_fraction"] += masked_mean(stats["clipped"].float(), mask).item() * micro / size
+            if "kl" in stats:
+                totals["kl"] += masked_mean(stats["kl"], mask).item() * micro / size
+        grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), grad_clip if grad_clip > 0 else math.inf)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return {**totals, "grad_norm": grad_norm.item()}
