@@ -91,9 +91,10 @@ class PolicyGradientLoss:
 
     def token_loss(self, log_probs: torch.Tensor, signal: torch.Tensor, old_log_probs: torch.Tensor | None = None,
                    ref_log_probs: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
-        """Per-token loss (batch, seq) from the policy's log-probs and the signal this entry reads
-        ((batch, 1) or (batch,)), plus the KL penalty when configured (it needs `ref_log_probs`)."""
-        signal = signal.reshape(-1, 1).to(log_probs.dtype)
+        """Per-token loss (batch, seq) from the policy's log-probs and the signal this entry reads (one per
+        response, (batch,) or (batch, 1); or one per token, (batch, seq), as PPO's GAE gives), plus the KL
+        penalty when configured (it needs `ref_log_probs`)."""
+        signal = (signal if signal.dim() == 2 else signal[:, None]).to(log_probs.dtype)
         loss, stats = self.per_token(signal, log_probs, old_log_probs)
         if self.cfg.kl is not None:
             if ref_log_probs is None:
@@ -182,6 +183,28 @@ class DrGRPO(PolicyGradientLoss):
     def reduce(self, token_loss, response_mask):
         constant = self.cfg.max_tokens or token_loss.shape[-1]
         return masked_normalize(token_loss, response_mask, constant, dim=-1).mean()
+
+
+@RL_LOSSES.register("ppo")
+class PPO(PolicyGradientLoss):
+    """PPO (Schulman et al. 2017) for language models: the clipped ratio on per-token advantages from a
+    critic (`generalized_advantage_estimation`), and the critic's clipped value loss (`value_loss`)."""
+
+    @dataclass
+    class Config(LossConfig):
+        cliprange: float = 0.2
+        cliprange_value: float = 0.2  # how far a value may move from its rollout-time estimate per update
+        vf_coef: float = 0.5  # the value loss's weight in the total
+
+    def per_token(self, signal, log_probs, old_log_probs):
+        return _clipped(signal, log_probs, old_log_probs, self.cfg.cliprange)
+
+    def value_loss(self, values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor,
+                   response_mask: torch.Tensor) -> torch.Tensor:
+        """vf_coef * the masked mean of max((V - R)^2, (clip(V, V_old +- cliprange_value) - R)^2) / 2."""
+        clipped = old_values + (values - old_values).clamp(-self.cfg.cliprange_value, self.cfg.cliprange_value)
+        worst = torch.maximum((values - returns) ** 2, (clipped - returns) ** 2)
+        return self.cfg.vf_coef * 0.5 * masked_mean(worst, response_mask)
 
 
 def _course_loss(loss_type: str, cliprange: float | None) -> PolicyGradientLoss:

@@ -57,3 +57,13 @@ def tokenize_prompt_and_output(prompt_strs: Sequence[str], output_strs: Sequence
     prompts = [encode(tokenizer, p, special_tokens=True) for p in prompt_strs]
     outputs = [encode(tokenizer, o, special_tokens=False) for o in output_strs]
     return sequences_to_tensors(prompts, outputs, pad_id(tokenizer))
+
+
+def full_sequences(tensors: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The whole sequences `sequences_to_tensors` split into inputs and labels (batch, longest), and each
+    one's length up to its last response token (batch,): what a reward model scores at its last token."""
+    mask = tensors["response_mask"]
+    if not mask.any(-1).all():
+        raise ValueError("a sequence has no response token, so it has no last response token to score")
+    last_label = mask.shape[1] - 1 - mask.flip(1).int().argmax(1)
+    return torch.cat([tensors["input_ids"][:, :1], tensors["labels"]], dim=1), last_label + 2

@@ -2,7 +2,8 @@
 components, "reward" among them, the shape `compute_group_normalized_rewards` reads.
 
     reward = REWARDS.build("r1_zero")
-    reward("<think>2+2 is 4</think> <answer>4</answer>", "4")   # {"format_reward": 1.0, "answer_reward": 1.0, "reward": 1.0}
+    reward("<think>2+2 is 4</think> <answer>4</answer>", "4")
+    # {"format_reward": 1.0, "answer_reward": 1.0, "reward": 1.0}
 
 Math answers are compared by math-verify (`pip install 'lmlab[alignment]'`): LaTeX, fractions,
 decimals, percentages and sets are parsed and checked for equivalence, not compared as strings.

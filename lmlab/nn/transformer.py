@@ -138,8 +138,13 @@ class Transformer(nn.Module):
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Logits of the next token (the main head only: MTP modules are not run)."""
+        return self._head(self.hidden_states(input_ids))
+
+    def hidden_states(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The final norm's output at each position (batch, seq, d_model): what the head reads, and what a
+        reward or value head reads instead."""
         hidden, _ = self._hidden(input_ids)
-        return self._head(self.norm(hidden))
+        return self.norm(hidden)
 
     def forward_train(self, input_ids: torch.Tensor) -> ModelOutput:
         """Logits of the main head and of every MTP depth, and the MoE layers' auxiliary losses."""
