@@ -117,6 +117,12 @@ class StopStrings:
         return text[:min(ends)] if ends else text
 
 
+def tokenizer_vocab_size(tokenizer) -> int | None:
+    """How many ids `tokenizer` can decode (a Hugging Face tokenizer's length, or lmlab's `vocab_size`);
+    None when it does not say."""
+    return len(tokenizer) if hasattr(tokenizer, "__len__") else getattr(tokenizer, "vocab_size", None)
+
+
 @torch.inference_mode()
 def generate(engine, prompts: Sequence[Sequence[int]], sampler=None, max_new_tokens: int = 256,
              stop_token_ids: Sequence[int] = (), stop_strings: Sequence[str] = (), tokenizer=None,
@@ -136,6 +142,10 @@ def generate(engine, prompts: Sequence[Sequence[int]], sampler=None, max_new_tok
     finished = torch.zeros(batch, dtype=torch.bool, device=device)
     nonfinite = torch.zeros(max_new_tokens, dtype=torch.bool, device=device)
     counts = token_counts(ids, start, model.vocab_size) if sampler.needs_counts else None
+    # A model's vocabulary is padded (to a multiple of 64); ids past the tokenizer's mean nothing, yet an
+    # untrained or barely trained model gives them probability. They are never sampled.
+    usable = tokenizer_vocab_size(tokenizer) or model.vocab_size
+    beyond = torch.arange(model.vocab_size, device=device) >= usable if usable < model.vocab_size else None
     step_every = 1 if stream is not None or stops.stops else sync_every
 
     sync()
@@ -147,6 +157,8 @@ def generate(engine, prompts: Sequence[Sequence[int]], sampler=None, max_new_tok
     host_done = [False] * batch
     for n in range(max_new_tokens):
         nonfinite[n] = ~torch.isfinite(logits).all()
+        if beyond is not None:
+            logits = logits.masked_fill(beyond, -torch.inf)
         token = sampler.sample(logits, counts, generator)
         token = torch.where(finished, 0, token)
         out[:, n] = token

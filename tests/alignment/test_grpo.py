@@ -22,10 +22,9 @@ def _reward(response: str, truth: str) -> dict[str, float]:
 
 def _policy() -> Transformer:
     torch.manual_seed(0)
-    vocab = ByteTokenizer().vocab_size  # unpadded: a random model would sample the padding rows' ids too
     cfg = ModelConfig(d_model=32, n_layers=1, max_seq_len=32, norm="rmsnorm", ffn="swiglu", position="rope",
-                      attention={"name": "mha", "n_heads": 4}, block="prenorm", vocab_size=vocab)
-    return Transformer(cfg, vocab_size=vocab)
+                      attention={"name": "mha", "n_heads": 4}, block="prenorm")
+    return Transformer(cfg, vocab_size=ByteTokenizer().vocab_size)  # padded to 320: rollouts sample the first 257
 
 
 @pytest.mark.parametrize("loss_name", ["grpo_clip", "dr_grpo"])

@@ -75,6 +75,24 @@ def test_stop_string_cuts_the_text_and_streaming_sees_every_token():
     assert streamed == out.tokens[0] == free[:len(streamed)]
 
 
+def test_ids_past_the_tokenizers_vocabulary_are_never_sampled():
+    from lmlab.tokenizers import ByteTokenizer
+
+    tokenizer = ByteTokenizer()  # 257 ids; the model pads its vocabulary to 320
+    torch.manual_seed(0)
+    cfg = ModelConfig(d_model=32, n_layers=1, max_seq_len=48, norm="rmsnorm", ffn="swiglu", position="rope",
+                      attention={"name": "mha", "n_heads": 4}, block="prenorm")
+    model = Transformer(cfg, vocab_size=tokenizer.vocab_size).eval()
+    with torch.no_grad():
+        model.lm_head.weight[tokenizer.vocab_size:] *= 50  # an untrained model that favours the padding ids
+    sampler = SAMPLERS.build({"name": "temperature", "seed": 0})
+    engine = Engine(model)
+    padded = engine.generate([[5, 9]] * 8, sampler, max_new_tokens=20).tokens
+    assert max(max(t) for t in padded) >= tokenizer.vocab_size  # without the tokenizer nothing is known
+    out = engine.generate([[5, 9]] * 8, sampler, max_new_tokens=20, tokenizer=tokenizer)
+    assert max(max(t) for t in out.tokens) < tokenizer.vocab_size and len(out.texts) == 8
+
+
 def test_stats_are_filled():
     out = Engine(_model()).generate(PROMPTS, max_new_tokens=6)
     s = out.stats
