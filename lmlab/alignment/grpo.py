@@ -21,7 +21,7 @@ from lmlab.alignment.logprobs import get_response_log_probs
 from lmlab.alignment.masked import masked_mean
 from lmlab.alignment.pg_losses import PolicyGradientLoss
 from lmlab.alignment.rewards import compute_group_normalized_rewards
-from lmlab.alignment.tokens import encode, pad_id, sequences_to_tensors
+from lmlab.alignment.tokens import encode, eos_id, pad_id, sequences_to_tensors
 from lmlab.inference.engine import Engine
 
 
@@ -46,7 +46,7 @@ def rollout(policy: nn.Module, tokenizer, prompts: Sequence[str], ground_truths:
     was_training = policy.training
     engine = engine or Engine(policy)
     prompt_ids = [encode(tokenizer, p, special_tokens=True) for p in prompts for _ in range(group_size)]
-    eot = getattr(tokenizer, "eot_id", None) or getattr(tokenizer, "eos_token_id", None)
+    eot = eos_id(tokenizer)
     out = engine.generate(prompt_ids, sampler, max_new_tokens, stop_token_ids=[] if eot is None else [eot],
                           stop_strings=stop_strings, tokenizer=tokenizer)
     policy.train(was_training)
@@ -80,7 +80,7 @@ def policy_update(policy: nn.Module, optimizer: torch.optim.Optimizer, batch: Ro
     micro = micro_batch_size or size
     if size % micro:
         raise ValueError(f"micro_batch_size={micro} does not divide the rollout batch of {size}")
-    signal = batch.raw_rewards if loss.reads == "raw_rewards" else batch.advantages
+    signal = loss.signal(batch.raw_rewards, batch.advantages)
     policy.train()
     for _ in range(epochs):
         totals = {"loss": 0.0, "entropy": 0.0, "clip_fraction": 0.0, "kl": 0.0}

@@ -76,7 +76,6 @@ class PolicyGradientLoss:
     """Base of the entries; see the module docstring."""
 
     reads = "advantages"  # or "raw_rewards"
-    normalize_by_std = False
 
     def __init__(self, cfg: LossConfig):
         if cfg.kl is not None and cfg.kl not in KL_ESTIMATORS:
@@ -84,6 +83,18 @@ class PolicyGradientLoss:
         if cfg.kl_coef < 0:
             raise ValueError(f"rl_loss.kl_coef must be >= 0, got {cfg.kl_coef}")
         self.cfg = cfg
+
+    @property
+    def normalize_by_std(self) -> bool:
+        """Whether the rollout divides advantages by the group std (the entries that have the field)."""
+        return getattr(self.cfg, "normalize_by_std", False)
+
+    def signal(self, raw_rewards: torch.Tensor | None, advantages: torch.Tensor | None) -> torch.Tensor:
+        """Of a rollout's raw rewards and advantages, the one this entry reads."""
+        chosen = {"raw_rewards": raw_rewards, "advantages": advantages}[self.reads]
+        if chosen is None:
+            raise ValueError(f"rl_loss={type(self).__name__} needs {self.reads}")
+        return chosen
 
     def per_token(self, signal: torch.Tensor, log_probs: torch.Tensor,
                   old_log_probs: torch.Tensor | None) -> tuple[torch.Tensor, dict]:
@@ -130,10 +141,6 @@ class ReinforceBaseline(PolicyGradientLoss):
     class Config(LossConfig):
         normalize_by_std: bool = True
 
-    def __init__(self, cfg: Config):
-        super().__init__(cfg)
-        self.normalize_by_std = cfg.normalize_by_std
-
     def per_token(self, signal, log_probs, old_log_probs):
         return compute_naive_policy_gradient_loss(signal, log_probs), {}
 
@@ -152,10 +159,6 @@ class GRPOClip(PolicyGradientLoss):
     class Config(LossConfig):
         cliprange: float = 0.2
         normalize_by_std: bool = True
-
-    def __init__(self, cfg: Config):
-        super().__init__(cfg)
-        self.normalize_by_std = cfg.normalize_by_std
 
     def per_token(self, signal, log_probs, old_log_probs):
         return _clipped(signal, log_probs, old_log_probs, self.cfg.cliprange)
@@ -214,21 +217,13 @@ def _course_loss(loss_type: str, cliprange: float | None) -> PolicyGradientLoss:
     return RL_LOSSES.build({"name": name, **fields})
 
 
-def _signal_loss(loss: PolicyGradientLoss, loss_type: str, policy_log_probs, raw_rewards, advantages,
-                 old_log_probs) -> tuple[torch.Tensor, dict]:
-    signal = {"raw_rewards": raw_rewards, "advantages": advantages}[loss.reads]
-    if signal is None:
-        raise ValueError(f"loss_type={loss_type} needs {loss.reads}")
-    return loss.token_loss(policy_log_probs, signal, old_log_probs)
-
-
 def compute_policy_gradient_loss(policy_log_probs: torch.Tensor, loss_type: str,
                                  raw_rewards: torch.Tensor | None = None, advantages: torch.Tensor | None = None,
                                  old_log_probs: torch.Tensor | None = None,
                                  cliprange: float | None = None) -> tuple[torch.Tensor, dict]:
     """The per-token loss (batch, seq) of the `rl_loss` entry `loss_type` (or the assignment's name)."""
-    return _signal_loss(_course_loss(loss_type, cliprange), loss_type, policy_log_probs, raw_rewards, advantages,
-                        old_log_probs)
+    loss = _course_loss(loss_type, cliprange)
+    return loss.token_loss(policy_log_probs, loss.signal(raw_rewards, advantages), old_log_probs)
 
 
 def grpo_microbatch_train_step(policy_log_probs: torch.Tensor, response_mask: torch.Tensor,
@@ -239,7 +234,7 @@ def grpo_microbatch_train_step(policy_log_probs: torch.Tensor, response_mask: to
     """The entry's per-token loss reduced its way (a per-response mean, or Dr. GRPO's constant), scaled by
     1 / gradient_accumulation_steps and backpropagated; returns that scaled loss and the loss's stats."""
     loss_fn = _course_loss(loss_type, cliprange)
-    per_token, stats = _signal_loss(loss_fn, loss_type, policy_log_probs, raw_rewards, advantages, old_log_probs)
+    per_token, stats = loss_fn.token_loss(policy_log_probs, loss_fn.signal(raw_rewards, advantages), old_log_probs)
     loss = loss_fn.reduce(per_token, response_mask) / gradient_accumulation_steps
     loss.backward()
     return loss, stats

@@ -22,9 +22,8 @@ from torch import nn
 
 from lmlab.alignment.logprobs import get_response_log_probs
 from lmlab.alignment.masked import masked_sum
-from lmlab.alignment.tokens import encode, pad_id, sequences_to_tensors
+from lmlab.alignment.tokens import encode, eos_id, pad_id, sequences_to_tensors
 from lmlab.registry import Registry
-from lmlab.tokenizers import Tokenizer
 
 PREFERENCE_LOSSES = Registry("pref_loss", group="pref_loss", doc="preference losses: DPO, IPO, SimPO")
 
@@ -112,7 +111,7 @@ class PreferencePair:
 
 
 def end_of_text(tokenizer) -> int:
-    eos = tokenizer.eot_id if isinstance(tokenizer, Tokenizer) else tokenizer.eos_token_id
+    eos = eos_id(tokenizer)
     if eos is None:
         raise ValueError("preference training appends an end-of-sequence token to each response; this "
                          "tokenizer has none")

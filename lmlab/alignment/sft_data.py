@@ -36,11 +36,12 @@ def read_chat_jsonl(path: str | Path) -> list[list[Turn]]:
                 isinstance(t, dict) and isinstance(t.get("role"), str) and isinstance(t.get("content"), str)
                 for t in turns):
             raise ConfigError(f"{path} line {line_no} holds no list of role/content turns; {EXPECT}")
+        example = [Turn(t["role"], t["content"]) for t in turns]
         try:
-            check_turns([Turn(t["role"], t["content"]) for t in turns], need_assistant=True)
+            check_turns(example, need_assistant=True)
         except ConfigError as err:
             raise ConfigError(f"{path} line {line_no}: {err}") from None
-        examples.append([Turn(t["role"], t["content"]) for t in turns])
+        examples.append(example)
     if not examples:
         raise ConfigError(f"chat data {path} holds no examples")
     return examples

@@ -19,14 +19,18 @@ def encode(tokenizer, text: str, special_tokens: bool) -> list[int]:
     return list(tokenizer.encode(text, add_special_tokens=special_tokens))
 
 
+def eos_id(tokenizer) -> int | None:
+    """The end-of-text id of an lmlab tokenizer or a Hugging Face one (None when it has none)."""
+    return tokenizer.eot_id if isinstance(tokenizer, Tokenizer) else getattr(tokenizer, "eos_token_id", None)
+
+
 def pad_id(tokenizer) -> int:
     """The id padding positions hold (never read through the response mask): the tokenizer's pad token,
     else its end-of-text token, else 0."""
-    if isinstance(tokenizer, Tokenizer):
-        return tokenizer.eot_id or 0
-    for name in ("pad_token_id", "eos_token_id"):
-        if getattr(tokenizer, name, None) is not None:
-            return getattr(tokenizer, name)
+    pad = None if isinstance(tokenizer, Tokenizer) else getattr(tokenizer, "pad_token_id", None)
+    for candidate in (pad, eos_id(tokenizer)):
+        if candidate is not None:
+            return candidate
     return 0
 
 
