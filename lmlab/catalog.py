@@ -19,11 +19,13 @@ BUILTIN_MODULES = (
     "lmlab.optim",
     "lmlab.parallel.strategies",
     "lmlab.training",
+    "lmlab.training.tasks",
     "lmlab.training.loggers",
     "lmlab.inference.quant",
     "lmlab.inference.samplers",
     "lmlab.eval.tasks",
     "lmlab.alignment",
+    "lmlab.alignment.tasks",
     "lmlab.training.config",  # the schema of train.yaml
 )
 

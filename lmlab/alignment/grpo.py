@@ -44,6 +44,7 @@ def rollout(policy: nn.Module, tokenizer, prompts: Sequence[str], ground_truths:
     if len(prompts) != len(ground_truths):
         raise ValueError(f"{len(prompts)} prompts but {len(ground_truths)} ground truths")
     was_training = policy.training
+    policy.eval()  # no dropout while sampling (an engine kept across steps finds the policy training)
     engine = engine or Engine(policy)
     prompt_ids = [encode(tokenizer, p, special_tokens=True) for p in prompts for _ in range(group_size)]
     eot = eos_id(tokenizer)
@@ -72,10 +73,15 @@ def rollout(policy: nn.Module, tokenizer, prompts: Sequence[str], ground_truths:
 
 def policy_update(policy: nn.Module, optimizer: torch.optim.Optimizer, batch: RolloutBatch, loss: PolicyGradientLoss,
                   epochs: int = 1, micro_batch_size: int | None = None, grad_clip: float = 1.0,
-                  ref_log_probs: torch.Tensor | None = None) -> dict[str, float]:
+                  ref_log_probs: torch.Tensor | None = None,
+                  extra_loss: Callable[[slice], torch.Tensor] | None = None,
+                  backward: Callable[[torch.Tensor], None] = torch.Tensor.backward,
+                  parameters: Sequence[nn.Parameter] | None = None) -> dict[str, float]:
     """`epochs` passes over the rollout batch, one optimizer step per pass, its micro-batches accumulated
-    (each scaled by its share of the batch). Returns the last pass's loss, entropy, clip fraction, KL
-    and gradient norm."""
+    (each scaled by its share of the batch). `extra_loss(rows)` adds a term per micro-batch (PPO's value
+    loss); `backward` is Lightning's manual_backward in a LightningModule; the gradient norm is clipped
+    over `parameters` (default: the policy's). Returns the last pass's loss, entropy, clip fraction, KL
+    and gradient norm (and `extra_loss` when given)."""
     size = batch.old_log_probs.shape[0]
     micro = micro_batch_size or size
     if size % micro:
@@ -83,7 +89,7 @@ def policy_update(policy: nn.Module, optimizer: torch.optim.Optimizer, batch: Ro
     signal = loss.signal(batch.raw_rewards, batch.advantages)
     policy.train()
     for _ in range(epochs):
-        totals = {"loss": 0.0, "entropy": 0.0, "clip_fraction": 0.0, "kl": 0.0}
+        totals: dict[str, float] = {"loss": 0.0, "entropy": 0.0, "clip_fraction": 0.0, "kl": 0.0}
         for start in range(0, size, micro):
             rows = slice(start, start + micro)
             t = {k: v[rows] for k, v in batch.tensors.items()}
@@ -91,15 +97,20 @@ def policy_update(policy: nn.Module, optimizer: torch.optim.Optimizer, batch: Ro
             ref = None if ref_log_probs is None else ref_log_probs[rows]
             per_token, stats = loss.token_loss(out["log_probs"], signal[rows], batch.old_log_probs[rows], ref)
             scaled = loss.reduce(per_token, t["response_mask"]) * (micro / size)
-            scaled.backward()
-            mask = t["response_mask"]
             totals["loss"] += scaled.item()
+            if extra_loss is not None:
+                extra = extra_loss(rows) * (micro / size)
+                totals["extra_loss"] = totals.get("extra_loss", 0.0) + extra.item()
+                scaled = scaled + extra
+            backward(scaled)
+            mask = t["response_mask"]
             totals["entropy"] += masked_mean(out["token_entropy"].detach(), mask).item() * micro / size
             if "clipped" in stats:
                 totals["clip_fraction"] += masked_mean(stats["clipped"].float(), mask).item() * micro / size
             if "kl" in stats:
                 totals["kl"] += masked_mean(stats["kl"], mask).item() * micro / size
-        grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), grad_clip if grad_clip > 0 else math.inf)
+        clipped = list(policy.parameters()) if parameters is None else parameters
+        grad_norm = torch.nn.utils.clip_grad_norm_(clipped, grad_clip if grad_clip > 0 else math.inf)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
     return {**totals, "grad_norm": grad_norm.item()}

@@ -51,15 +51,15 @@ def resume_command(hydra_cfg: DictConfig, output_dir: str) -> str:
 
 
 def _train(cfg: DictConfig, output_dir: str) -> float:
-    from lmlab.training.launch import launch
     from lmlab.training.loggers import check_installed
+    from lmlab.training.tasks import TASKS
 
     check_installed(cfg.logger)
     hydra_cfg = HydraConfig.get()
     if not cfg.logger.run_name:  # here: Hydra's state is gone in the processes a parallel run spawns
         cfg.logger.run_name = sweep_run_name(hydra_cfg)
     try:
-        return launch(cfg, output_dir)["val_loss"]
+        return TASKS.build(cfg.task).run(cfg, output_dir)["val_loss"]
     except RunInterrupted as stopped:
         raise RunInterrupted(f"{stopped}\nresume with:\n  {resume_command(hydra_cfg, output_dir)}",
                              stopped.exit_code) from None

@@ -56,6 +56,7 @@ class TrainConfig:
     parallel: Any = MISSING
     kernels: Any = MISSING
     logger: Any = MISSING
+    task: Any = MISSING  # pretrain, or a post-training stage from init_from (sft, dpo, reward_model, grpo, ppo)
     eval: Any = field(default_factory=dict)  # evaluation tasks run during training (eval=[mmlu,gsm8k]) and eval.limit
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     seed: int = 0

@@ -40,6 +40,20 @@ def step_guard_for(cfg: DictConfig) -> StepGuard:
                      t.max_consecutive_skips)
 
 
+def optimizer_and_schedule(module: L.LightningModule, cfg: DictConfig, model: torch.nn.Module, kernel_ops=None) -> dict:
+    """configure_optimizers' answer for `model`'s parameters: the `optim` entry (built by a strategy that
+    shards optimizer state, zero1, when there is one) and the `sched` entry stepped every step."""
+    build = getattr(module.trainer.strategy, "build_optimizer", OPTIMIZERS.build)
+    optimizer = build(cfg.optim, model)
+    if kernel_ops is not None:
+        install_kernels(kernel_ops, optimizer)
+    max_lr = cfg.optim.lr
+    lr_at = SCHEDULERS.build(cfg.sched, max_lr, cfg.trainer.max_steps)
+    scheduler = LambdaLR(optimizer, lambda step: lr_at(step) / max_lr)
+    log.info("optimizer parameter groups (peak learning rates):\n%s", describe_groups(optimizer))
+    return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
 class LanguageModelTask(L.LightningModule):
     def __init__(self, cfg: DictConfig, tokenizer: Tokenizer):
         super().__init__()
@@ -163,15 +177,7 @@ class LanguageModelTask(L.LightningModule):
         self._configured = True
 
     def configure_optimizers(self):
-        # A strategy that shards optimizer state (zero1) builds the optimizer itself.
-        build = getattr(self.trainer.strategy, "build_optimizer", OPTIMIZERS.build)
-        optimizer = build(self.cfg.optim, self.model)
-        install_kernels(self.kernel_ops, optimizer)
-        max_lr = self.cfg.optim.lr
-        lr_at = SCHEDULERS.build(self.cfg.sched, max_lr, self.cfg.trainer.max_steps)
-        scheduler = LambdaLR(optimizer, lambda step: lr_at(step) / max_lr)
-        log.info("optimizer parameter groups (peak learning rates):\n%s", describe_groups(optimizer))
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+        return optimizer_and_schedule(self, self.cfg, self.model, self.kernel_ops)
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         checkpoint[CONFIG_KEY] = OmegaConf.to_container(self.cfg, resolve=True)

@@ -33,7 +33,9 @@ def quiet_library_noise() -> None:
     warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated", category=FutureWarning)
 
 
-SHOWN = ("train/loss", "lr", "val/loss", "val/bpb", "perf/tokens_per_s")
+# Post-training adds its own: the rollouts' mean reward, held-out accuracy, the preference accuracy.
+SHOWN = ("train/loss", "train/reward", "lr", "val/loss", "val/bpb", "val/accuracy", "val/reward_accuracy",
+         "perf/tokens_per_s")
 
 
 def _metrics(trainer: L.Trainer) -> dict[str, float]:

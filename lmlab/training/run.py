@@ -179,39 +179,13 @@ def train(cfg: DictConfig, output_dir: str | Path) -> dict[str, float]:
              len(datamodule.train_tokens), len(datamodule.val_tokens), datamodule.bytes_per_token)
 
     t = cfg.trainer
-    if torch.cuda.is_available():
-        torch.set_float32_matmul_precision("high")
     throughput = Throughput(t.log_every, flops_per_token)
     logger = build_logger(cfg.logger, output_dir)
-    trainer = L.Trainer(
-        max_steps=t.max_steps,
-        accumulate_grad_batches=t.accumulate_grad_batches,
-        val_check_interval=min(t.val_every, t.max_steps) * t.accumulate_grad_batches,  # counted in micro-batches
-        check_val_every_n_epoch=None,
-        num_sanity_val_steps=0,
-        log_every_n_steps=t.log_every,
-        precision=resolve_precision(t.precision),
-        accelerator=t.accelerator,
-        devices=t.devices,
-        num_nodes=t.num_nodes,
-        strategy=parallel.lightning_strategy(t.devices * t.num_nodes, uses_cuda(t.accelerator)),
-        logger=logger,
-        callbacks=[
-            throughput,
-            ModelCheckpoint(dirpath=output_dir / "checkpoints", filename="step{step:06d}", auto_insert_metric_name=False,
-                            every_n_train_steps=t.checkpoint_every, save_top_k=-1),
-            StepProgress(t.max_steps, t.log_every, bar=t.progress_bar),
-            GracefulStop(output_dir / "checkpoints" / "last.ckpt", t.max_steps),
-            *([StepProfiler(output_dir, t.max_steps)] if cfg.profile else []),
-            *([EvalDuringTraining(tasks, eval_limit, t.eval_every, t.max_steps)] if tasks else []),
-        ],
-        enable_progress_bar=False,  # StepProgress counts steps; Lightning's bar counts epochs and batches
-        enable_model_summary=False,  # the parameter count is logged above; its FLOPs column reads 0
-        default_root_dir=str(output_dir),
-        # no_grad rather than inference_mode: metric states made in the first, standalone
-        # validation must stay updatable in the validations inside fit.
-        inference_mode=False,
-    )
+    strategy = parallel.lightning_strategy(t.devices * t.num_nodes, uses_cuda(t.accelerator))
+    trainer = build_trainer(cfg, output_dir, logger, strategy, before=[throughput], after=[
+        *([StepProfiler(output_dir, t.max_steps)] if cfg.profile else []),
+        *([EvalDuringTraining(tasks, eval_limit, t.eval_every, t.max_steps)] if tasks else []),
+    ])
     if trainer.is_global_zero:
         tokenizer.save(output_dir)
 
@@ -239,6 +213,43 @@ def train(cfg: DictConfig, output_dir: str | Path) -> dict[str, float]:
         log.warning("%d of %d steps were skipped by the step guard (see train/skipped_steps)", task.guard.skipped,
                     trainer.global_step)
     return results
+
+
+def build_trainer(cfg: DictConfig, output_dir: Path, logger, strategy, before: list = (), after: list = ()) -> L.Trainer:
+    """The Lightning Trainer of every task: step-counted validation, checkpoints every
+    trainer.checkpoint_every steps and on Ctrl-C/SIGTERM, lmlab's step progress; callbacks `before` run
+    ahead of those (what the progress lines print must be logged first), `after` behind them."""
+    t = cfg.trainer
+    if torch.cuda.is_available():
+        torch.set_float32_matmul_precision("high")
+    return L.Trainer(
+        max_steps=t.max_steps,
+        accumulate_grad_batches=t.accumulate_grad_batches,
+        val_check_interval=min(t.val_every, t.max_steps) * t.accumulate_grad_batches,  # counted in micro-batches
+        check_val_every_n_epoch=None,
+        num_sanity_val_steps=0,
+        log_every_n_steps=t.log_every,
+        precision=resolve_precision(t.precision),
+        accelerator=t.accelerator,
+        devices=t.devices,
+        num_nodes=t.num_nodes,
+        strategy=strategy,
+        logger=logger,
+        callbacks=[
+            *before,
+            ModelCheckpoint(dirpath=output_dir / "checkpoints", filename="step{step:06d}", auto_insert_metric_name=False,
+                            every_n_train_steps=t.checkpoint_every, save_top_k=-1),
+            StepProgress(t.max_steps, t.log_every, bar=t.progress_bar),
+            GracefulStop(output_dir / "checkpoints" / "last.ckpt", t.max_steps),
+            *after,
+        ],
+        enable_progress_bar=False,  # StepProgress counts steps; Lightning's bar counts epochs and batches
+        enable_model_summary=False,  # the parameter count is logged above; its FLOPs column reads 0
+        default_root_dir=str(output_dir),
+        # no_grad rather than inference_mode: metric states made in the first, standalone
+        # validation must stay updatable in the validations inside fit.
+        inference_mode=False,
+    )
 
 
 def summary(results: dict[str, float], output_dir: Path) -> str:

@@ -1,0 +1,36 @@
+"""What `lmlab-train` trains (config group `task`): pre-training (the default) or a post-training stage.
+
+An entry's `run(cfg, output_dir)` is the whole job and returns its final numbers; the post-training
+entries (`sft`, `dpo`, `reward_model`, `grpo`, `ppo`) live in `lmlab.alignment.tasks` and start from
+the checkpoint `init_from` names.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from omegaconf import DictConfig
+
+from lmlab.registry import Registry
+
+TASKS = Registry("task", group="task", doc="what lmlab-train trains: pre-training, or a post-training stage")
+
+
+class Task:
+    """Base of the entries."""
+
+    def __init__(self, cfg=None):
+        self.cfg = cfg
+
+    def run(self, cfg: DictConfig, output_dir: str | Path) -> dict[str, float]:
+        raise NotImplementedError
+
+
+@TASKS.register("pretrain")
+class Pretrain(Task):
+    """Next-token prediction on the `data` corpus, from scratch or from init_from's weights."""
+
+    def run(self, cfg: DictConfig, output_dir: str | Path) -> dict[str, float]:
+        from lmlab.training.launch import launch  # launch imports the trainer, which imports this registry
+
+        return launch(cfg, output_dir)
