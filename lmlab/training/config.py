@@ -57,6 +57,9 @@ class TrainConfig:
     kernels: Any = MISSING
     logger: Any = MISSING
     task: Any = MISSING  # pretrain, or a post-training stage from init_from (sft, dpo, reward_model, grpo, ppo)
+    rl_loss: Any = MISSING  # the policy-gradient loss of task=grpo/ppo
+    pref_loss: Any = MISSING  # the preference loss of task=dpo
+    reward: Any = MISSING  # the verifier that scores task=grpo/ppo rollouts
     eval: Any = field(default_factory=dict)  # evaluation tasks run during training (eval=[mmlu,gsm8k]) and eval.limit
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     seed: int = 0

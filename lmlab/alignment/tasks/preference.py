@@ -4,9 +4,8 @@ scalar head) on preference JSONL: {"prompt": text or [turns], "chosen": text, "r
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 from omegaconf import DictConfig, OmegaConf
@@ -75,7 +74,7 @@ class DPOModule(StageModule):
     def __init__(self, cfg: DictConfig, policy, tokenizer, reference):
         super().__init__(cfg, policy, tokenizer)
         self.reference = reference  # frozen: moved with the module, never in the optimizer
-        self.loss = PREFERENCE_LOSSES.build(cfg.task.loss)
+        self.loss = PREFERENCE_LOSSES.build(cfg.pref_loss)
 
     def _step(self, batch) -> tuple[torch.Tensor, dict[str, float]]:
         chosen, rejected = batch
@@ -94,15 +93,14 @@ class DPOModule(StageModule):
 
 @TASKS.register("dpo")
 class DPO(PreferenceStage):
-    """Direct preference optimisation (or IPO, SimPO, length-normalised DPO: task.loss) from init_from."""
+    """Direct preference optimisation (or IPO, SimPO, length-normalised DPO: pref_loss=) from init_from."""
 
     @dataclass
     class Config(PreferenceConfig):
-        loss: Any = field(default_factory=lambda: {"name": "dpo", "beta": 0.1})  # a pref_loss entry
         reference: str | None = None  # the reference checkpoint; None: init_from, frozen
 
     def check(self, cfg: DictConfig) -> None:
-        PREFERENCE_LOSSES.build(cfg.task.loss)
+        PREFERENCE_LOSSES.build(cfg.pref_loss)
 
     def build(self, cfg: DictConfig, policy, tokenizer, template: ChatTemplate):
         reference = frozen_copy(policy) if self.cfg.reference is None else _reference(cfg, tokenizer)

@@ -9,7 +9,6 @@ import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import torch
 from omegaconf import DictConfig
@@ -53,7 +52,6 @@ def read_prompts_jsonl(path: str | Path, prompt_field: str, answer_field: str) -
 class RLConfig(StageConfig):
     prompt_field: str = "prompt"
     answer_field: str = "answer"  # GSM8K's "... #### 72" gives 72
-    reward: Any = "math"  # a reward entry: name, or {name: ..., field: ...} (lmlab list reward)
     rollout_batch_size: int = 64  # responses per step: rollout_batch_size / group_size prompts
     group_size: int = 8  # responses per prompt, normalised against each other
     epochs: int = 1  # optimizer steps on each rollout batch (after the first, off-policy: the ratio clips)
@@ -81,8 +79,8 @@ class RLModule(StageModule):
         super().__init__(cfg, policy, tokenizer)
         self.automatic_optimization = False  # several optimizer steps per rollout batch
         t = cfg.task
-        self.loss = RL_LOSSES.build(t.loss)
-        self.reward_fn = REWARDS.build(t.reward)
+        self.loss = RL_LOSSES.build(cfg.rl_loss)
+        self.reward_fn = REWARDS.build(cfg.reward)
         self.sampler = SAMPLERS.build({"name": "temperature", "temperature": t.temperature} if t.temperature > 0
                                       else "greedy")
         self.greedy = SAMPLERS.build("greedy")
@@ -167,11 +165,11 @@ class RLStage(PostTraining):
         if cfg.trainer.accumulate_grad_batches != 1:
             raise ConfigError(f"task={cfg.task.name} accumulates with task.micro_batch_size, not "
                               "trainer.accumulate_grad_batches")
-        loss = RL_LOSSES.build(cfg.task.loss)
+        loss = RL_LOSSES.build(cfg.rl_loss)
         if isinstance(loss, PPO) != (self.module is PPOModule):
-            raise ConfigError(f"task.loss={cfg.task.loss.name}: task=ppo takes rl_loss=ppo (it needs the critic), "
-                              "task=grpo any other rl_loss entry")
-        REWARDS.build(cfg.task.reward)
+            raise ConfigError(f"rl_loss={cfg.rl_loss.name} with task={cfg.task.name}: task=ppo takes rl_loss=ppo (it "
+                              "needs the critic), task=grpo any other rl_loss entry")
+        REWARDS.build(cfg.reward)
 
     def build(self, cfg: DictConfig, policy, tokenizer, template: ChatTemplate):
         t = self.cfg
@@ -196,21 +194,18 @@ def _columns(items: list[tuple[str, str]]) -> tuple[list[str], list[str]]:
 
 @TASKS.register("grpo")
 class GRPO(RLStage):
-    """GRPO-style RL (task.loss: grpo_clip, dr_grpo, reinforce, reinforce_baseline) on prompt/answer JSONL."""
+    """GRPO-style RL (rl_loss=grpo_clip, dr_grpo, reinforce, reinforce_baseline) on prompt/answer JSONL."""
 
-    @dataclass
-    class Config(RLConfig):
-        loss: Any = field(default_factory=lambda: {"name": "grpo_clip"})  # an rl_loss entry
+    Config = RLConfig
 
 
 @TASKS.register("ppo")
 class PPOStage(RLStage):
-    """PPO with a critic (a copy of the policy with a value head), GAE and value clipping."""
+    """PPO (with rl_loss=ppo): a critic (a copy of the policy with a value head), GAE and value clipping."""
 
     module = PPOModule
 
     @dataclass
     class Config(RLConfig):
-        loss: Any = field(default_factory=lambda: {"name": "ppo"})
         gamma: float = 1.0
         lam: float = 0.95

@@ -9,6 +9,7 @@ import copy
 import logging
 import math
 import random
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,7 +38,8 @@ log = logging.getLogger(__name__)
 
 # The groups a stage takes from its own command line; every other one (model, tokenizer, data) is the
 # policy's, so a stage's checkpoint loads like the one it started from.
-STAGE_GROUPS = ("task", "optim", "sched", "loss", "trainer", "logger", "seed", "init_from")
+STAGE_GROUPS = ("task", "optim", "sched", "loss", "rl_loss", "pref_loss", "reward", "trainer", "logger", "seed",
+                "init_from")
 
 
 @dataclass
@@ -64,6 +66,8 @@ class PostTraining(Task):
     def run(self, cfg: DictConfig, output_dir: str | Path) -> dict[str, float]:
         output_dir = Path(output_dir)
         quiet_library_noise()
+        # A frozen reference (or a critic's initial copy) is in eval mode on purpose.
+        warnings.filterwarnings("ignore", message=r"Found \d+ module\(s\) in eval mode", category=UserWarning)
         cfg = resolve_auto_resume(cfg, output_dir)
         name = cfg.task.name
         if not cfg.init_from:
