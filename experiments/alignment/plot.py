@@ -1,0 +1,97 @@
+"""The alignment experiment's table and curves from a run.sh output folder: held-out test accuracy of the
+SFT model and of each post-training method over seeds (mean and spread), rollout tokens/s against plain
+decoding, and the rollouts' reward and response length per step (PNG).
+
+    python experiments/alignment/plot.py OUT_DIR   # writes OUT_DIR/table.md, curves.png and length.png
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import statistics
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+METHODS = {"grpo": "GRPO (grpo_clip)", "dr_grpo": "Dr. GRPO (dr_grpo)", "ppo": "PPO (ppo + critic)", "dpo": "DPO"}
+RL = ("grpo", "dr_grpo", "ppo")
+
+
+def curves(run: Path) -> dict[str, list[tuple[int, float]]]:
+    """Each logged metric of a run as (step, value) pairs, from its csv logger's metrics.csv."""
+    series = defaultdict(list)
+    for path in sorted(run.glob("csv/**/metrics.csv")):
+        for row in csv.DictReader(path.read_text().splitlines()):
+            for key, value in row.items():
+                if key != "step" and value not in ("", None):
+                    series[key].append((int(row["step"]), float(value)))
+    return series
+
+
+def spread(values: list[float]) -> str:
+    if len(values) == 1:
+        return f"{100 * values[0]:.1f}%"
+    return f"{100 * statistics.mean(values):.1f}% (min {100 * min(values):.1f}, max {100 * max(values):.1f})"
+
+
+def main() -> None:
+    out = Path(sys.argv[1])
+    ev = {p.stem: json.loads(p.read_text()) for p in (out / "eval").glob("*.json")}
+    sft = ev["sft"]["accuracy"]
+    lines = ["| model | test accuracy, greedy (3 seeds: mean, min, max) | gain over SFT (points) |", "|---|---|---|",
+             f"| SFT | {100 * sft:.1f}% | |"]
+    for method, label in METHODS.items():
+        accs = [e["accuracy"] for name, e in sorted(ev.items()) if name.rsplit("-", 1)[0] == method]
+        if accs:
+            lines.append(f"| {label} | {spread(accs)} | {100 * (statistics.mean(accs) - sft):+.1f} |")
+    rollout = [v for m in RL for run in out.glob(f"{m}-*") for _, v in curves(run).get("train/rollout_tokens_per_s", [])]
+    plain = ev.get("sft-samples", {}).get("tokens_per_s")
+    if rollout and plain:
+        lines += ["", f"Rollout tokens/s (median over every RL step): {statistics.median(rollout):,.0f}; the same "
+                  f"engine's plain sampling of the SFT model (batch {ev['sft-samples']['samples']} x prompts): "
+                  f"{plain:,.0f}."]
+    (out / "table.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+    panels = [("train/reward_mean", "rollout reward (mean)"), ("val/accuracy", "held-out accuracy (greedy)"),
+              ("train/response_length", "response length (tokens)")]
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 3.8))
+    for method in RL:
+        for run in sorted(out.glob(f"{method}-*")):
+            series = curves(run)
+            for ax, (key, title) in zip(axes, panels):
+                if series.get(key):
+                    steps, values = zip(*series[key])
+                    ax.plot(steps, values, color=f"C{RL.index(method)}", alpha=0.7,
+                            label=METHODS[method] if run.name.endswith("-0") else None)
+                    ax.set_title(title)
+                    ax.set_xlabel("optimizer step")
+    axes[0].legend()
+    fig.tight_layout()
+    fig.savefig(out / "curves.png", dpi=120)
+
+    # The length bias: GRPO's per-response mean lets wrong answers grow long; Dr. GRPO's constant does not.
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8), sharey=True)
+    for ax, key, title in zip(axes, ("train/response_length_correct", "train/response_length_incorrect"),
+                              ("correct responses", "incorrect responses")):
+        for method in RL:
+            for run in sorted(out.glob(f"{method}-*")):
+                if curves(run).get(key):
+                    steps, values = zip(*curves(run)[key])
+                    ax.plot(steps, values, color=f"C{RL.index(method)}", alpha=0.7,
+                            label=METHODS[method] if run.name.endswith("-0") else None)
+        ax.set_title(f"response length (tokens), {title}")
+        ax.set_xlabel("optimizer step")
+    axes[0].legend()
+    fig.tight_layout()
+    fig.savefig(out / "length.png", dpi=120)
+
+
+if __name__ == "__main__":
+    main()
