@@ -1,8 +1,8 @@
-"""The alignment experiment's table and curves from a run.sh output folder: held-out test accuracy of the
+"""The alignment experiment's table and curves as collect.sh gathers them from a run.sh output folder: held-out test accuracy of the
 SFT model and of each post-training method over seeds (mean and spread), rollout tokens/s against plain
 decoding, and the rollouts' reward and response length per step (PNG).
 
-    python experiments/alignment/plot.py OUT_DIR   # writes OUT_DIR/table.md, curves.png and length.png
+    python experiments/alignment/plot.py DIR   # DIR from collect.sh; writes DIR/table.md, curves.png, length.png
 """
 
 from __future__ import annotations
@@ -24,13 +24,12 @@ RL = ("grpo", "dr_grpo", "ppo")
 
 
 def curves(run: Path) -> dict[str, list[tuple[int, float]]]:
-    """Each logged metric of a run as (step, value) pairs, from its csv logger's metrics.csv."""
+    """Each logged metric of a run as (step, value) pairs, from its metrics.csv (collect.sh names it <run>.csv)."""
     series = defaultdict(list)
-    for path in sorted(run.glob("csv/**/metrics.csv")):
-        for row in csv.DictReader(path.read_text().splitlines()):
-            for key, value in row.items():
-                if key != "step" and value not in ("", None):
-                    series[key].append((int(row["step"]), float(value)))
+    for row in csv.DictReader(run.read_text().splitlines()):
+        for key, value in row.items():
+            if key != "step" and value not in ("", None):
+                series[key].append((int(row["step"]), float(value)))
     return series
 
 
@@ -50,12 +49,12 @@ def main() -> None:
         accs = [e["accuracy"] for name, e in sorted(ev.items()) if name.rsplit("-", 1)[0] == method]
         if accs:
             lines.append(f"| {label} | {spread(accs)} | {100 * (statistics.mean(accs) - sft):+.1f} |")
-    rollout = [v for m in RL for run in out.glob(f"{m}-*") for _, v in curves(run).get("train/rollout_tokens_per_s", [])]
+    rollout = [v for m in RL for run in out.glob(f"{m}-*.csv") for _, v in curves(run).get("train/rollout_tokens_per_s", [])]
     plain = ev.get("sft-samples", {}).get("tokens_per_s")
     if rollout and plain:
-        lines += ["", f"Rollout tokens/s (median over every RL step): {statistics.median(rollout):,.0f}; the same "
-                  f"engine's plain sampling of the SFT model (batch {ev['sft-samples']['samples']} x prompts): "
-                  f"{plain:,.0f}."]
+        lines += ["", f"Rollout tokens/s (median over every RL step, sampling plus the rollout log-probs' forward): "
+                  f"{statistics.median(rollout):,.0f}; plain sampling of the SFT model on the same engine, 128 "
+                  f"responses at a time (evaluate.py): {plain:,.0f}."]
     (out / "table.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
@@ -63,13 +62,13 @@ def main() -> None:
               ("train/response_length", "response length (tokens)")]
     fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 3.8))
     for method in RL:
-        for run in sorted(out.glob(f"{method}-*")):
+        for run in sorted(out.glob(f"{method}-*.csv")):
             series = curves(run)
             for ax, (key, title) in zip(axes, panels):
                 if series.get(key):
                     steps, values = zip(*series[key])
                     ax.plot(steps, values, color=f"C{RL.index(method)}", alpha=0.7,
-                            label=METHODS[method] if run.name.endswith("-0") else None)
+                            label=METHODS[method] if run.stem.endswith("-0") else None)
                     ax.set_title(title)
                     ax.set_xlabel("optimizer step")
     axes[0].legend()
@@ -81,11 +80,11 @@ def main() -> None:
     for ax, key, title in zip(axes, ("train/response_length_correct", "train/response_length_incorrect"),
                               ("correct responses", "incorrect responses")):
         for method in RL:
-            for run in sorted(out.glob(f"{method}-*")):
+            for run in sorted(out.glob(f"{method}-*.csv")):
                 if curves(run).get(key):
                     steps, values = zip(*curves(run)[key])
                     ax.plot(steps, values, color=f"C{RL.index(method)}", alpha=0.7,
-                            label=METHODS[method] if run.name.endswith("-0") else None)
+                            label=METHODS[method] if run.stem.endswith("-0") else None)
         ax.set_title(f"response length (tokens), {title}")
         ax.set_xlabel("optimizer step")
     axes[0].legend()

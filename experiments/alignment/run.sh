@@ -5,7 +5,8 @@
 #         model's greedy test accuracy and DPO pairs from its own samples (4 per RL prompt, temperature 1)
 #   rl    for each seed: GRPO (grpo_clip), Dr. GRPO (dr_grpo) and PPO from the SFT checkpoint, and DPO on
 #         the pairs; each final checkpoint's greedy accuracy on the test prompts
-#   plot  table.md and the reward / response-length curves (plot.py)
+#   plot  collect.sh's copy of the small results in $D/results, then its table.md and the reward and
+#         response-length curves (plot.py)
 # Env: SEEDS ("0 1 2"), RL_STEPS (optimizer steps per RL run), PRE_STEPS, SFT_STEPS, DPO_STEPS, N (data
 #      scale: corpus problems), SMALL=1 (a CPU-sized model and run, to check the pipeline).
 # Usage: experiments/alignment/run.sh OUT_DIR [base rl plot]
@@ -40,8 +41,9 @@ for part in $PARTS; do
                 trainer.max_steps=$SFT_STEPS trainer.val_every=$SFT_STEPS optim.lr=1e-3 sched.warmup_steps=$((SFT_STEPS / 10)) \
                 hydra.run.dir=$D/sft 2>&1 | tail -1
             $EVAL "$SFT" "$D/data/test.jsonl" --json "$D/eval/sft.json"
+            # 128 responses at a time, as one RL rollout: the plain-decoding figure that rollouts compare with
             $EVAL "$SFT" "$D/data/rl.jsonl" --json "$D/eval/sft-samples.json" --samples 4 --temperature 1 \
-                --pairs "$D/data/dpo.jsonl" ;;
+                --batch 128 --pairs "$D/data/dpo.jsonl" ;;
         rl)
             RL="task.data=$D/data/rl.jsonl reward=exact_match $RL_BATCH task.max_new_tokens=64 task.val_fraction=0.05
                 init_from=$SFT trainer.max_steps=$RL_STEPS trainer.val_every=$((RL_STEPS / 5 > 0 ? RL_STEPS / 5 : 1))
@@ -57,7 +59,7 @@ for part in $PARTS; do
                     hydra.run.dir=$D/dpo-$seed 2>&1 | tail -1
                 $EVAL "$D/dpo-$seed/checkpoints/last.ckpt" "$D/data/test.jsonl" --json "$D/eval/dpo-$seed.json"
             done ;;
-        plot) python "$HERE/plot.py" "$D" ;;
+        plot) bash "$HERE/collect.sh" "$D" "$D/results" && python "$HERE/plot.py" "$D/results" ;;
         *) echo "unknown part '$part'; parts: base rl plot" >&2; exit 2 ;;
     esac
 done
