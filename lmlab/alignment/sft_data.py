@@ -1,6 +1,6 @@
 """SFT data: chat examples read from JSONL, tokenized by a chat template, laid out as (inputs, targets)
 rows of the training context whose targets are -100 (ignored by the cross-entropy loss) everywhere but
-the assistant's tokens.
+the assistant's tokens, and the end-of-text token that follows a conversation ending with the assistant.
 
 One line per example, either `{"turns": [{"role": ..., "content": ...}, ...]}` or the OpenAI/Hugging
 Face form `{"messages": [...]}`. With `pack`, examples follow one another in a stream cut into rows
@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from lmlab.alignment.chat import ChatTemplate, Turn, check_turns, tokenize_chat
+from lmlab.alignment.tokens import eos_id
 from lmlab.errors import ConfigError
 from lmlab.jsonl import json_lines
 
@@ -61,6 +62,9 @@ def sft_rows(examples: Sequence[Sequence[Turn]], tokenizer, template: ChatTempla
     if context_length < 1:
         raise ConfigError(f"context_length must be >= 1, got {context_length}")
     encoded = [tokenize_chat(turns, tokenizer, template) for turns in examples]
+    eos = eos_id(tokenizer)
+    if eos is not None:  # trained after a final assistant turn, so the model learns to end its answer (and stop)
+        encoded = [(ids + [eos], trained + [trained[-1]]) for ids, trained in encoded]
     # targets[i] is token i + 1 where token i + 1 is trained: a sequence of n tokens gives n - 1 pairs.
     pairs = [(ids[:-1], [t if keep else IGNORE for t, keep in zip(ids[1:], trained[1:])]) for ids, trained in encoded]
     width, truncated = context_length, 0

@@ -36,23 +36,25 @@ def test_reads_turns_and_messages_and_names_the_bad_line(tmp_path):
 def test_rows_train_only_the_assistant_tokens(pack, context):
     tokenizer, template = ByteTokenizer(), CHAT_TEMPLATES.build("plain")
     rows = sft_rows(EXAMPLES, tokenizer, template, context_length=context, pack=pack)
-    trained_text = bytes(t for t in rows.targets.flatten().tolist() if t != IGNORE)
-    assert trained_text == b" 4\n Hello\n"  # the assistant's words and the newline that ends its turn
-    assert rows.trained_tokens == len(trained_text) and rows.inputs.shape == rows.targets.shape
-    stream = [t for turns in EXAMPLES for t in tokenize_chat(turns, tokenizer, template)[0]]
+    eot = tokenizer.eot_id
+    trained = [t for t in rows.targets.flatten().tolist() if t != IGNORE]
+    # The assistant's words, the newline that ends its turn, and end-of-text (so a model learns to stop).
+    assert trained == [*b" 4\n", eot, *b" Hello\n", eot]
+    assert rows.trained_tokens == len(trained) and rows.inputs.shape == rows.targets.shape
+    stream = [t for turns in EXAMPLES for t in [*tokenize_chat(turns, tokenizer, template)[0], eot]]
     if pack:  # the stream of inputs, cut into rows, padding only at the very end
         assert rows.inputs.shape == (-(-(len(stream) - 2) // 16), 16)
     else:
         assert rows.inputs.shape == (2, 32) and rows.truncated == 0
-        ids = tokenize_chat(EXAMPLES[0], tokenizer, template)[0]  # each target is the next token, where trained
+        ids = [*tokenize_chat(EXAMPLES[0], tokenizer, template)[0], eot]  # each target is the next token, where trained
         assert rows.inputs[0, :len(ids) - 1].tolist() == ids[:-1]
         assert all(rows.targets[0, i] == ids[i + 1] for i in range(len(ids) - 1) if rows.targets[0, i] != IGNORE)
 
 
 def test_examples_longer_than_the_context_are_cut_and_counted():
     full = sft_rows(EXAMPLES, ByteTokenizer(), CHAT_TEMPLATES.build("plain"), context_length=32, pack=False)
-    cut = sft_rows(EXAMPLES, ByteTokenizer(), CHAT_TEMPLATES.build("plain"), context_length=23, pack=False)
-    assert cut.truncated == 1 and cut.trained_tokens == full.trained_tokens - 2  # "Hello\n" loses "o\n"
+    cut = sft_rows(EXAMPLES, ByteTokenizer(), CHAT_TEMPLATES.build("plain"), context_length=24, pack=False)
+    assert cut.truncated == 1 and cut.trained_tokens == full.trained_tokens - 2  # " Hello\n<eot>" loses "\n<eot>"
 
 
 def test_a_context_too_short_for_any_answer_is_one_error():
