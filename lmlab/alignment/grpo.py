@@ -48,8 +48,11 @@ def rollout(policy: nn.Module, tokenizer, prompts: Sequence[str], ground_truths:
     engine = engine or Engine(policy)
     prompt_ids = [encode(tokenizer, p, special_tokens=True) for p in prompts for _ in range(group_size)]
     eot = eos_id(tokenizer)
-    out = engine.generate(prompt_ids, sampler, max_new_tokens, stop_token_ids=[] if eot is None else [eot],
-                          stop_strings=stop_strings, tokenizer=tokenizer)
+    # The engine's caches hold the weights' dtype: generate outside any autocast (a bf16-mixed training
+    # step's); the rollout log-probs below follow it, as the update's forward will.
+    with torch.autocast(engine.device.type, enabled=False):
+        out = engine.generate(prompt_ids, sampler, max_new_tokens, stop_token_ids=[] if eot is None else [eot],
+                              stop_strings=stop_strings, tokenizer=tokenizer)
     policy.train(was_training)
     truths = [t for t in ground_truths for _ in range(group_size)]
     advantages, raw, metrics = compute_group_normalized_rewards(reward, out.texts, truths, group_size,

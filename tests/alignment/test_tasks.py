@@ -73,7 +73,9 @@ def test_identical_pairs_are_skipped_and_counted(data):
     assert pairs[0].prompt == "User: 0+0\nAssistant:" and pairs[0].chosen == " 0" and pairs[0].rejected == " 00"
 
 
-@pytest.mark.parametrize("task,extra", [("grpo", ["rl_loss=dr_grpo"]), ("ppo", ["task.epochs=2", "rl_loss=ppo"])])
+# bf16-mixed: the rollouts generate outside the training step's autocast, in the weights' dtype.
+@pytest.mark.parametrize("task,extra", [("grpo", ["rl_loss=dr_grpo", "trainer.precision=bf16-mixed"]),
+                                        ("ppo", ["task.epochs=2", "rl_loss=ppo"])])
 def test_rl_stages_log_every_metric_the_issue_names(data, tmp_path, task, extra):
     results, ckpt = run_stage(data, tmp_path, task, "task.rollout_batch_size=8", "task.group_size=4",
                               "task.micro_batch_size=4", "task.max_new_tokens=4", "reward=exact_match",
