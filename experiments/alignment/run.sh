@@ -8,7 +8,7 @@
 #   plot  collect.sh's copy of the small results in $D/results, then its table.md and the reward and
 #         response-length curves (plot.py)
 # Env: SEEDS ("0 1 2"), RL_STEPS (optimizer steps per RL run), RL_LR (1e-4), PRE_STEPS, SFT_STEPS, DPO_STEPS, N (data
-#      scale: corpus problems), SMALL=1 (a CPU-sized model and run, to check the pipeline).
+#      scale: corpus problems), MODEL (model overrides), SMALL=1 (a CPU-sized model and run, to check the pipeline).
 # Usage: experiments/alignment/run.sh OUT_DIR [base rl plot]
 set -euo pipefail
 D=${1:?usage: run.sh OUT_DIR [base rl plot]}
@@ -22,7 +22,7 @@ if [ "${SMALL:-0}" = 1 ]; then
     N=${N:-3000}; PRE_STEPS=${PRE_STEPS:-40}; SFT_STEPS=${SFT_STEPS:-20}; RL_STEPS=${RL_STEPS:-4}; DPO_STEPS=${DPO_STEPS:-4}
     RL_BATCH="task.rollout_batch_size=16 task.group_size=4"; SEEDS=${SEEDS:-0}
 else
-    MODEL="model.d_model=256 model.n_layers=4 model.attention.n_heads=4 model.max_seq_len=128"
+    MODEL=${MODEL:-"model.d_model=256 model.n_layers=4 model.attention.n_heads=4 model.max_seq_len=128"}
     RL_BATCH="task.rollout_batch_size=128 task.group_size=8 task.micro_batch_size=64"
 fi
 N=${N:-40000}; PRE_STEPS=${PRE_STEPS:-1500}; SFT_STEPS=${SFT_STEPS:-100}; RL_STEPS=${RL_STEPS:-100}

@@ -92,13 +92,16 @@ def policy_update(policy: nn.Module, optimizer: torch.optim.Optimizer, batch: Ro
     signal = loss.signal(batch.raw_rewards, batch.advantages)
     policy.train()
     for _ in range(epochs):
-        totals: dict[str, float] = {"loss": 0.0, "entropy": 0.0, "clip_fraction": 0.0, "kl": 0.0}
+        totals: dict[str, float] = {"loss": 0.0, "entropy": 0.0, "clip_fraction": 0.0, "kl": 0.0, "approx_kl": 0.0}
         for start in range(0, size, micro):
             rows = slice(start, start + micro)
             t = {k: v[rows] for k, v in batch.tensors.items()}
             out = get_response_log_probs(policy, t["input_ids"], t["labels"], return_token_entropy=True)
             ref = None if ref_log_probs is None else ref_log_probs[rows]
             per_token, stats = loss.token_loss(out["log_probs"], signal[rows], batch.old_log_probs[rows], ref)
+            # How far the policy has moved from the rollout's (0 on the first pass: a check of the ratio's baseline).
+            totals["approx_kl"] += masked_mean(batch.old_log_probs[rows] - out["log_probs"].detach(),
+                                               t["response_mask"]).item() * micro / size
             scaled = loss.reduce(per_token, t["response_mask"]) * (micro / size)
             totals["loss"] += scaled.item()
             if extra_loss is not None:

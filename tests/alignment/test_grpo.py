@@ -56,6 +56,9 @@ def test_rollout_scores_each_response_and_keeps_the_rollout_log_probs():
     expected = logits.gather(-1, batch.tensors["labels"][..., None]).squeeze(-1)
     torch.testing.assert_close(batch.old_log_probs[mask], expected[mask])
     assert batch.metrics["accuracy"] == (batch.raw_rewards > 0).float().mean().item()
+    policy.train()  # the update's forward (autograd on, unfused) scores what the rollout's scored: ratio 1
+    first = policy_update(policy, torch.optim.SGD(policy.parameters(), lr=0.1), batch, RL_LOSSES.build("grpo_clip"))
+    assert abs(first["approx_kl"]) < 1e-6 and first["clip_fraction"] == 0
     with pytest.raises(ValueError, match="micro_batch_size=3 does not divide the rollout batch of 4"):
         policy_update(policy, torch.optim.SGD(policy.parameters(), lr=0.1), batch, RL_LOSSES.build("grpo_clip"),
                       micro_batch_size=3)
