@@ -3,9 +3,10 @@ rows of the training context whose targets are -100 (ignored by the cross-entrop
 the assistant's tokens, and the end-of-text token that follows a conversation ending with the assistant.
 
 One line per example, either `{"turns": [{"role": ..., "content": ...}, ...]}` or the OpenAI/Hugging
-Face form `{"messages": [...]}`. With `pack`, examples follow one another in a stream cut into rows
-(no padding, but attention reaches across examples within a row); without it each example has its own
-row, cut to the context with a count of the cut ones.
+Face form `{"messages": [...]}`. With `pack`, examples follow one another in a stream cut into rows (no
+padding), with positions that restart at each example (and each row), which the model reads as document
+boundaries: no token attends across examples. Without it each example has its own row, cut to the
+context with a count of the cut ones.
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ class SFTRows:
     targets: torch.Tensor  # (rows, context) the next token where it is trained, else -100
     truncated: int  # examples cut to fit a row (without packing)
     trained_tokens: int
+    positions: torch.Tensor | None = None  # (rows, context) with packing: each example's own positions
 
 
 def sft_rows(examples: Sequence[Sequence[Turn]], tokenizer, template: ChatTemplate, context_length: int,
@@ -76,6 +78,9 @@ def sft_rows(examples: Sequence[Sequence[Turn]], tokenizer, template: ChatTempla
         y = torch.full((rows, width), IGNORE, dtype=torch.long)
         x.view(-1)[:len(inputs)] = torch.tensor(inputs)
         y.view(-1)[:len(targets)] = torch.tensor(targets)
+        example = torch.full((rows * width,), len(pairs), dtype=torch.long)  # padding: one more "example"
+        example[:len(inputs)] = torch.repeat_interleave(torch.arange(len(pairs)), torch.tensor([len(p) for p, _ in pairs]))
+        positions = document_positions(example.view(rows, width))
     else:
         x = torch.full((len(pairs), width), pad, dtype=torch.long)
         y = torch.full((len(pairs), width), IGNORE, dtype=torch.long)
@@ -86,4 +91,12 @@ def sft_rows(examples: Sequence[Sequence[Turn]], tokenizer, template: ChatTempla
     trained = int((y != IGNORE).sum())
     if trained == 0:
         raise ConfigError("no assistant token survives in the SFT rows; raise the context length")
-    return SFTRows(x, y, truncated, trained)
+    return SFTRows(x, y, truncated, trained, positions if pack else None)
+
+
+def document_positions(documents: torch.Tensor) -> torch.Tensor:
+    """(rows, seq) positions that count from 0 at each row's start and wherever the document id changes."""
+    index = torch.arange(documents.shape[1]).expand_as(documents)
+    starts = torch.ones_like(documents, dtype=torch.bool)
+    starts[:, 1:] = documents[:, 1:] != documents[:, :-1]
+    return index - torch.where(starts, index, 0).cummax(dim=1).values

@@ -26,11 +26,19 @@ ATTENTION = Registry("attention", group="model/attention", doc="self-attention l
 
 def attention_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None,
                    bias: torch.Tensor | None) -> torch.Tensor:
-    """Additive mask: causal, optionally only the last `window` keys, plus a per-head bias."""
-    offset = q_pos[:, None] - k_pos[None, :]
+    """Additive mask: causal, optionally only the last `window` keys, plus a per-head bias.
+
+    Positions (seq,) are shared by the batch. Positions (batch, seq) are packed documents, each
+    restarting at 0: a query sees the earlier keys of its own document only, (batch, 1, seq, seq)."""
+    offset = q_pos[..., :, None] - k_pos[..., None, :]
     allowed = offset >= 0
+    if q_pos.dim() == 2:
+        index = torch.arange(q_pos.shape[-1], device=q_pos.device)
+        # Positions rise by one within a document, so keys i - n of the same document are at offset n.
+        allowed = (offset == index[:, None] - index[None, :]) & allowed
+        allowed = allowed[:, None]
     if window is not None:
-        allowed &= offset < window
+        allowed &= offset < window if q_pos.dim() == 1 else offset[:, None] < window
     mask = torch.zeros(allowed.shape, device=q_pos.device).masked_fill(~allowed, float("-inf"))
     return mask if bias is None else bias + mask
 
@@ -55,6 +63,7 @@ class MultiHeadAttention(nn.Module):
     """Causal multi-head attention; n_kv_heads < n_heads gives GQA, n_kv_heads=1 gives MQA."""
 
     fusable_projections = ("q_proj", "k_proj", "v_proj")  # read the same input (lmlab.nn.fused)
+    supports_documents = True  # packed documents (positions (batch, seq)) get a block-diagonal causal mask
 
     @dataclass
     class Config:
@@ -143,7 +152,7 @@ class MultiHeadAttention(nn.Module):
     def forward(self, x: torch.Tensor, position: PositionEncoding, positions: torch.Tensor) -> torch.Tensor:
         q, k, v = self.project(x, position, positions)
         bias = position.attn_bias(positions, positions)
-        if self.kernel is not None and bias is None:
+        if self.kernel is not None and bias is None and positions.dim() == 1:
             out = self.kernel(q, k, v, True, self.score_scale)
         else:
             out = self._reference_attention(q, k, v, positions, bias)
@@ -152,7 +161,7 @@ class MultiHeadAttention(nn.Module):
     def _reference_attention(self, q, k, v, positions: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """SDPA (or the soft-capped scores written out) with the window and position bias as a mask."""
         mask = None
-        if self.window is not None or bias is not None:
+        if self.window is not None or bias is not None or positions.dim() == 2:
             mask = attention_mask(positions, positions, self.window, bias).to(q.dtype)
         if self.softcap is not None:
             return softcapped_attention(q, k, v, mask, self.softcap, self.score_scale)

@@ -32,6 +32,8 @@ from lmlab.nn.positions import PositionEncoding
 class MultiHeadLatentAttention(nn.Module):
     """Causal multi-head latent attention (DeepSeek-V2): K/V from a small cached latent, decoupled RoPE."""
 
+    supports_documents = True  # packed documents (positions (batch, seq)) get a block-diagonal causal mask
+
     @dataclass
     class Config:
         n_heads: int = 4
@@ -124,7 +126,8 @@ class MultiHeadLatentAttention(nn.Module):
         k = torch.cat([k_nope, k_rope.expand(-1, self.n_heads, -1, -1)], dim=-1)
 
         bias = position.attn_bias(positions, positions)
-        mask = None if bias is None else attention_mask(positions, positions, None, bias).to(q.dtype)
+        documents = positions.dim() == 2
+        mask = None if bias is None and not documents else attention_mask(positions, positions, None, bias).to(q.dtype)
         # SDPA allows a value head dim that differs from the query/key head dim.
         out = F.scaled_dot_product_attention(
             q, k, v,

@@ -136,38 +136,51 @@ class Transformer(nn.Module):
         """Bytes of keys and values cached per generated token, over all layers (bf16 by default)."""
         return bytes_per_element * sum(layer.self_attn.kv_cache_elements_per_token() for layer in self.layers)
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """Logits of the next token (the main head only: MTP modules are not run)."""
-        return self._head(self.hidden_states(input_ids))
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits of the next token (the main head only: MTP modules are not run). `positions` (batch, seq)
+        marks packed documents, each restarting at 0: a token attends only within its document."""
+        return self._head(self.hidden_states(input_ids, positions))
 
-    def hidden_states(self, input_ids: torch.Tensor) -> torch.Tensor:
+    def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         """The final norm's output at each position (batch, seq, d_model): what the head reads, and what a
         reward or value head reads instead."""
-        hidden, _ = self._hidden(input_ids)
+        hidden, _ = self._hidden(input_ids, positions)
         return self.norm(hidden)
 
-    def forward_train(self, input_ids: torch.Tensor) -> ModelOutput:
+    def forward_train(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None) -> ModelOutput:
         """Logits of the main head and of every MTP depth, and the MoE layers' auxiliary losses."""
-        hidden, positions = self._hidden(input_ids)
+        hidden, positions = self._hidden(input_ids, positions)
         logits = self._head(self.norm(hidden))
         mtp_logits = []
         for d, module in enumerate(self.mtp_layers, start=1):
             ahead = input_ids[:, d:]
             self._route_by(f"mtp_layers.{d - 1}.", ahead)
-            hidden = module(hidden[:, :-1], self.embed_tokens(ahead), self.position, positions[:-d])
+            hidden = module(hidden[:, :-1], self.embed_tokens(ahead), self.position, positions[..., :-d])
             mtp_logits.append(self._head(module.norm(hidden)))
         return ModelOutput(logits, mtp_logits, self._aux_losses())
 
-    def _hidden(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _hidden(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         seq_len = input_ids.shape[1]
         if seq_len > self.max_seq_len:
             raise ValueError(f"sequence length {seq_len} exceeds model.max_seq_len={self.max_seq_len}")
-        positions = torch.arange(seq_len, device=input_ids.device)
+        if positions is None:
+            positions = torch.arange(seq_len, device=input_ids.device)
+        else:
+            self._check_documents(input_ids, positions)
         self._route_by("layers.", input_ids)
         x = self.position.embed(self.embed_tokens(input_ids), positions)
         for layer in self.layers:
             x = layer(x, self.position, positions)
         return x, positions
+
+    def _check_documents(self, input_ids: torch.Tensor, positions: torch.Tensor) -> None:
+        if positions.shape != input_ids.shape:
+            raise ValueError(f"positions {tuple(positions.shape)} must match input_ids {tuple(input_ids.shape)}")
+        unsupported = {type(block.self_attn).__name__ for block in self.blocks()
+                       if not getattr(block.self_attn, "supports_documents", False)}
+        if unsupported:
+            raise ValueError(f"packed documents need an attention with a document mask; {', '.join(sorted(unsupported))} "
+                             "has none (use unpacked rows)")
 
     def _head(self, x: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(x)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from lmlab.alignment.chat import CHAT_TEMPLATES, Turn, tokenize_chat
 from lmlab.alignment.sft_data import IGNORE, read_chat_jsonl, sft_rows
@@ -60,3 +61,14 @@ def test_examples_longer_than_the_context_are_cut_and_counted():
 def test_a_context_too_short_for_any_answer_is_one_error():
     with pytest.raises(ConfigError, match="no assistant token survives"):
         sft_rows(EXAMPLES, ByteTokenizer(), CHAT_TEMPLATES.build("plain"), context_length=4, pack=False)
+
+
+def test_packed_rows_restart_positions_at_each_example_and_row():
+    tokenizer, template = ByteTokenizer(), CHAT_TEMPLATES.build("plain")
+    rows = sft_rows(EXAMPLES, tokenizer, template, context_length=16, pack=True)
+    # Inputs: 24 of the first example (its 25 ids with end-of-text, less the last), 26 of the second,
+    # then 14 of padding; a row boundary restarts the count too, since rows are trained apart.
+    r = torch.arange
+    expected = torch.stack([r(16), torch.cat([r(8), r(8)]), r(16), torch.cat([r(2), r(14)])])
+    assert torch.equal(rows.positions, expected)
+    assert sft_rows(EXAMPLES, tokenizer, template, context_length=32, pack=False).positions is None

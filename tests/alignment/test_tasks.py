@@ -58,6 +58,11 @@ def test_sft_lowers_the_held_out_loss_on_assistant_tokens_and_saves_a_loadable_p
     assert model(torch.tensor([tokenizer.encode("1+2")])).isfinite().all()
 
 
+def test_packed_sft_trains_each_example_apart(data, tmp_path):
+    results, _ = run_stage(data, tmp_path, "sft", "task.batch_size=2", "task.pack=true", "task.val_fraction=0.25")
+    assert math.isfinite(results["val/loss"]) and math.isfinite(results["train/loss"])
+
+
 def test_dpo_and_the_reward_model_learn_the_preference(data, tmp_path):
     dpo, _ = run_stage(data, tmp_path, "dpo", "task.batch_size=8", "optim.lr=3e-3")
     assert dpo["val/reward_accuracy"] > 0.5 and dpo["val/margin"] > 0 and dpo["val/loss"] < math.log(2)

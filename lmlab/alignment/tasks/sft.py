@@ -25,17 +25,19 @@ class SFTModule(StageModule):
         super().__init__(cfg, policy, tokenizer)
         self.loss_fn = LOSSES.build(cfg.loss)  # cross_entropy's ignore_index (-100) skips all but the assistant
 
-    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        inputs, targets = batch
-        loss = self.loss_fn(self.model(inputs), targets)["loss"]
+    def _loss(self, batch) -> torch.Tensor:
+        inputs, targets, positions = batch  # positions: packed examples' own (None: one example per row)
+        return self.loss_fn(self.model(inputs, positions), targets)["loss"]
+
+    def training_step(self, batch, batch_idx: int) -> torch.Tensor:
+        loss = self._loss(batch)
         self.log("train/loss", loss, prog_bar=True)
         return loss
 
-    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
-        inputs, targets = batch
-        trained = int((targets != self.loss_fn.cfg.ignore_index).sum())
+    def validation_step(self, batch, batch_idx: int) -> None:
+        trained = int((batch[1] != self.loss_fn.cfg.ignore_index).sum())
         if trained:
-            self.update_val({"loss": self.loss_fn(self.model(inputs), targets)["loss"]}, weight=trained)
+            self.update_val({"loss": self._loss(batch)}, weight=trained)
 
 
 @TASKS.register("sft")
@@ -46,7 +48,7 @@ class SFT(PostTraining):
     class Config(StageConfig):
         batch_size: int = 16  # rows per optimizer step
         context_length: int | None = None  # row length; None: the model's max_seq_len
-        pack: bool = False  # examples back to back in full rows, instead of one padded row each
+        pack: bool = False  # examples back to back in full rows (each attending only to itself), not one row each
 
         def __post_init__(self) -> None:
             super().__post_init__()
@@ -67,10 +69,13 @@ class SFT(PostTraining):
         for part, rows in zip(("training", "validation"), parts):
             log.info("sft %s: %d examples in %d rows, %d trained tokens%s", part, len(train if part == "training" else val),
                      len(rows.inputs), rows.trained_tokens, f", {rows.truncated} cut to {context} tokens" * bool(rows.truncated))
-        items = [list(zip(rows.inputs, rows.targets)) for rows in parts]
+        items = [list(zip(rows.inputs, rows.targets, *([] if rows.positions is None else [rows.positions])))
+                 for rows in parts]
         data = ItemsData(items[0], items[1], t.batch_size, collate=_stack, seed=cfg.seed)
         return SFTModule(cfg, policy, tokenizer), data
 
 
-def _stack(rows: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
-    return torch.stack([x for x, _ in rows]), torch.stack([y for _, y in rows])
+def _stack(rows: list[tuple[torch.Tensor, ...]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(inputs, targets, positions) of a batch of rows; positions None for rows of one example each."""
+    columns = [torch.stack(column) for column in zip(*rows)]
+    return columns[0], columns[1], columns[2] if len(columns) == 3 else None
