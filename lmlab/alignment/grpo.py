@@ -55,6 +55,10 @@ def rollout(policy: nn.Module, tokenizer, prompts: Sequence[str], ground_truths:
                               stop_strings=stop_strings, tokenizer=tokenizer)
     policy.train(was_training)
     truths = [t for t in ground_truths for _ in range(group_size)]
+    if hasattr(reward, "score_batch"):  # a learned reward reads the prompt too, in batches (reward=reward_model)
+        scored = iter(reward.score_batch([p for p in prompts for _ in range(group_size)], out.texts,
+                                         device=next(policy.parameters()).device))
+        reward = lambda response, truth: next(scored)  # noqa: E731 - the scores in the rollout's order
     advantages, raw, metrics = compute_group_normalized_rewards(reward, out.texts, truths, group_size,
                                                                 advantage_eps, normalize_by_std)
     # The responses keep their stop token, so the policy learns to end its answer.

@@ -13,6 +13,7 @@ import torch
 from lmlab.alignment.chat import CHAT_TEMPLATES
 from lmlab.alignment.tasks.preference import read_preference_jsonl
 from lmlab.alignment.tasks.rl import read_prompts_jsonl
+from lmlab.alignment.verifiers import REWARDS
 from lmlab.cli.compose import compose_config
 from lmlab.errors import ConfigError
 from lmlab.registry import RegistryError
@@ -70,6 +71,15 @@ def test_dpo_and_the_reward_model_learn_the_preference(data, tmp_path):
     assert rm["val/accuracy"] > 0.5 and rm["val/loss"] < math.log(2)
     assert any(k.startswith("reward.score.") for k in torch.load(ckpt, weights_only=False)["state_dict"])
     assert torch.load(ckpt, weights_only=False)[CONFIG_KEY]["task"]["name"] == "reward_model"
+    # The trained model as a reward (reward=reward_model): it prefers the chosen responses it learned.
+    learned = REWARDS.build({"name": "reward_model", "path": str(ckpt)})
+    pairs, _ = read_preference_jsonl(data["pref"], CHAT_TEMPLATES.build("plain"))
+    chosen, rejected = ([s["reward"] for s in learned.score_batch([p.prompt for p in pairs], [getattr(p, side) for p in pairs])]
+                        for side in ("chosen", "rejected"))
+    assert sum(c > r for c, r in zip(chosen, rejected)) > len(pairs) / 2
+    results, _ = run_stage(data, tmp_path, "grpo", "task.rollout_batch_size=8", "task.group_size=4",
+                           "task.max_new_tokens=4", "trainer.max_steps=2", "reward=reward_model", f"reward.path={ckpt}")
+    assert math.isfinite(results["train/reward_std"]) and results["train/reward_std"] > 0  # real-valued scores
 
 
 def test_identical_pairs_are_skipped_and_counted(data):
