@@ -88,7 +88,8 @@ class PostTraining(Task):
         trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.ckpt_path)
         trainer.save_checkpoint(output_dir / "checkpoints" / "last.ckpt", weights_only=False)
         results = {k: float(v) for k, v in trainer.callback_metrics.items() if v.numel() == 1}
-        results.setdefault("val_loss", math.nan)  # lmlab-train's number for a sweep; RL stages report val/accuracy
+        # lmlab-train's number for a sweep: the held-out loss (RL stages have none; they report val/accuracy).
+        results["val_loss"] = results.get("val/loss", math.nan)
         logger.finish(OmegaConf.to_container(cfg, resolve=True), {f"hp/{k}": v for k, v in results.items()},
                       trainer.global_step)
         log.info("task=%s: %s; outputs in %s", name, ", ".join(
