@@ -62,3 +62,17 @@ def test_rollout_scores_each_response_and_keeps_the_rollout_log_probs():
     with pytest.raises(ValueError, match="micro_batch_size=3 does not divide the rollout batch of 4"):
         policy_update(policy, torch.optim.SGD(policy.parameters(), lr=0.1), batch, RL_LOSSES.build("grpo_clip"),
                       micro_batch_size=3)
+
+
+def test_a_stop_string_ending_keeps_its_tokens_and_gets_no_unsampled_stop_token():
+    policy, tokenizer = _policy(), ByteTokenizer()
+    # Greedy from this policy; the first two generated characters become the stop string.
+    greedy = SAMPLERS.build("greedy")
+    first = rollout(policy, tokenizer, ["q"], ["a"], _reward, group_size=1, sampler=greedy, max_new_tokens=3,
+                    normalize_by_std=False)
+    sampled = first.tensors["labels"][0, first.tensors["response_mask"][0]].tolist()
+    stop = tokenizer.decode(sampled[:2])
+    batch = rollout(policy, tokenizer, ["q"], ["a"], _reward, group_size=1, sampler=greedy, max_new_tokens=3,
+                    stop_strings=[stop], normalize_by_std=False)
+    response = batch.tensors["labels"][0, batch.tensors["response_mask"][0]].tolist()
+    assert response == sampled[:2] and batch.texts == [""]
