@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Copies run.sh's small results (evaluations, each run's train.log and metrics.csv, the DPO pairs' count)
-# from OUT_DIR to DEST, leaving checkpoints and data behind: what the device tool brings back.
+# Copies run.sh's small results (evaluations, each run's train.log and metrics.csv) from OUT_DIR to DEST,
+# leaving checkpoints and data behind, and packs them into DEST.tgz: one file, as the device tool
+# returns a limited number of files per call.
 set -euo pipefail
 D=${1:?usage: collect.sh OUT_DIR DEST}; DEST=${2:?usage: collect.sh OUT_DIR DEST}
 mkdir -p "$DEST/eval"
@@ -11,4 +12,4 @@ for run in "$D"/*/; do
     csv=$(find "$run" -name metrics.csv | head -1)
     [ -n "$csv" ] && cp "$csv" "$DEST/$name.csv"
 done
-true
+tar czf "$DEST.tgz" -C "$(dirname "$DEST")" "$(basename "$DEST")"
