@@ -117,6 +117,18 @@ class StopStrings:
         return text[:min(ends)] if ends else text
 
 
+def padding_ids(model_vocab_size: int, tokenizer, device) -> torch.Tensor | None:
+    """(V,) bool of the ids past the tokenizer's, or None. A model's vocabulary is padded (to a multiple
+    of 64); those ids mean nothing, yet an untrained or barely trained model gives them probability."""
+    usable = tokenizer_vocab_size(tokenizer) or model_vocab_size
+    return torch.arange(model_vocab_size, device=device) >= usable if usable < model_vocab_size else None
+
+
+def without_padding(logits: torch.Tensor, beyond: torch.Tensor | None) -> torch.Tensor:
+    """The logits with the padding ids at -inf, so that they are never sampled."""
+    return logits if beyond is None else logits.masked_fill(beyond, -torch.inf)
+
+
 def tokenizer_vocab_size(tokenizer) -> int | None:
     """How many ids `tokenizer` can decode (a Hugging Face tokenizer's length, or lmlab's `vocab_size`);
     None when it does not say."""
@@ -142,10 +154,7 @@ def generate(engine, prompts: Sequence[Sequence[int]], sampler=None, max_new_tok
     finished = torch.zeros(batch, dtype=torch.bool, device=device)
     nonfinite = torch.zeros(max_new_tokens, dtype=torch.bool, device=device)
     counts = token_counts(ids, start, model.vocab_size) if sampler.needs_counts else None
-    # A model's vocabulary is padded (to a multiple of 64); ids past the tokenizer's mean nothing, yet an
-    # untrained or barely trained model gives them probability. They are never sampled.
-    usable = tokenizer_vocab_size(tokenizer) or model.vocab_size
-    beyond = torch.arange(model.vocab_size, device=device) >= usable if usable < model.vocab_size else None
+    beyond = padding_ids(model.vocab_size, tokenizer, device)
     step_every = 1 if stream is not None or stops.stops else sync_every
 
     sync()
@@ -157,9 +166,7 @@ def generate(engine, prompts: Sequence[Sequence[int]], sampler=None, max_new_tok
     host_done = [False] * batch
     for n in range(max_new_tokens):
         nonfinite[n] = ~torch.isfinite(logits).all()
-        if beyond is not None:
-            logits = logits.masked_fill(beyond, -torch.inf)
-        token = sampler.sample(logits, counts, generator)
+        token = sampler.sample(without_padding(logits, beyond), counts, generator)
         token = torch.where(finished, 0, token)
         out[:, n] = token
         if counts is not None:

@@ -33,7 +33,7 @@ from lmlab.errors import ConfigError
 from lmlab.inference.cache import CacheState, factory_for
 from lmlab.inference.engine import Engine
 from lmlab.inference.generate import (Generation, GenerationError, StopStrings, StreamCallback, build_generation,
-                                      prepare_prompts, token_counts)
+                                      padding_ids, prepare_prompts, token_counts, without_padding)
 from lmlab.inference.samplers import SAMPLERS, Sampler, exponential_race
 from lmlab.timing import sync
 
@@ -104,12 +104,13 @@ class Drafter(ABC):
         """Bytes of the drafter's KV caches."""
 
     def propose(self, seq: Tensor, n: int, k: int, sampler: Sampler, counts: Tensor | None,
-                generator: torch.Generator | None) -> tuple[Tensor, Tensor]:
-        """(tokens (k,), q (k, V)): k >= 1 draft tokens, each drawn from the sampler's processed distribution."""
+                generator: torch.Generator | None, beyond: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """(tokens (k,), q (k, V)): k >= 1 draft tokens, each drawn from the sampler's processed distribution
+        (without the padding ids `beyond`, as the target's)."""
         self.catch_up(seq, n)
         tokens, probs = [], []
         for i in range(k):
-            q = sampler.probs(self.logits(seq, n, i), counts)
+            q = sampler.probs(without_padding(self.logits(seq, n, i), beyond), counts)
             token = q.argmax(-1) if sampler.greedy else exponential_race(q, generator)
             seq[:, n + i + 1] = token
             if counts is not None:
@@ -249,6 +250,7 @@ def speculative_generate(target: Engine, draft: Engine | None, prompt: Sequence[
         raise ConfigError(f"the prompt of {len(prompt)} tokens plus max_new_tokens={max_new_tokens} exceeds the draft "
                           f"model's context of {draft.model.max_seq_len} tokens; lower max_new_tokens")
     stops = StopStrings(stop_strings, tokenizer)
+    beyond = padding_ids(model.vocab_size, tokenizer, device)  # never sampled, by the draft nor the target
     out = _Emitted(max_new_tokens, stop_token_ids, stops, stream)
     drafter = MTPDraft(target, k) if draft is None else DraftModel(draft, max_len)
     generator = sampler.generator(device)
@@ -263,7 +265,7 @@ def speculative_generate(target: Engine, draft: Engine | None, prompt: Sequence[
     began = time.perf_counter()
     target.begin(1, max_len, lookahead=k)
     logits = target.extend(prompt_ids)
-    token = sampler.sample(logits, counts, generator)
+    token = sampler.sample(without_padding(logits, beyond), counts, generator)
     bad, first = torch.stack([(~torch.isfinite(logits).all()).long(), token[0]]).tolist()
     _check_finite(bad, 0, 1)
     ttft = time.perf_counter() - began
@@ -278,7 +280,7 @@ def speculative_generate(target: Engine, draft: Engine | None, prompt: Sequence[
     while not done:
         k_now = min(k, max_new_tokens - len(out.tokens) - 1)  # no drafts past max_new_tokens (nor the context)
         if k_now:
-            drafts, q = drafter.propose(seq, n, k_now, sampler, counts, generator)
+            drafts, q = drafter.propose(seq, n, k_now, sampler, counts, generator, beyond)
         else:
             drafts, q = seq.new_zeros(0), torch.zeros(0, model.vocab_size, device=device)
         ids = seq[:, n:n + k_now + 1]
@@ -287,7 +289,8 @@ def speculative_generate(target: Engine, draft: Engine | None, prompt: Sequence[
         if counts is not None:
             ahead = F.one_hot(drafts, model.vocab_size).cumsum(0)
             per_position = counts + F.pad(ahead, (0, 0, 1, 0)).to(counts.dtype)
-        stood, token = accept_and_correct(sampler.probs(logits[0], per_position), q, drafts, generator)
+        stood, token = accept_and_correct(sampler.probs(without_padding(logits[0], beyond), per_position), q, drafts,
+                                          generator)
         bad = torch.stack([~torch.isfinite(logits).all(), ~torch.isfinite(q).all()])
         host = torch.cat([bad.long(), stood[None], token[None], drafts]).tolist()  # the round's one sync
         _check_finite(host[0], host[1], len(out.tokens) + 1)

@@ -202,3 +202,24 @@ def test_check_draft_compares_tokenizer_fingerprints():
     other = ByteTokenizer(ByteTokenizer.Config(special_tokens=["<|im_end|>"]))
     with pytest.raises(ConfigError, match="tokenizer .* differs from the target's"):
         check_draft(model, model, ByteTokenizer(), other)
+
+
+def test_ids_past_the_tokenizers_vocabulary_are_never_drafted_nor_sampled():
+    tokenizer = ByteTokenizer()  # 257 ids; the models pad their vocabulary to 320
+    cfg = dict(d_model=32, n_layers=1, max_seq_len=48, norm="rmsnorm", ffn="swiglu", position="rope",
+               attention={"name": "mha", "n_heads": 4}, block="prenorm")
+    models = []
+    for seed in (0, 1):
+        torch.manual_seed(seed)
+        model = Transformer(ModelConfig(**cfg), vocab_size=tokenizer.vocab_size).eval()
+        with torch.no_grad():
+            model.lm_head.weight[tokenizer.vocab_size:] *= 50  # untrained models that favour the padding ids
+        models.append(model)
+    target, draft = Engine(models[0]), Engine(models[1])
+    expected = target.generate([[5, 9]], max_new_tokens=12, tokenizer=tokenizer).tokens[0]
+    assert max(target.generate([[5, 9]], max_new_tokens=12).tokens[0]) >= tokenizer.vocab_size  # unmasked
+    out = speculative_generate(target, draft, [5, 9], k=3, max_new_tokens=12, tokenizer=tokenizer)
+    assert out.tokens[0] == expected and max(expected) < tokenizer.vocab_size
+    sampled = speculative_generate(target, draft, [5, 9], SAMPLERS.build({"name": "temperature", "seed": 0}), k=3,
+                                   max_new_tokens=12, tokenizer=tokenizer)
+    assert max(sampled.tokens[0]) < tokenizer.vocab_size
