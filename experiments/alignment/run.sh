@@ -7,7 +7,7 @@
 #         the pairs; each final checkpoint's greedy accuracy on the test prompts
 #   plot  collect.sh's copy of the small results in $D/results, then its table.md and the reward and
 #         response-length curves (plot.py)
-# Env: SEEDS ("0 1 2"), RL_STEPS (optimizer steps per RL run), RL_LR (1e-4), PRE_STEPS, SFT_STEPS, DPO_STEPS, N (data
+# Env: SEEDS ("0 1 2"), RL_STEPS (optimizer steps per RL run), RL_LR (2e-5; the first H200 run used 1e-4), PRE_STEPS, SFT_STEPS, DPO_STEPS, N (data
 #      scale: corpus problems), MODEL (model overrides), SMALL=1 (a CPU-sized model and run, to check the pipeline).
 # Usage: experiments/alignment/run.sh OUT_DIR [base rl plot]
 set -euo pipefail
@@ -47,7 +47,7 @@ for part in $PARTS; do
         rl)
             RL="task.data=$D/data/rl.jsonl reward=exact_match $RL_BATCH task.max_new_tokens=64 task.val_fraction=0.05
                 init_from=$SFT trainer.max_steps=$RL_STEPS trainer.val_every=$((RL_STEPS / 5 > 0 ? RL_STEPS / 5 : 1))
-                trainer.log_every=1 optim.lr=${RL_LR:-1e-4} sched=constant sched.warmup_steps=0 optim.weight_decay=0"
+                trainer.log_every=1 optim.lr=${RL_LR:-2e-5} sched=constant sched.warmup_steps=0 optim.weight_decay=0"
             for seed in $SEEDS; do
                 for run in grpo:grpo:grpo_clip dr_grpo:grpo:dr_grpo ppo:ppo:ppo; do  # name:task:rl_loss
                     IFS=: read -r name task loss <<< "$run"
