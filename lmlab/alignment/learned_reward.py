@@ -12,8 +12,9 @@ from dataclasses import dataclass
 import torch
 from omegaconf import MISSING
 
+from lmlab.alignment.preference import ended_sequences
 from lmlab.alignment.reward_model import ScalarHead, last_token_scores
-from lmlab.alignment.tokens import encode, full_sequences, pad_id, sequences_to_tensors
+from lmlab.alignment.tokens import encode, full_sequences
 from lmlab.alignment.verifiers import REWARDS, Reward
 from lmlab.errors import ConfigError
 
@@ -49,13 +50,11 @@ class RewardModelScore(Reward):
                     device: torch.device | str = "cpu") -> list[dict[str, float]]:
         """{"reward": score} of each prompt + response (+ end-of-text, as the model was trained)."""
         self.model.to(device)
-        eos = self.tokenizer.eot_id
         scores = []
         for start in range(0, len(prompts), self.cfg.batch_size):
             rows = slice(start, start + self.cfg.batch_size)
-            tensors = sequences_to_tensors([encode(self.tokenizer, p, special_tokens=True) for p in prompts[rows]],
-                                           [encode(self.tokenizer, r, special_tokens=False) + [eos]
-                                            for r in responses[rows]], pad_id(self.tokenizer))
+            tensors = ended_sequences([encode(self.tokenizer, p, special_tokens=True) for p in prompts[rows]],
+                                      responses[rows], self.tokenizer)
             ids, lengths = full_sequences(tensors)
             scores += last_token_scores(self.model(ids.to(device)), lengths.to(device)).tolist()
         return [{"reward": s} for s in scores]

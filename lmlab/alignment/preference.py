@@ -126,11 +126,17 @@ def preference_tensors(pairs: Sequence[PreferencePair],
     kept = [p for p in pairs if p.chosen != p.rejected]
     if not kept:
         raise ValueError(f"all {len(pairs)} preference pairs have identical chosen and rejected responses")
-    eos, pad = end_of_text(tokenizer), pad_id(tokenizer)
     prompts = [encode(tokenizer, p.prompt, special_tokens=True) for p in kept]
-    sides = [sequences_to_tensors(prompts, [encode(tokenizer, getattr(p, side), special_tokens=False) + [eos]
-                                            for p in kept], pad) for side in ("chosen", "rejected")]
+    sides = [ended_sequences(prompts, [getattr(p, side) for p in kept], tokenizer) for side in ("chosen", "rejected")]
     return sides[0], sides[1], len(pairs) - len(kept)
+
+
+def ended_sequences(prompt_ids: Sequence[Sequence[int]], responses: Sequence[str], tokenizer) -> dict[str, torch.Tensor]:
+    """Each prompt + response + end-of-sequence as `sequences_to_tensors` lays them out: what preference
+    training scores, and what a reward model trained on it reads."""
+    eos = end_of_text(tokenizer)
+    return sequences_to_tensors(prompt_ids, [encode(tokenizer, r, special_tokens=False) + [eos] for r in responses],
+                                pad_id(tokenizer))
 
 
 def sequence_log_probs(model: nn.Module, tensors: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
