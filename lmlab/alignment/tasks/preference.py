@@ -19,7 +19,7 @@ from lmlab.checks import at_least
 from lmlab.errors import ConfigError
 from lmlab.jsonl import json_lines
 from lmlab.tokenizers.base import pack_tokenizer
-from lmlab.training.checkpoints import load
+from lmlab.training.checkpoints import CONFIG_KEY, load, read_checkpoint
 from lmlab.training.tasks import TASKS
 
 log = logging.getLogger(__name__)
@@ -110,8 +110,8 @@ class DPO(PreferenceStage):
 def _reference(cfg: DictConfig, tokenizer) -> torch.nn.Module:
     """The reference checkpoint, refused unless it has the policy's architecture and tokenizer."""
     reference, ref_tokenizer, ref_cfg = load(cfg.task.reference)
-    policy_cfg = load(cfg.init_from)[2]
-    if OmegaConf.to_container(ref_cfg.model) != OmegaConf.to_container(policy_cfg.model):
+    policy_model = read_checkpoint(cfg.init_from, "init_from")[CONFIG_KEY]["model"]  # its config, not its weights again
+    if OmegaConf.to_container(ref_cfg.model, resolve=True) != policy_model:
         raise ConfigError(f"task.reference={cfg.task.reference} has another architecture than init_from={cfg.init_from}")
     if pack_tokenizer(ref_tokenizer) != pack_tokenizer(tokenizer):
         raise ConfigError(f"task.reference={cfg.task.reference} has another tokenizer than init_from={cfg.init_from}")

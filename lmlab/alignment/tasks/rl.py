@@ -169,7 +169,7 @@ class RLStage(PostTraining):
         if isinstance(loss, PPO) != (self.module is PPOModule):
             raise ConfigError(f"rl_loss={cfg.rl_loss.name} with task={cfg.task.name}: task=ppo takes rl_loss=ppo (it "
                               "needs the critic), task=grpo any other rl_loss entry")
-        REWARDS.build(cfg.reward)
+        REWARDS.resolve(cfg.reward)  # the name and fields; the module builds it (a reward model loads once)
 
     def build(self, cfg: DictConfig, policy, tokenizer, template: ChatTemplate):
         t = self.cfg
