@@ -5,6 +5,7 @@ against the rollout-time log-probs), micro-batched. Validation answers the held-
 
 from __future__ import annotations
 
+import copy
 import math
 import time
 from dataclasses import dataclass, field
@@ -137,7 +138,7 @@ class PPOModule(RLModule):
 
     def __init__(self, cfg: DictConfig, policy, tokenizer, template: ChatTemplate):
         super().__init__(cfg, policy, tokenizer, template)
-        self.critic = ScalarHead(frozen_copy(policy).train().requires_grad_(True))
+        self.critic = ScalarHead(copy.deepcopy(policy))  # trained alongside the policy, from the same weights
 
     def trainable(self) -> nn.Module:
         return nn.ModuleDict({"policy": self.model, "critic": self.critic})
