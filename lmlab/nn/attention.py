@@ -32,13 +32,12 @@ def attention_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None,
     restarting at 0: a query sees the earlier keys of its own document only, (batch, 1, seq, seq)."""
     offset = q_pos[..., :, None] - k_pos[..., None, :]
     allowed = offset >= 0
+    if window is not None:
+        allowed &= offset < window
     if q_pos.dim() == 2:
         index = torch.arange(q_pos.shape[-1], device=q_pos.device)
         # Positions rise by one within a document, so keys i - n of the same document are at offset n.
-        allowed = (offset == index[:, None] - index[None, :]) & allowed
-        allowed = allowed[:, None]
-    if window is not None:
-        allowed &= offset < window if q_pos.dim() == 1 else offset[:, None] < window
+        allowed = (allowed & (offset == index[:, None] - index[None, :]))[:, None]  # (batch, heads, q, k)
     mask = torch.zeros(allowed.shape, device=q_pos.device).masked_fill(~allowed, float("-inf"))
     return mask if bias is None else bias + mask
 
