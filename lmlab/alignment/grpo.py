@@ -62,10 +62,8 @@ def rollout(policy: nn.Module, tokenizer, prompts: Sequence[str], ground_truths:
     advantages, raw, metrics = compute_group_normalized_rewards(reward, out.texts, truths, group_size,
                                                                 advantage_eps, normalize_by_std)
     # A response that ended on the stop token keeps it, so the policy learns to end its answer. One that
-    # ended on a stop string keeps the string's tokens (its text is cut before it) and gets no stop
-    # token, which it never sampled.
-    responses = [[*t, eot] if reason == "stop" and eot is not None and text == tokenizer.decode(t) else t
-                 for t, reason, text in zip(out.tokens, out.finish_reasons, out.texts)]
+    # ended on a stop string keeps the string's tokens and gets no stop token, which it never sampled.
+    responses = [t if stop is None else [*t, stop] for t, stop in zip(out.tokens, out.stop_tokens)]
     tensors = sequences_to_tensors(prompt_ids, responses, pad_id(tokenizer))
     device = next(policy.parameters()).device
     tensors = {k: v.to(device) for k, v in tensors.items()}

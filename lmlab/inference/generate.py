@@ -57,6 +57,7 @@ class Generation:
     stats: GenerationStats
     texts: list[str] | None = None  # decoded (cut before a stop string) when a tokenizer was given
     extra: dict = field(default_factory=dict)  # e.g. speculative decoding's acceptance rate
+    stop_tokens: list[int | None] = field(default_factory=list)  # the stop token each ended on (None: none)
 
 
 def prepare_prompts(prompts: Sequence[Sequence[int]], max_new_tokens: int, max_seq_len: int,
@@ -216,9 +217,10 @@ def build_generation(rows: list[list[int]], stop_token_ids: Sequence[int], stops
     """The result of a generation from each sequence's new tokens: cut at the first stop token (left
     out) or after the tokens that complete a stop string (the text is cut before it)."""
     stop_set = set(stop_token_ids)
-    tokens, reasons = [], []
+    tokens, reasons, stop_tokens = [], [], []
     for row in rows:
         end = next((i for i, t in enumerate(row) if t in stop_set), None)  # the stop token is left out
+        stop_tokens.append(None if end is None else row[end])
         if end is None and stops.stops:  # the tokens that complete a stop string stay; the text is cut
             end = next((i + 1 for i in range(len(row)) if stops.hit(row[:i + 1])), None)
         tokens.append(row if end is None else row[:end])
@@ -228,4 +230,4 @@ def build_generation(rows: list[list[int]], stop_token_ids: Sequence[int], stops
         texts = [stops.cut(tokenizer.decode(t)) if stops.stops else tokenizer.decode(t) for t in tokens]
     stats = GenerationStats(batch=len(rows), prompt_tokens=prompt_tokens, new_tokens=sum(map(len, tokens)),
                             steps=steps, ttft_s=ttft, decode_s=decode_s, kv_cache_bytes=kv_bytes)
-    return Generation(tokens, reasons, stats, texts)
+    return Generation(tokens, reasons, stats, texts, stop_tokens=stop_tokens)

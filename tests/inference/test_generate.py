@@ -49,10 +49,11 @@ def test_stop_token_ends_each_sequence_on_its_own():
     free = engine.generate(PROMPTS, max_new_tokens=12).tokens
     stop = free[1][3]
     out = engine.generate(PROMPTS, max_new_tokens=12, stop_token_ids=[stop])
-    for row, got, reason in zip(free, out.tokens, out.finish_reasons):
+    for row, got, reason, stop_token in zip(free, out.tokens, out.finish_reasons, out.stop_tokens):
         expected = row[:row.index(stop)] if stop in row else row
         assert got == expected
         assert reason == ("stop" if stop in row else "length")
+        assert stop_token == (stop if stop in row else None)
 
 
 class _Letters:
@@ -71,7 +72,7 @@ def test_stop_string_cuts_the_text_and_streaming_sees_every_token():
                           stream=lambda tokens: streamed.append(tokens[0]))
     text = _Letters().decode(free)
     assert out.texts[0] == text[:text.index(stop)]
-    assert out.finish_reasons == ["stop"]
+    assert out.finish_reasons == ["stop"] and out.stop_tokens == [None]  # a string, not a token, ended it
     assert streamed == out.tokens[0] == free[:len(streamed)]
 
 
