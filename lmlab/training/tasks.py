@@ -12,6 +12,7 @@ from pathlib import Path
 from omegaconf import DictConfig
 
 from lmlab.registry import Registry
+from lmlab.training.launch import launch
 
 TASKS = Registry("task", group="task", doc="what lmlab-train trains: pre-training, or a post-training stage")
 
@@ -31,6 +32,4 @@ class Pretrain(Task):
     """Next-token prediction on the `data` corpus, from scratch or from init_from's weights."""
 
     def run(self, cfg: DictConfig, output_dir: str | Path) -> dict[str, float]:
-        from lmlab.training.launch import launch  # launch imports the trainer, which imports this registry
-
         return launch(cfg, output_dir)
