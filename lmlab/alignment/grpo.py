@@ -33,6 +33,7 @@ class RolloutBatch:
     raw_rewards: torch.Tensor  # (batch,)
     advantages: torch.Tensor  # (batch,)
     metrics: dict[str, float]
+    temperature: float = 1.0  # of the sampling distribution, which every log-prob of the update is taken of
 
 
 def rollout(policy: nn.Module, tokenizer, prompts: Sequence[str], ground_truths: Sequence[str],
@@ -67,15 +68,17 @@ def rollout(policy: nn.Module, tokenizer, prompts: Sequence[str], ground_truths:
     tensors = sequences_to_tensors(prompt_ids, responses, pad_id(tokenizer))
     device = next(policy.parameters()).device
     tensors = {k: v.to(device) for k, v in tensors.items()}
+    temperature = 1.0 if sampler.greedy else sampler.cfg.temperature
     with torch.no_grad():
-        old = get_response_log_probs(policy, tensors["input_ids"], tensors["labels"])["log_probs"]
+        old = get_response_log_probs(policy, tensors["input_ids"], tensors["labels"],
+                                     temperature=temperature)["log_probs"]
     lengths = torch.tensor([float(len(r)) for r in responses])
     correct = raw > 0
     metrics |= {"response_length": lengths.mean().item(),
                 "response_length_correct": lengths[correct].mean().item() if correct.any() else math.nan,
                 "response_length_incorrect": lengths[~correct].mean().item() if (~correct).any() else math.nan,
                 "accuracy": correct.float().mean().item()}
-    return RolloutBatch(out.texts, tensors, old, raw.to(device), advantages.to(device), metrics)
+    return RolloutBatch(out.texts, tensors, old, raw.to(device), advantages.to(device), metrics, temperature)
 
 
 def policy_update(policy: nn.Module, optimizer: torch.optim.Optimizer, batch: RolloutBatch, loss: PolicyGradientLoss,
@@ -100,7 +103,8 @@ def policy_update(policy: nn.Module, optimizer: torch.optim.Optimizer, batch: Ro
         for start in range(0, size, micro):
             rows = slice(start, start + micro)
             t = {k: v[rows] for k, v in batch.tensors.items()}
-            out = get_response_log_probs(policy, t["input_ids"], t["labels"], return_token_entropy=True)
+            out = get_response_log_probs(policy, t["input_ids"], t["labels"], return_token_entropy=True,
+                                         temperature=batch.temperature)
             ref = None if ref_log_probs is None else ref_log_probs[rows]
             per_token, stats = loss.token_loss(out["log_probs"], signal[rows], batch.old_log_probs[rows], ref)
             # How far the policy has moved from the rollout's (0 on the first pass: a check of the ratio's baseline).

@@ -44,15 +44,16 @@ def test_grpo_raises_the_mean_reward_of_a_learnable_task(loss_name):
     assert sum(rewards[-3:]) / 3 > sum(rewards[:3]) / 3 + 0.3, rewards
 
 
-def test_rollout_scores_each_response_and_keeps_the_rollout_log_probs():
+@pytest.mark.parametrize("temperature", [1.0, 0.5])
+def test_rollout_scores_each_response_and_keeps_the_rollout_log_probs(temperature):
     policy, tokenizer = _policy(), ByteTokenizer()
     batch = rollout(policy, tokenizer, ["q"], ["a"], _reward, group_size=4,
-                    sampler=SAMPLERS.build({"name": "temperature", "temperature": 1.0}), max_new_tokens=3)
+                    sampler=SAMPLERS.build({"name": "temperature", "temperature": temperature}), max_new_tokens=3)
     assert len(batch.texts) == 4 and batch.raw_rewards.shape == batch.advantages.shape == (4,)
     mask = batch.tensors["response_mask"]
     assert mask.sum(-1).tolist() == [3] * 4  # no end-of-text token in this tokenizer: every response runs to the limit
     with torch.no_grad():
-        logits = policy(batch.tensors["input_ids"]).log_softmax(-1)
+        logits = (policy(batch.tensors["input_ids"]) / temperature).log_softmax(-1)  # what was sampled from
     expected = logits.gather(-1, batch.tensors["labels"][..., None]).squeeze(-1)
     torch.testing.assert_close(batch.old_log_probs[mask], expected[mask])
     assert batch.metrics["accuracy"] == (batch.raw_rewards > 0).float().mean().item()

@@ -109,7 +109,8 @@ class RLModule(StageModule):
         ref = None
         if self.reference is not None:
             with torch.no_grad():
-                ref = get_response_log_probs(self.reference, rb.tensors["input_ids"], rb.tensors["labels"])["log_probs"]
+                ref = get_response_log_probs(self.reference, rb.tensors["input_ids"], rb.tensors["labels"],
+                                             temperature=rb.temperature)["log_probs"]
         extra = self.prepare(rb)
         update = policy_update(self.model, self.optimizers(), rb, self.loss, t.epochs, t.micro_batch_size,
                                self.cfg.trainer.grad_clip, ref, extra_loss=extra, backward=self.manual_backward,
