@@ -56,7 +56,7 @@ def main() -> None:
     seconds = time.perf_counter() - start
     correct = [r > 0 for r in rewards]
     result = {"ckpt": args.ckpt, "data": str(args.data), "problems": len(items), "samples": args.samples,
-              "temperature": args.temperature, "accuracy": sum(correct) / len(correct),
+              "temperature": args.temperature, "batch": args.batch, "accuracy": sum(correct) / len(correct),
               # pass@N: the prompts with at least one correct sample among N, what RL can sharpen toward
               f"pass@{args.samples}": sum(any(correct[k * args.samples:(k + 1) * args.samples])
                                           for k in range(len(items))) / len(items),

@@ -50,11 +50,19 @@ def main() -> None:
         if accs:
             lines.append(f"| {label} | {spread(accs)} | {100 * (statistics.mean(accs) - sft):+.1f} |")
     rollout = [v for m in RL for run in out.glob(f"{m}-*.csv") for _, v in curves(run).get("train/rollout_tokens_per_s", [])]
-    plain = ev.get("sft-samples", {}).get("tokens_per_s")
+    plain = ev.get("sft-samples", {})
     if rollout and plain:
         lines += ["", f"Rollout tokens/s (median over every RL step, sampling plus the rollout log-probs' forward): "
-                  f"{statistics.median(rollout):,.0f}; plain sampling of the SFT model on the same engine, 128 "
-                  f"responses at a time (evaluate.py): {plain:,.0f}."]
+                  f"{statistics.median(rollout):,.0f}; plain sampling of the SFT model on the same engine, "
+                  f"{plain.get('batch', 128)} responses at a time (evaluate.py): {plain['tokens_per_s']:,.0f}."]
+    for name in ("sft-test-samples", "sft-samples"):
+        if "pass@8" in ev.get(name, {}):
+            e = ev[name]
+            lines.append(f"SFT model, 8 samples per {e['data'].rsplit('/', 1)[-1]} prompt at temperature "
+                         f"{e['temperature']}: {100 * e['accuracy']:.1f}% correct, pass@8 {100 * e['pass@8']:.1f}%.")
+    others = sorted(name for name in ev if name.rsplit("-", 1)[0] not in METHODS and not name.startswith("sft"))
+    if others:
+        lines += ["", "Other runs (sweeps): " + ", ".join(f"{name} {100 * ev[name]['accuracy']:.1f}%" for name in others)]
     (out / "table.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
