@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 import statistics
 import sys
 from collections import defaultdict
@@ -21,12 +22,17 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 METHODS = {"grpo": "GRPO (grpo_clip)", "dr_grpo": "Dr. GRPO (dr_grpo)", "ppo": "PPO (ppo + critic)", "dpo": "DPO"}
 RL = ("grpo", "dr_grpo", "ppo")
+SMOOTH = 10  # steps per trailing mean of the noisy per-step curves
 
 
 def curves(run: Path) -> dict[str, list[tuple[int, float]]]:
-    """Each logged metric of a run as (step, value) pairs, from its metrics.csv (collect.sh names it <run>.csv)."""
+    """Each logged metric of a run as (step, value) pairs, from its metrics.csv (collect.sh names it <run>.csv).
+    A run started again in the same folder appends to that file: only the last run's rows count."""
+    rows = list(csv.DictReader(run.read_text().splitlines()))
+    steps = [int(row["step"]) for row in rows]
+    starts = [i for i, step in enumerate(steps) if i == 0 or step < steps[i - 1]]
     series = defaultdict(list)
-    for row in csv.DictReader(run.read_text().splitlines()):
+    for row in rows[starts[-1]:]:
         for key, value in row.items():
             if key != "step" and value not in ("", None):
                 series[key].append((int(row["step"]), float(value)))
@@ -52,7 +58,8 @@ def main() -> None:
     rollout = [v for m in RL for run in out.glob(f"{m}-*.csv") for _, v in curves(run).get("train/rollout_tokens_per_s", [])]
     plain = ev.get("sft-samples", {})
     if rollout and plain:
-        lines += ["", f"Rollout tokens/s (median over every RL step, sampling plus the rollout log-probs' forward): "
+        lines += ["", f"Rollout tokens/s per run (median over every RL step, sampling plus the rollout log-probs' forward; "
+                  "runs side by side share the GPU): "
                   f"{statistics.median(rollout):,.0f}; plain sampling of the SFT model on the same engine, "
                   f"{plain.get('batch', 128)} responses at a time (evaluate.py): {plain['tokens_per_s']:,.0f}."]
     for name in ("sft-test-samples", "sft-samples"):
@@ -69,16 +76,9 @@ def main() -> None:
     panels = [("train/reward_mean", "rollout reward (mean)"), ("val/accuracy", "held-out accuracy (greedy)"),
               ("train/response_length", "response length (tokens)")]
     fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 3.8))
-    for method in RL:
-        for run in sorted(out.glob(f"{method}-*.csv")):
-            series = curves(run)
-            for ax, (key, title) in zip(axes, panels):
-                if series.get(key):
-                    steps, values = zip(*series[key])
-                    ax.plot(steps, values, color=f"C{RL.index(method)}", alpha=0.7,
-                            label=METHODS[method] if run.stem.endswith("-0") else None)
-                    ax.set_title(title)
-                    ax.set_xlabel("optimizer step")
+    for ax, (key, title) in zip(axes, panels):
+        band(ax, out, key, smooth=1 if key.startswith("val/") else SMOOTH)
+        ax.set_title(title)
     axes[0].legend()
     fig.tight_layout()
     fig.savefig(out / "curves.png", dpi=120)
@@ -87,18 +87,32 @@ def main() -> None:
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.8), sharey=True)
     for ax, key, title in zip(axes, ("train/response_length_correct", "train/response_length_incorrect"),
                               ("correct responses", "incorrect responses")):
-        for method in RL:
-            for run in sorted(out.glob(f"{method}-*.csv")):
-                if curves(run).get(key):
-                    steps, values = zip(*curves(run)[key])
-                    ax.plot(steps, values, color=f"C{RL.index(method)}", alpha=0.7,
-                            label=METHODS[method] if run.stem.endswith("-0") else None)
+        band(ax, out, key, smooth=SMOOTH)
         ax.set_title(f"response length (tokens), {title}")
-        ax.set_xlabel("optimizer step")
     axes[0].legend()
     fig.tight_layout()
     fig.savefig(out / "length.png", dpi=120)
 
+
+def band(ax, out: Path, key: str, smooth: int) -> None:
+    """Per RL method: the mean over seeds of `key` (a trailing mean over `smooth` steps) and its min-max band."""
+    for i, method in enumerate(RL):
+        runs = [dict(moving_mean(curves(run).get(key, []), smooth)) for run in sorted(out.glob(f"{method}-*.csv"))]
+        steps = sorted(set.intersection(*(set(r) for r in runs))) if runs and all(runs) else []
+        if not steps:
+            continue
+        values = [[r[t] for r in runs] for t in steps]
+        ax.plot(steps, [statistics.mean(v) for v in values], color=f"C{i}", label=f"{METHODS[method]}, {len(runs)} seeds")
+        ax.fill_between(steps, [min(v) for v in values], [max(v) for v in values], color=f"C{i}", alpha=0.2)
+    ax.set_xlabel(f"optimizer step{f' (mean of the last {smooth})' if smooth > 1 else ''}")
+
+
+def moving_mean(series: list[tuple[int, float]], width: int) -> list[tuple[int, float]]:
+    """Each step's trailing mean over `width` values, skipping NaN (a batch with no correct response has no
+    correct length)."""
+    finite = [(step, value) for step, value in series if not math.isnan(value)]
+    return [(step, statistics.mean(v for _, v in finite[max(0, i - width + 1):i + 1]))
+            for i, (step, _) in enumerate(finite)]
 
 if __name__ == "__main__":
     main()
