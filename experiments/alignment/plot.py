@@ -55,7 +55,8 @@ def main() -> None:
         accs = [e["accuracy"] for name, e in sorted(ev.items()) if name.rsplit("-", 1)[0] == method]
         if accs:
             lines.append(f"| {label} | {spread(accs)} | {100 * (statistics.mean(accs) - sft):+.1f} |")
-    rollout = [v for m in RL for run in out.glob(f"{m}-*.csv") for _, v in curves(run).get("train/rollout_tokens_per_s", [])]
+    runs = {method: [curves(run) for run in sorted(out.glob(f"{method}-*.csv"))] for method in RL}  # each seed's
+    rollout = [v for seeds in runs.values() for run in seeds for _, v in run.get("train/rollout_tokens_per_s", [])]
     plain = ev.get("sft-samples", {})
     if rollout and plain:
         lines += ["", f"Rollout tokens/s per run (median over every RL step, sampling plus the rollout log-probs' forward; "
@@ -77,7 +78,7 @@ def main() -> None:
               ("train/response_length", "response length (tokens)")]
     fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 3.8))
     for ax, (key, title) in zip(axes, panels):
-        band(ax, out, key, smooth=1 if key.startswith("val/") else SMOOTH)
+        band(ax, runs, key, smooth=1 if key.startswith("val/") else SMOOTH)
         ax.set_title(title)
     axes[0].legend()
     fig.tight_layout()
@@ -87,22 +88,23 @@ def main() -> None:
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.8), sharey=True)
     for ax, key, title in zip(axes, ("train/response_length_correct", "train/response_length_incorrect"),
                               ("correct responses", "incorrect responses")):
-        band(ax, out, key, smooth=SMOOTH)
+        band(ax, runs, key, smooth=SMOOTH)
         ax.set_title(f"response length (tokens), {title}")
     axes[0].legend()
     fig.tight_layout()
     fig.savefig(out / "length.png", dpi=120)
 
 
-def band(ax, out: Path, key: str, smooth: int) -> None:
-    """Per RL method: the mean over seeds of `key` (a trailing mean over `smooth` steps) and its min-max band."""
-    for i, method in enumerate(RL):
-        runs = [dict(moving_mean(curves(run).get(key, []), smooth)) for run in sorted(out.glob(f"{method}-*.csv"))]
-        steps = sorted(set.intersection(*(set(r) for r in runs))) if runs and all(runs) else []
+def band(ax, runs: dict[str, list[dict]], key: str, smooth: int) -> None:
+    """Per RL method: the mean over its seeds' `curves` of `key` (a trailing mean over `smooth` steps) and its
+    min-max band."""
+    for i, (method, seeds) in enumerate(runs.items()):
+        series = [dict(moving_mean(run.get(key, []), smooth)) for run in seeds]
+        steps = sorted(set.intersection(*(set(r) for r in series))) if series and all(series) else []
         if not steps:
             continue
-        values = [[r[t] for r in runs] for t in steps]
-        ax.plot(steps, [statistics.mean(v) for v in values], color=f"C{i}", label=f"{METHODS[method]}, {len(runs)} seeds")
+        values = [[r[t] for r in series] for t in steps]
+        ax.plot(steps, [statistics.mean(v) for v in values], color=f"C{i}", label=f"{METHODS[method]}, {len(series)} seeds")
         ax.fill_between(steps, [min(v) for v in values], [max(v) for v in values], color=f"C{i}", alpha=0.2)
     ax.set_xlabel(f"optimizer step{f' (mean of the last {smooth})' if smooth > 1 else ''}")
 

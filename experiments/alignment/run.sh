@@ -36,6 +36,12 @@ N=${N:-40000}; SETS=${SETS:-"--sft 4000 --rl 20000 --test 500"}; PRE_STEPS=${PRE
 DPO_STEPS=${DPO_STEPS:-100}; SEEDS=${SEEDS:-0 1 2}; METHODS=${METHODS:-grpo dr_grpo ppo dpo}
 RL_BATCH=${RL_BATCH:-512}; RL_T=${RL_T:-0.7}; RL_LR=${RL_LR:-1e-4}; TAG=${TAG:-}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}  # the parallel runs share the CPU cores
+for name in $PARTS $METHODS; do  # every name checked before any long work starts
+    case $name in
+        base|rl|plot|grpo|dr_grpo|ppo|dpo) ;;
+        *) echo "unknown part or method '$name'; parts: base rl plot (METHODS: grpo dr_grpo ppo dpo)" >&2; exit 2 ;;
+    esac
+done
 SFT=$D/sft/checkpoints/last.ckpt
 mkdir -p "$D"
 for part in $PARTS; do
@@ -74,7 +80,6 @@ for part in $PARTS; do
                         dr_grpo) args="task=grpo rl_loss=dr_grpo $RL" ;;
                         ppo) args="task=ppo rl_loss=ppo $RL" ;;
                         dpo) args=$DPO ;;
-                        *) echo "unknown method '$method'; methods: grpo dr_grpo ppo dpo" >&2; exit 2 ;;
                     esac
                     run=$method$TAG-$seed
                     ( $TRAIN $args seed=$seed hydra.run.dir=$D/$run > "$D/logs/$run.log" 2>&1 &&
@@ -90,6 +95,5 @@ for part in $PARTS; do
             done
             [ $failed = 0 ] ;;
         plot) bash "$HERE/collect.sh" "$D" "$D/results" && python "$HERE/plot.py" "$D/results" ;;
-        *) echo "unknown part '$part'; parts: base rl plot" >&2; exit 2 ;;
     esac
 done
