@@ -3,6 +3,7 @@ rollouts; with --samples N --temperature T --pairs FILE it also writes DPO pairs
 (a correct response chosen over an incorrect one to the same prompt).
 
     python experiments/alignment/evaluate.py CKPT DATA.jsonl --json OUT.json [--samples 4 --temperature 1 --pairs P.jsonl]
+        [--stop '</answer>']
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=1)
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--stop", action="append", default=[],
+                        help="a stop string besides the template's end of turn (repeatable), as the RL run's task.stop")
     parser.add_argument("--batch", type=int, default=512, help="responses generated together")
     parser.add_argument("--pairs", type=Path, help="write DPO pairs from the samples here")
     parser.add_argument("--seed", type=int, default=0)
@@ -43,20 +46,20 @@ def main() -> None:
     sampler = SAMPLERS.build({"name": "temperature", "temperature": args.temperature} if args.temperature > 0
                              else "greedy")
     items = read_prompts_jsonl(args.data, "prompt", "answer")
-    engine, per_batch = Engine(model), max(1, args.batch // args.samples)
+    engine, per_batch = Engine(model, cuda_graphs=True), max(1, args.batch // args.samples)  # as the RL rollouts
     texts, rewards, tokens, start = [], [], 0, time.perf_counter()
     for i in range(0, len(items), per_batch):
         chunk = items[i:i + per_batch]
         prompts = [template.render([Turn("user", q)], add_generation_prompt=True) for q, _ in chunk]
         batch = rollout(model, tokenizer, prompts, [a for _, a in chunk], reward, args.samples, sampler,
-                        args.max_new_tokens, [template.stop], normalize_by_std=False, engine=engine)
+                        args.max_new_tokens, [template.stop, *args.stop], normalize_by_std=False, engine=engine)
         texts += batch.texts
         rewards += batch.raw_rewards.tolist()
         tokens += int(batch.tensors["response_mask"].sum())
     seconds = time.perf_counter() - start
     correct = [r > 0 for r in rewards]
     result = {"ckpt": args.ckpt, "data": str(args.data), "problems": len(items), "samples": args.samples,
-              "temperature": args.temperature, "batch": args.batch, "accuracy": sum(correct) / len(correct),
+              "temperature": args.temperature, "stop": args.stop, "batch": args.batch, "accuracy": sum(correct) / len(correct),
               # pass@N: the prompts with at least one correct sample among N, what RL can sharpen toward
               f"pass@{args.samples}": sum(any(correct[k * args.samples:(k + 1) * args.samples])
                                           for k in range(len(items))) / len(items),

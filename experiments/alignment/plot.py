@@ -42,21 +42,50 @@ def curves(run: Path) -> dict[str, list[tuple[int, float]]]:
 def spread(values: list[float]) -> str:
     if len(values) == 1:
         return f"{100 * values[0]:.1f}%"
-    return f"{100 * statistics.mean(values):.1f}% (min {100 * min(values):.1f}, max {100 * max(values):.1f})"
+    return (f"{100 * statistics.mean(values):.1f}% ({len(values)} seeds: min {100 * min(values):.1f}, "
+            f"max {100 * max(values):.1f})")
+
+
+def groups(out: Path, ev: dict) -> dict[str, list[str]]:
+    """Run names by group: a method, with the TAG that run.sh appended for a sweep, without its "-seed". A method
+    is the longest METHODS name the group starts with (dr_grpo_600 is Dr. GRPO's, tag 600)."""
+    names = {p.stem for p in out.glob("*.csv")} | set(ev)
+    found = defaultdict(list)
+    for name in sorted(names):
+        group = name.rsplit("-", 1)[0]
+        if method_of(group):
+            found[group].append(name)
+    order = list(METHODS)
+    return dict(sorted(found.items(), key=lambda item: (order.index(method_of(item[0])), len(item[0]), item[0])))
+
+
+def method_of(group: str) -> str | None:
+    return next((m for m in sorted(METHODS, key=len, reverse=True) if group == m or group.startswith(m + "_")), None)
+
+
+def label(group: str) -> str:
+    method = method_of(group)
+    return METHODS[method] + (f" [{group[len(method) + 1:]}]" if group != method else "")
 
 
 def main() -> None:
     out = Path(sys.argv[1])
     ev = {p.stem: json.loads(p.read_text()) for p in (out / "eval").glob("*.json")}
     sft = ev["sft"]["accuracy"]
-    lines = ["| model | test accuracy, greedy (3 seeds: mean, min, max) | gain over SFT (points) |", "|---|---|---|",
-             f"| SFT | {100 * sft:.1f}% | |"]
-    for method, label in METHODS.items():
-        accs = [e["accuracy"] for name, e in sorted(ev.items()) if name.rsplit("-", 1)[0] == method]
+    by_group = groups(out, ev)
+    runs = {group: {name: curves(out / f"{name}.csv") for name in names if (out / f"{name}.csv").exists()}
+            for group, names in by_group.items()}
+    lines = ["| model | steps | test accuracy, greedy (mean over seeds) | gain over SFT (points) |",
+             "|---|---:|---|---|", f"| SFT | | {100 * sft:.1f}% | |"]
+    for group, names in by_group.items():
+        accs = [ev[name]["accuracy"] for name in names if name in ev]
+        steps = sorted({max((s for s, _ in run.get("train/loss", [])), default=-1) + 1  # steps count from 0
+                        for run in runs[group].values()})
         if accs:
-            lines.append(f"| {label} | {spread(accs)} | {100 * (statistics.mean(accs) - sft):+.1f} |")
-    runs = {method: [curves(run) for run in sorted(out.glob(f"{method}-*.csv"))] for method in RL}  # each seed's
-    rollout = [v for seeds in runs.values() for run in seeds for _, v in run.get("train/rollout_tokens_per_s", [])]
+            lines.append(f"| {label(group)} | {'/'.join(map(str, steps))} | {spread(accs)} | "
+                         f"{100 * (statistics.mean(accs) - sft):+.1f} |")
+    rl = {group: list(seeds.values()) for group, seeds in runs.items() if method_of(group) in RL}
+    rollout = [v for seeds in rl.values() for run in seeds for _, v in run.get("train/rollout_tokens_per_s", [])]
     plain = ev.get("sft-samples", {})
     if rollout and plain:
         lines += ["", f"Rollout tokens/s per run (median over every RL step, sampling plus the rollout log-probs' forward; "
@@ -68,9 +97,6 @@ def main() -> None:
             e = ev[name]
             lines.append(f"SFT model, 8 samples per {e['data'].rsplit('/', 1)[-1]} prompt at temperature "
                          f"{e['temperature']}: {100 * e['accuracy']:.1f}% correct, pass@8 {100 * e['pass@8']:.1f}%.")
-    others = sorted(name for name in ev if name.rsplit("-", 1)[0] not in METHODS and not name.startswith("sft"))
-    if others:
-        lines += ["", "Other runs (sweeps): " + ", ".join(f"{name} {100 * ev[name]['accuracy']:.1f}%" for name in others)]
     (out / "table.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
@@ -78,7 +104,7 @@ def main() -> None:
               ("train/response_length", "response length (tokens)")]
     fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 3.8))
     for ax, (key, title) in zip(axes, panels):
-        band(ax, runs, key, smooth=1 if key.startswith("val/") else SMOOTH)
+        band(ax, rl, key, smooth=1 if key.startswith("val/") else SMOOTH)
         ax.set_title(title)
     axes[0].legend()
     fig.tight_layout()
@@ -88,7 +114,7 @@ def main() -> None:
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.8), sharey=True)
     for ax, key, title in zip(axes, ("train/response_length_correct", "train/response_length_incorrect"),
                               ("correct responses", "incorrect responses")):
-        band(ax, runs, key, smooth=SMOOTH)
+        band(ax, rl, key, smooth=SMOOTH)
         ax.set_title(f"response length (tokens), {title}")
     axes[0].legend()
     fig.tight_layout()
@@ -96,15 +122,15 @@ def main() -> None:
 
 
 def band(ax, runs: dict[str, list[dict]], key: str, smooth: int) -> None:
-    """Per RL method: the mean over its seeds' `curves` of `key` (a trailing mean over `smooth` steps) and its
-    min-max band."""
-    for i, (method, seeds) in enumerate(runs.items()):
+    """Per group of RL runs: the mean over its seeds' `curves` of `key` (a trailing mean over `smooth` steps) and
+    its min-max band."""
+    for i, (group, seeds) in enumerate(runs.items()):
         series = [dict(moving_mean(run.get(key, []), smooth)) for run in seeds]
         steps = sorted(set.intersection(*(set(r) for r in series))) if series and all(series) else []
         if not steps:
             continue
         values = [[r[t] for r in series] for t in steps]
-        ax.plot(steps, [statistics.mean(v) for v in values], color=f"C{i}", label=f"{METHODS[method]}, {len(series)} seeds")
+        ax.plot(steps, [statistics.mean(v) for v in values], color=f"C{i}", label=f"{label(group)}, {len(series)} seeds")
         ax.fill_between(steps, [min(v) for v in values], [max(v) for v in values], color=f"C{i}", alpha=0.2)
     ax.set_xlabel(f"optimizer step{f' (mean of the last {smooth})' if smooth > 1 else ''}")
 

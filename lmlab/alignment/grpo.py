@@ -53,7 +53,7 @@ def rollout(policy: nn.Module, tokenizer, prompts: Sequence[str], ground_truths:
     # step's); the rollout log-probs below follow it, as the update's forward will.
     with torch.autocast(engine.device.type, enabled=False):
         out = engine.generate(prompt_ids, sampler, max_new_tokens, stop_token_ids=[] if eot is None else [eot],
-                              stop_strings=stop_strings, tokenizer=tokenizer)
+                              stop_strings=stop_strings, tokenizer=tokenizer, include_stop_str_in_output=True)
     policy.train(was_training)
     truths = [t for t in ground_truths for _ in range(group_size)]
     if hasattr(reward, "score_batch"):  # a learned reward reads the prompt too, in batches (reward=reward_model)
@@ -63,7 +63,8 @@ def rollout(policy: nn.Module, tokenizer, prompts: Sequence[str], ground_truths:
     advantages, raw, metrics = compute_group_normalized_rewards(reward, out.texts, truths, group_size,
                                                                 advantage_eps, normalize_by_std)
     # A response that ended on the stop token keeps it, so the policy learns to end its answer. One that
-    # ended on a stop string keeps the string's tokens and gets no stop token, which it never sampled.
+    # ended on a stop string keeps the string's tokens (and its text, which the reward reads: a closing
+    # "</answer>" as the stop) and gets no stop token, which it never sampled.
     responses = [t if stop is None else [*t, stop] for t, stop in zip(out.tokens, out.stop_tokens)]
     tensors = sequences_to_tensors(prompt_ids, responses, pad_id(tokenizer))
     device = next(policy.parameters()).device

@@ -101,12 +101,14 @@ def token_counts(ids: torch.Tensor, start: torch.Tensor, vocab_size: int) -> tor
 
 
 class StopStrings:
-    """Finds stop strings in the decoded tail of each sequence."""
+    """Finds stop strings in the decoded tail of each sequence. The text is cut before the first one
+    (OpenAI's API) or, with `include_in_output`, after it (vLLM's include_stop_str_in_output: a verifier
+    that reads "<answer>...</answer>" needs the closing tag that stopped the response)."""
 
-    def __init__(self, stops: Sequence[str], tokenizer):
+    def __init__(self, stops: Sequence[str], tokenizer, include_in_output: bool = False):
         if stops and tokenizer is None:
             raise ConfigError("stop strings need the tokenizer, to see the text")
-        self.stops, self.tokenizer = [s for s in stops if s], tokenizer
+        self.stops, self.tokenizer, self.include = [s for s in stops if s], tokenizer, include_in_output
         self.tail = 4 * max((len(s) for s in self.stops), default=0) + 4  # a token is at least one byte
 
     def hit(self, tokens: list[int]) -> bool:
@@ -114,8 +116,11 @@ class StopStrings:
         return any(s in text for s in self.stops)
 
     def cut(self, text: str) -> str:
-        ends = [text.find(s) for s in self.stops if s in text]
-        return text[:min(ends)] if ends else text
+        found = [(text.find(s), -len(s)) for s in self.stops if s in text]
+        if not found:
+            return text
+        start, minus_length = min(found)  # the earliest stop; of two starting there, the longer
+        return text[:start - minus_length] if self.include else text[:start]
 
 
 def padding_ids(model_vocab_size: int, tokenizer, device) -> torch.Tensor | None:
@@ -139,14 +144,16 @@ def tokenizer_vocab_size(tokenizer) -> int | None:
 @torch.inference_mode()
 def generate(engine, prompts: Sequence[Sequence[int]], sampler=None, max_new_tokens: int = 256,
              stop_token_ids: Sequence[int] = (), stop_strings: Sequence[str] = (), tokenizer=None,
-             stream: StreamCallback | None = None, truncate: bool = False, sync_every: int = 16) -> Generation:
-    """Generate from each prompt (token ids) until a stop token or string, or `max_new_tokens`."""
+             stream: StreamCallback | None = None, truncate: bool = False, sync_every: int = 16,
+             include_stop_str_in_output: bool = False) -> Generation:
+    """Generate from each prompt (token ids) until a stop token or string, or `max_new_tokens`. The texts
+    end before the stop string that ended them, or after it with `include_stop_str_in_output`."""
     from lmlab.inference.samplers import SAMPLERS  # registry entries load with the engine's users
 
     model, device = engine.model, engine.device
     prompts = prepare_prompts(prompts, max_new_tokens, model.max_seq_len, truncate)
     sampler = SAMPLERS.build("greedy") if sampler is None else sampler
-    stops = StopStrings(stop_strings, tokenizer)
+    stops = StopStrings(stop_strings, tokenizer, include_stop_str_in_output)
     generator = sampler.generator(device)
     ids, start = left_pad(prompts, device)
     batch = len(prompts)

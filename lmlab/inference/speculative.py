@@ -236,7 +236,7 @@ def _check_finite(target_bad: int, draft_bad: int, at: int) -> None:
 def speculative_generate(target: Engine, draft: Engine | None, prompt: Sequence[int], sampler: Sampler | None = None,
                          k: int | None = None, max_new_tokens: int = 256, stop_token_ids: Sequence[int] = (),
                          stop_strings: Sequence[str] = (), tokenizer=None, stream: StreamCallback | None = None,
-                         truncate: bool = False) -> Generation:
+                         truncate: bool = False, include_stop_str_in_output: bool = False) -> Generation:
     """Generate from one prompt (token ids) as `Engine.generate` does, drafting with `draft` (an Engine of
     a smaller model with the same tokenizer) or, with draft=None, with the target's own MTP modules.
     k: draft tokens per round (default 4 for a draft model, every MTP module for self-speculation).
@@ -249,7 +249,7 @@ def speculative_generate(target: Engine, draft: Engine | None, prompt: Sequence[
     if draft is not None and draft.model.max_seq_len < max_len:
         raise ConfigError(f"the prompt of {len(prompt)} tokens plus max_new_tokens={max_new_tokens} exceeds the draft "
                           f"model's context of {draft.model.max_seq_len} tokens; lower max_new_tokens")
-    stops = StopStrings(stop_strings, tokenizer)
+    stops = StopStrings(stop_strings, tokenizer, include_stop_str_in_output)
     beyond = padding_ids(model.vocab_size, tokenizer, device)  # never sampled, by the draft nor the target
     out = _Emitted(max_new_tokens, stop_token_ids, stops, stream)
     drafter = MTPDraft(target, k) if draft is None else DraftModel(draft, max_len)

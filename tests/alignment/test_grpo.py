@@ -76,4 +76,4 @@ def test_a_stop_string_ending_keeps_its_tokens_and_gets_no_unsampled_stop_token(
     batch = rollout(policy, tokenizer, ["q"], ["a"], _reward, group_size=1, sampler=greedy, max_new_tokens=3,
                     stop_strings=[stop], normalize_by_std=False)
     response = batch.tensors["labels"][0, batch.tensors["response_mask"][0]].tolist()
-    assert response == sampled[:2] and batch.texts == [""]
+    assert response == sampled[:2] and batch.texts == [stop]  # the reward sees the stop string

@@ -74,6 +74,9 @@ def test_stop_string_cuts_the_text_and_streaming_sees_every_token():
     assert out.texts[0] == text[:text.index(stop)]
     assert out.finish_reasons == ["stop"] and out.stop_tokens == [None]  # a string, not a token, ended it
     assert streamed == out.tokens[0] == free[:len(streamed)]
+    kept = engine.generate([PROMPTS[1]], max_new_tokens=12, stop_strings=[stop], tokenizer=_Letters(),
+                           include_stop_str_in_output=True)
+    assert kept.tokens == out.tokens and kept.texts[0] == text[:text.index(stop) + len(stop)]
 
 
 def test_ids_past_the_tokenizers_vocabulary_are_never_sampled():

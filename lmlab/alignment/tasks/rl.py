@@ -61,6 +61,9 @@ class RLConfig(StageConfig):
     temperature: float = 1.0  # of the rollouts; validation is greedy
     stop: list[str] = field(default_factory=list)  # stop strings besides the template's end of turn
     val_batch_size: int = 64
+    # Rollouts replay the decode step from a CUDA graph (on CUDA): a small policy's step is otherwise all
+    # kernel launches. The optimizer updates the weights in place, so one capture per shape serves the run.
+    cuda_graphs: bool = True
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -92,7 +95,7 @@ class RLModule(StageModule):
     def engine(self) -> Engine:
         """One engine for the run, so its caches (and graphs) are reused from step to step."""
         if self._engine is None:
-            self._engine = Engine(self.model)
+            self._engine = Engine(self.model, cuda_graphs=self.cfg.task.cuda_graphs)
         return self._engine
 
     def _rollout(self, batch, group_size: int, sampler) -> RolloutBatch:
