@@ -49,6 +49,7 @@ VERBS = {
     "generate": ("lmlab.cli.generate", "text from a checkpoint or Hugging Face Llama folder, streamed"),
     "eval": ("lmlab.cli.eval", "evaluation tasks (perplexity, MMLU, GSM8K) on a checkpoint"),
     "lm-eval": ("lmlab.cli.lm_eval", "lm-evaluation-harness's command line with lmlab's model `lmlab`"),
+    "scaling": ("lmlab.cli.scaling", "scaling-law fits (joint, IsoFLOP, envelope, Kaplan) of a points table"),
 }
 
 

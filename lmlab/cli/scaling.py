@@ -1,0 +1,112 @@
+"""`lmlab scaling fit POINTS.csv`: every published fit the points support, with bootstrap intervals, what
+each predicts at a compute budget, a JSON of the fits and PNG plots.
+
+A points table has one row per (run, checkpoint): run, n, d, loss, and optionally c (FLOPs; default 6ND),
+n_total and budget (the IsoFLOP budget a sweep planned the run for). Runs named "NAME@STEP" are one
+training curve (the envelope and Kaplan fits read curves); rows with a budget feed the IsoFLOP fit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+
+from lmlab.errors import ConfigError
+from lmlab.scaling.laws import (ComputeOptimal, FrontierFit, bootstrap, budget_of, curves_of, fit_envelope,
+                                fit_isoflop, fit_joint, fit_kaplan)
+from lmlab.scaling.plots import plot_frontier, plot_isoflop, plot_residuals
+from lmlab.scaling.points import Point, read_points
+
+
+def fits_and_intervals(points: list[Point], samples: int, seed: int) -> tuple[dict, dict, dict[str, str]]:
+    """(fits by method, their parameters' intervals, why a method did not apply). IsoFLOP runs only on rows
+    with a budget and resamples within each; envelope and Kaplan resample whole runs' curves."""
+    fits, intervals, skipped = {}, {}, {}
+    curves = list(curves_of(points).values())
+    planned = [p for p in points if not math.isnan(p.budget)]
+    finals = [curve[-1] for curve in curves]
+    methods = {
+        # approach 3 on final losses only when the table has curves: intermediate checkpoints of a cosine
+        # run sit above the loss a run planned for that length would reach
+        "joint": (lambda ps: fit_joint(ps), finals if any(len(c) > 1 for c in curves) else points, None),
+        "isoflop": (fit_isoflop, planned, "budget"),
+        "envelope": (fit_envelope, points, "curves"),
+        "kaplan": (fit_kaplan, points, "curves"),
+    }
+    for name, (fit, data, unit) in methods.items():
+        try:
+            fits[name] = fit(data)
+        except ConfigError as err:
+            skipped[name] = str(err)
+            continue
+        if samples:
+            if name == "joint":
+                refit, units, strata = (lambda ps, init=fits[name]: fit_joint(ps, init=init)), [[p] for p in data], None
+            elif unit == "budget":
+                refit, units, strata = fit, [[p] for p in data], [budget_of(p) for p in data]
+            else:
+                refit, units, strata = fit, curves, None
+            intervals[name] = bootstrap(refit, units, samples, seed, strata=strata)
+    return fits, intervals, skipped
+
+
+def _with_interval(value: float, interval: tuple[float, float] | None) -> str:
+    return f"{value:.3f}" + (f" [{interval[0]:.3f}, {interval[1]:.3f}]" if interval else "")
+
+
+def report(fits: dict, intervals: dict, skipped: dict[str, str], at: float) -> str:
+    lines = [f"{'method':<9} {'N* ~ C^a':<24} {'D* ~ C^b':<24} {'N*':>10} {'D*':>10} {'D*/N*':>7} {'loss':>7}"
+             f"   (at C = {at:.3g} FLOPs; 95% bootstrap intervals)"]
+    for name, fit in fits.items():
+        params, ci = fit.params(), intervals.get(name, {})
+        if not isinstance(fit, ComputeOptimal):
+            lines.append(f"{name:<9} " + ", ".join(f"{k} {_with_interval(v, ci.get(k))}" for k, v in params.items()
+                                                   if not k.endswith("_c")))
+            continue
+        lines.append(f"{name:<9} {_with_interval(params['a'], ci.get('a')):<24} "
+                     f"{_with_interval(params['b'], ci.get('b')):<24} {fit.n_opt(at):>10.3g} {fit.d_opt(at):>10.3g} "
+                     f"{fit.tokens_per_parameter(at):>7.1f} {fit.predicted_loss(at):>7.3f}")
+    if "joint" in fits:
+        p, ci = fits["joint"].params(), intervals.get("joint", {})
+        lines.append("joint law: L = E + A/N^alpha + B/D^beta with " +
+                     ", ".join(f"{k} {_with_interval(p[k], ci.get(k))}" for k in ("E", "A", "B", "alpha", "beta")))
+    lines += [f"{name}: not fitted: {why}" for name, why in skipped.items()]
+    return "\n".join(lines)
+
+
+def cmd_fit(args: argparse.Namespace) -> int:
+    points = read_points(args.points)
+    fits, intervals, skipped = fits_and_intervals(points, args.bootstrap, args.seed)
+    if not fits:
+        raise ConfigError("no fit applies to these points:\n" + "\n".join(f"  {k}: {v}" for k, v in skipped.items()))
+    at = args.at or 10 * max(p.flops for p in points)
+    print(report(fits, intervals, skipped, at))
+    args.out.mkdir(parents=True, exist_ok=True)
+    summary = {name: {"params": fit.params(), "intervals": intervals.get(name, {}),
+                      **({"at": at, "n_opt": float(fit.n_opt(at)), "d_opt": float(fit.d_opt(at)),
+                          "predicted_loss": float(fit.predicted_loss(at))} if isinstance(fit, ComputeOptimal) else {})}
+               for name, fit in fits.items()}
+    (args.out / "fits.json").write_text(json.dumps(summary, indent=1))
+    if isinstance(fits.get("isoflop"), FrontierFit):
+        plot_isoflop(fits["isoflop"], points, args.out / "isoflop.png")
+    plot_frontier({k: v for k, v in fits.items() if isinstance(v, ComputeOptimal)}, args.out / "frontier.png", at)
+    if "joint" in fits:
+        plot_residuals(fits["joint"], points, args.out / "residuals.png")
+    print(f"fits.json and plots in {args.out}")
+    return 0
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="lmlab scaling", description="scaling laws from lmlab's runs")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p_fit = sub.add_parser("fit", help=__doc__.splitlines()[0].split(": ", 1)[1])
+    p_fit.add_argument("points", type=Path, help="points CSV (run, n, d, loss[, c, n_total, budget])")
+    p_fit.add_argument("--out", type=Path, default=Path("outputs/scaling"), help="folder for fits.json and the PNGs")
+    p_fit.add_argument("--bootstrap", type=int, default=200, help="refits for the intervals (0: none)")
+    p_fit.add_argument("--seed", type=int, default=0)
+    p_fit.add_argument("--at", type=float, help="compute budget of the predictions (default 10x the largest run's)")
+    p_fit.set_defaults(func=cmd_fit)
+    args = parser.parse_args(argv)
+    return args.func(args)  # lmlab's main prints a ConfigError as one line, exit status 2

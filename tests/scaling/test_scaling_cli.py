@@ -1,0 +1,36 @@
+"""`lmlab scaling fit` on a points table written in the test."""
+
+import json
+
+import pytest
+
+from lmlab.cli.main import main
+from lmlab.scaling import Point, write_points
+from tests.scaling.test_laws import CHINCHILLA, isoflop_points
+
+
+def test_fit_writes_every_applicable_fit_with_predictions_and_plots(tmp_path, capsys):
+    points = isoflop_points()
+    # two short training curves besides the IsoFLOP runs, so the envelope and Kaplan fits apply too
+    for n in (3e6, 3e7, 3e8):
+        points += [Point(f"curve{n:.0e}@{d:.0e}", n, d, float(CHINCHILLA.loss(n, d))) for d in (1e8, 1e9, 1e10)]
+    write_points(points, tmp_path / "points.csv")
+    assert main(["scaling", "fit", str(tmp_path / "points.csv"), "--out", str(tmp_path / "fit"),
+                 "--bootstrap", "10", "--at", "1e20"]) == 0
+    printed = capsys.readouterr().out
+    assert "isoflop" in printed and "joint law" in printed
+    fits = json.loads((tmp_path / "fit" / "fits.json").read_text())
+    assert set(fits) == {"joint", "isoflop", "envelope", "kaplan"}
+    assert fits["isoflop"]["n_opt"] == pytest.approx(CHINCHILLA.n_opt(1e20), rel=0.1)
+    low, high = fits["isoflop"]["intervals"]["a"]
+    assert low <= fits["isoflop"]["params"]["a"] <= high
+    for png in ("isoflop.png", "frontier.png", "residuals.png"):
+        assert (tmp_path / "fit" / png).stat().st_size > 1000
+
+
+def test_fit_with_too_few_points_is_one_clear_error(tmp_path, capsys):
+    write_points(isoflop_points()[:2], tmp_path / "points.csv")
+    assert main(["scaling", "fit", str(tmp_path / "points.csv"), "--out", str(tmp_path / "fit")]) == 2
+    err = capsys.readouterr().err
+    assert "no fit applies" in err and "at least 6 points" in err
+    assert not (tmp_path / "fit").exists()
