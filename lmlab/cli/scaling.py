@@ -1,4 +1,10 @@
-"""`lmlab scaling fit POINTS.csv`: every published fit the points support, with bootstrap intervals, what
+"""`lmlab scaling plan flops=1e20 [fit=fits.json method=joint] [inference_tokens=1e12] [OVERRIDES]`: see
+`lmlab.scaling.plan`.
+
+`lmlab scaling collect RUNS... --out points.csv`: the points table of lmlab-train runs (see
+`lmlab.scaling.collect`).
+
+`lmlab scaling fit POINTS.csv`: every published fit the points support, with bootstrap intervals, what
 each predicts at a compute budget, a JSON of the fits and PNG plots.
 
 A points table has one row per (run, checkpoint): run, n, d, loss, and optionally c (FLOPs; default 6ND),
@@ -15,9 +21,9 @@ from pathlib import Path
 
 from lmlab.errors import ConfigError
 from lmlab.scaling.laws import (ComputeOptimal, FrontierFit, bootstrap, budget_of, curves_of, fit_envelope,
-                                fit_isoflop, fit_joint, fit_kaplan)
+                                fit_isoflop, fit_joint, fit_kaplan, law_from_json, law_to_json)
 from lmlab.scaling.plots import plot_frontier, plot_isoflop, plot_residuals
-from lmlab.scaling.points import Point, read_points
+from lmlab.scaling.points import Point, read_points, write_points
 
 
 def fits_and_intervals(points: list[Point], samples: int, seed: int) -> tuple[dict, dict, dict[str, str]]:
@@ -85,7 +91,7 @@ def cmd_fit(args: argparse.Namespace) -> int:
     print(report(fits, intervals, skipped, at))
     args.out.mkdir(parents=True, exist_ok=True)
     summary = {name: {"params": fit.params(), "intervals": intervals.get(name, {}),
-                      **({"at": at, "n_opt": float(fit.n_opt(at)), "d_opt": float(fit.d_opt(at)),
+                      **({"law": law_to_json(fit), "at": at, "n_opt": float(fit.n_opt(at)), "d_opt": float(fit.d_opt(at)),
                           "predicted_loss": float(fit.predicted_loss(at))} if isinstance(fit, ComputeOptimal) else {})}
                for name, fit in fits.items()}
     (args.out / "fits.json").write_text(json.dumps(summary, indent=1))
@@ -98,9 +104,80 @@ def cmd_fit(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_collect(args: argparse.Namespace) -> int:
+    from lmlab.scaling.collect import collect
+
+    points = collect(args.runs, args.loss_tag, args.budgets)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    write_points(points, args.out)
+    runs = {p.run.rsplit("@", 1)[0] for p in points}
+    print(f"{len(points)} points of {len(runs)} runs -> {args.out}")
+    return 0
+
+
+PLAN_KEYS = {"flops": float, "fit": Path, "method": str, "inference_tokens": float, "aspect": float, "head_dim": int}
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from lmlab.cli.compose import compose_config
+    from lmlab.scaling.plan import CHINCHILLA, plan
+    from lmlab.tokenizers.base import expected_vocab_size
+
+    settings, overrides = {}, []
+    for item in args.settings:
+        key, _, value = item.partition("=")
+        if key not in PLAN_KEYS:
+            overrides.append(item)  # the training config the planned model starts from
+            continue
+        try:
+            settings[key] = PLAN_KEYS[key](value)
+        except ValueError:
+            raise ConfigError(f"{key}={value!r} is not a {PLAN_KEYS[key].__name__}") from None
+    if "flops" not in settings:
+        raise ConfigError("say the compute budget: lmlab scaling plan flops=1e20 [fit=fits.json method=joint] "
+                          "[inference_tokens=1e12] [lmlab-train overrides of the model to size]")
+    law, source = CHINCHILLA, "Chinchilla's published law (Hoffmann et al. 2022; its loss scale is not lmlab's)"
+    if "fit" in settings:
+        law, source = _law(settings["fit"], settings.get("method", "joint"))
+    cfg = compose_config(overrides)
+    vocab = cfg.model.vocab_size or expected_vocab_size(cfg.tokenizer)
+    print(f"law: {source}")
+    print(plan(law, settings["flops"], cfg, vocab, settings.get("inference_tokens", 0.0), settings.get("aspect", 64.0),
+               settings.get("head_dim", 64)))
+    return 0
+
+
+def _law(path: Path, method: str) -> tuple[ComputeOptimal, str]:
+    if not path.is_file():
+        raise ConfigError(f"no such fit file: {path} (write one with `lmlab scaling fit`)")
+    fits = json.loads(path.read_text())
+    usable = [name for name, entry in fits.items() if "law" in entry]
+    if method not in usable:
+        raise ConfigError(f"{path} has no {method!r} law; it has {', '.join(usable) or 'none'}")
+    return law_from_json(fits[method]["law"]), f"{method} fit in {path}"
+
+
+def _budgets(text: str) -> list[float]:
+    try:
+        return [float(b) for b in text.split(",") if b]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"budgets are comma-separated FLOP counts such as 1e17,1e18; got {text!r}")
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="lmlab scaling", description="scaling laws from lmlab's runs")
     sub = parser.add_subparsers(dest="command", required=True)
+    p_collect = sub.add_parser("collect", help="points table (CSV) of lmlab-train run folders")
+    p_collect.add_argument("runs", nargs="+", type=Path, help="run or multirun folders")
+    p_collect.add_argument("--out", type=Path, default=Path("outputs/scaling/points.csv"))
+    p_collect.add_argument("--loss-tag", default="val/loss", help="the logged loss each point takes (val/loss)")
+    p_collect.add_argument("--budgets", type=_budgets, default=[],
+                           help="IsoFLOP budgets, e.g. 1e17,1e18: a run planned within 10%% of one carries it")
+    p_collect.set_defaults(func=cmd_collect)
+    p_plan = sub.add_parser("plan", help="N*, D*, loss and an lmlab config for a compute budget")
+    p_plan.add_argument("settings", nargs="*", help="flops=1e20 [fit=FILE method=joint inference_tokens=N aspect=64 "
+                                                    "head_dim=64] and lmlab-train overrides of the model to size")
+    p_plan.set_defaults(func=cmd_plan)
     p_fit = sub.add_parser("fit", help=__doc__.splitlines()[0].split(": ", 1)[1])
     p_fit.add_argument("points", type=Path, help="points CSV (run, n, d, loss[, c, n_total, budget])")
     p_fit.add_argument("--out", type=Path, default=Path("outputs/scaling"), help="folder for fits.json and the PNGs")

@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 from abc import ABC, abstractmethod
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Callable, Hashable, Sequence
 
 import numpy as np
@@ -157,6 +157,21 @@ def _frontier(method: str, optima: list[Point], **extra) -> FrontierFit:
     loss_law = fit_power_law(c, loss) if len(optima) >= 3 else fit_power_law(c, loss, floor=False)
     return FrontierFit(method, fit_power_law(c, [p.n for p in optima], floor=False),
                        fit_power_law(c, [p.d for p in optima], floor=False), loss_law, optima, **extra)
+
+
+def law_to_json(fit: ComputeOptimal) -> dict:
+    """The fields that rebuild a compute-optimal fit's laws (`law_from_json`), for fits.json and the planner."""
+    if isinstance(fit, JointLaw):
+        return {"kind": "joint", **asdict(fit)}
+    return {"kind": "frontier", "method": fit.method,
+            **{name: asdict(getattr(fit, name)) for name in ("n_law", "d_law", "loss_law")}}
+
+
+def law_from_json(data: dict) -> ComputeOptimal:
+    fields = {k: v for k, v in data.items() if k != "kind"}
+    if data.get("kind") == "joint":
+        return JointLaw(**fields)
+    return FrontierFit(fields["method"], *(PowerLaw(**fields[name]) for name in ("n_law", "d_law", "loss_law")))
 
 
 def budget_of(p: Point) -> float:
