@@ -3,7 +3,8 @@ model size from the cost model, the tokens seen at each validation step, and the
 
 Only `task=pretrain` runs count. N is the cost model's parameter count without the token embedding (`n`)
 and with it (`n_total`); D is the steps taken times data.batch_size x data.context_length (the global
-batch, whatever the devices and accumulation); C is the cost model's training FLOPs per token (6 per weight plus attention) times D.
+batch, whatever the devices and accumulation); C is the cost model's training FLOPs per token (6 per
+weight plus attention) times D.
 """
 
 from __future__ import annotations
