@@ -1,4 +1,7 @@
-"""`lmlab scaling plan flops=1e20 [fit=fits.json method=joint] [inference_tokens=1e12] [OVERRIDES]`: see
+"""`lmlab scaling sweep budgets=[1e15,1e16,1e17] [n_sizes=7 mode=isoflop|wsd out=DIR launch=true] [OVERRIDES]`:
+see `lmlab.scaling.sweep`.
+
+`lmlab scaling plan flops=1e20 [fit=fits.json method=joint] [inference_tokens=1e12] [OVERRIDES]`: see
 `lmlab.scaling.plan`.
 
 `lmlab scaling collect RUNS... --out points.csv`: the points table of lmlab-train runs (see
@@ -115,36 +118,82 @@ def cmd_collect(args: argparse.Namespace) -> int:
     return 0
 
 
+def _flops_list(text: str) -> list[float]:
+    return [float(b) for b in text.strip("[]").split(",") if b]
+
+
 PLAN_KEYS = {"flops": float, "fit": Path, "method": str, "inference_tokens": float, "aspect": float, "head_dim": int}
+SWEEP_KEYS = {"budgets": _flops_list, "n_sizes": int, "mode": str, "spread": float, "out": Path, "launch": bool,
+              "fit": Path, "method": str, "aspect": float, "head_dim": int}
+TRUE = {"true": True, "false": False, "1": True, "0": False}
 
 
-def cmd_plan(args: argparse.Namespace) -> int:
-    from lmlab.cli.compose import compose_config
-    from lmlab.scaling.plan import CHINCHILLA, plan
-    from lmlab.tokenizers.base import expected_vocab_size
-
+def _settings(items: list[str], keys: dict, usage: str) -> tuple[dict, list[str]]:
+    """key=value settings of the verb, and the rest: lmlab-train overrides of the model to size."""
     settings, overrides = {}, []
-    for item in args.settings:
+    for item in items:
         key, _, value = item.partition("=")
-        if key not in PLAN_KEYS:
-            overrides.append(item)  # the training config the planned model starts from
+        if key not in keys:
+            overrides.append(item)
             continue
         try:
-            settings[key] = PLAN_KEYS[key](value)
-        except ValueError:
-            raise ConfigError(f"{key}={value!r} is not a {PLAN_KEYS[key].__name__}") from None
-    if "flops" not in settings:
-        raise ConfigError("say the compute budget: lmlab scaling plan flops=1e20 [fit=fits.json method=joint] "
-                          "[inference_tokens=1e12] [lmlab-train overrides of the model to size]")
+            settings[key] = TRUE[value.lower()] if keys[key] is bool else keys[key](value)
+        except (KeyError, ValueError):
+            raise ConfigError(f"{key}={value!r} is not a {getattr(keys[key], '__name__', 'value').strip('_')}") from None
+    required = usage.split()[3].split("=")[0]
+    if required not in settings:
+        raise ConfigError(f"say the {required}: {usage}")
+    return settings, overrides
+
+
+def _law_and_config(settings: dict, overrides: list[str]):
+    from lmlab.cli.compose import compose_config
+    from lmlab.scaling.plan import CHINCHILLA
+    from lmlab.tokenizers.base import expected_vocab_size
+
     law, source = CHINCHILLA, "Chinchilla's published law (Hoffmann et al. 2022; its loss scale is not lmlab's)"
     if "fit" in settings:
         law, source = _law(settings["fit"], settings.get("method", "joint"))
     cfg = compose_config(overrides)
-    vocab = cfg.model.vocab_size or expected_vocab_size(cfg.tokenizer)
+    return law, source, cfg, cfg.model.vocab_size or expected_vocab_size(cfg.tokenizer)
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from lmlab.scaling.plan import plan
+
+    settings, overrides = _settings(args.settings, PLAN_KEYS, "lmlab scaling plan flops=1e20 [fit=fits.json "
+                                    "method=joint] [inference_tokens=1e12] [lmlab-train overrides of the model to size]")
+    law, source, cfg, vocab = _law_and_config(settings, overrides)
     print(f"law: {source}")
     print(plan(law, settings["flops"], cfg, vocab, settings.get("inference_tokens", 0.0), settings.get("aspect", 64.0),
                settings.get("head_dim", 64)))
     return 0
+
+
+def cmd_sweep(args: argparse.Namespace) -> int:
+    import subprocess
+
+    from lmlab.scaling.sweep import isoflop_jobs, script, wsd_jobs
+
+    settings, overrides = _settings(args.settings, SWEEP_KEYS, "lmlab scaling sweep budgets=[1e15,1e16,1e17] "
+                                    "[n_sizes=7 mode=isoflop|wsd spread=4 out=DIR launch=false fit=FILE] [overrides]")
+    modes = {"isoflop": isoflop_jobs, "wsd": wsd_jobs}
+    mode = settings.get("mode", "isoflop")
+    if mode not in modes:
+        raise ConfigError(f"mode={mode!r}: the modes are {', '.join(modes)}")
+    law, source, cfg, vocab = _law_and_config(settings, overrides)
+    jobs = modes[mode](law, settings["budgets"], settings.get("n_sizes", 7), cfg, vocab, settings.get("spread", 4.0),
+                       settings.get("aspect", 64.0), settings.get("head_dim", 64))
+    out = (settings.get("out") or Path("outputs/scaling") / mode).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "sweep.sh").write_text(script(jobs, out, overrides))
+    (out / "jobs.json").write_text(json.dumps([{"name": j.name, "budget": j.budget, "flops": j.flops,
+                                                "overrides": list(j.overrides), "after": j.after} for j in jobs], indent=1))
+    print(f"sizes from {source}")
+    for job in jobs:
+        print(f"{job.name:<40} {job.flops:10.3g} FLOPs  {' '.join(job.overrides)}")
+    print(f"{len(jobs)} jobs, {sum(j.flops for j in jobs):.3g} FLOPs in all: bash {out / 'sweep.sh'}")
+    return subprocess.call(["bash", str(out / "sweep.sh")]) if settings.get("launch") else 0
 
 
 def _law(path: Path, method: str) -> tuple[ComputeOptimal, str]:
@@ -178,7 +227,11 @@ def main(argv: list[str]) -> int:
     p_plan.add_argument("settings", nargs="*", help="flops=1e20 [fit=FILE method=joint inference_tokens=N aspect=64 "
                                                     "head_dim=64] and lmlab-train overrides of the model to size")
     p_plan.set_defaults(func=cmd_plan)
-    p_fit = sub.add_parser("fit", help=__doc__.splitlines()[0].split(": ", 1)[1])
+    p_sweep = sub.add_parser("sweep", help="lmlab-train jobs of an IsoFLOP or WSD sweep (a script; launch=true runs it)")
+    p_sweep.add_argument("settings", nargs="*", help="budgets=[1e15,1e16,1e17] [n_sizes=7 mode=isoflop|wsd spread=4 "
+                                                     "out=DIR launch=false fit=FILE method=joint] and lmlab-train overrides")
+    p_sweep.set_defaults(func=cmd_sweep)
+    p_fit = sub.add_parser("fit", help="every published fit of a points table, with intervals, predictions and PNGs")
     p_fit.add_argument("points", type=Path, help="points CSV (run, n, d, loss[, c, n_total, budget])")
     p_fit.add_argument("--out", type=Path, default=Path("outputs/scaling"), help="folder for fits.json and the PNGs")
     p_fit.add_argument("--bootstrap", type=int, default=200, help="refits for the intervals (0: none)")

@@ -27,8 +27,8 @@ BUDGET_TOLERANCE = 0.1  # a run planned within 10% of a given budget belongs to 
 
 
 def collect(roots: Sequence[str | Path], loss_tag: str = "val/loss", budgets: Sequence[float] = ()) -> list[Point]:
-    """One point per logged `loss_tag` of every run under `roots`, named "RUN@STEP". A run whose planned
-    compute (max_steps of its cost) lies within 10% of one of `budgets` carries that budget (IsoFLOP)."""
+    """One point per logged `loss_tag` of every run under `roots`, named "RUN@STEP". The final point of a run
+    whose planned compute (max_steps of its cost) lies within 10% of one of `budgets` carries that budget."""
     from lmlab.cli.info import cost_model  # the cost model imports the model registries
 
     points, tokenizers = [], defaultdict(list)
@@ -53,8 +53,10 @@ def collect(roots: Sequence[str | Path], loss_tag: str = "val/loss", budgets: Se
                 if step <= 0:  # the validation before training: no tokens seen
                     continue
                 d = (step + 1) * cost["tokens_per_step"]  # logged at the 0-based index of the step just taken
+                final = step + 1 == cost["steps"]  # only the end of a run has spent its budget
                 points.append(Point(f"{run.path}@{step}", cost["non_embedding_params"], d, loss,
-                                    c=cost["flops_per_token"] * d, n_total=cost["params"], budget=budget))
+                                    c=cost["flops_per_token"] * d, n_total=cost["params"],
+                                    budget=budget if final else math.nan))
     if len(tokenizers) > 1:
         groups = "; ".join(f"{', '.join(runs[:3])}{' ...' if len(runs) > 3 else ''}" for runs in tokenizers.values())
         log.warning("runs with %d different tokenizers: their losses are not comparable (%s)", len(tokenizers), groups)

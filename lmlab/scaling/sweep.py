@@ -1,0 +1,144 @@
+"""Sweeps that measure scaling laws, as lmlab-train jobs whose steps come from lmlab's cost model.
+
+- `isoflop_jobs`: per FLOP budget, `n_sizes` models log-spaced around the law's N* (within `spread`x either
+  way), each trained for the steps that spend the budget (Hoffmann et al.'s approach 2).
+- `wsd_jobs`: one warmup-stable-decay run per size, long enough for the largest budget, and for each smaller
+  budget a short decay resumed from its stable-phase checkpoint (a run of T steps decays over its last
+  20%: the decay starts at 0.8 T). One stable phase per size yields a loss at every budget for little
+  more than the cost of the longest run.
+
+Every job's planned FLOPs (the cost model's per token, times its steps and tokens per step) lie within 5%
+of its budget, and `lmlab scaling collect --budgets ...` finds the budget again from them.
+"""
+
+from __future__ import annotations
+
+import math
+import shlex
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+from omegaconf import DictConfig
+
+from lmlab.errors import ConfigError
+from lmlab.scaling.laws import ComputeOptimal
+from lmlab.scaling.plan import Shape, model_shape
+
+DECAY_FRACTION = 0.2  # of a WSD run's steps, the decay at its end (sched.decay_fraction's default)
+BUDGET_TOLERANCE = 0.05
+MIN_STEPS = 20  # a shorter run is mostly warmup: its loss says little
+
+
+@dataclass(frozen=True)
+class Job:
+    name: str  # its folder under the sweep's
+    overrides: tuple[str, ...]
+    budget: float
+    flops: float  # planned, by the cost model
+    after: str | None = None  # the job whose checkpoint this one resumes (a WSD decay)
+
+
+def _steps(shape: Shape, budget: float, tokens_per_step: int) -> int:
+    return round(budget / (shape.flops_per_token * tokens_per_step))
+
+
+def _sizes(law: ComputeOptimal, budget: float, n_sizes: int, spread: float) -> np.ndarray:
+    return float(law.n_opt(budget)) * np.logspace(-math.log10(spread), math.log10(spread), n_sizes)
+
+
+def _shapes(cfg: DictConfig, vocab_size: int, targets: Sequence[float], aspect: float, head_dim: int) -> list[Shape]:
+    """Distinct model shapes nearest each target (small targets can round to one shape), by size."""
+    shapes = {}
+    for n in targets:
+        try:
+            shape = model_shape(cfg, vocab_size, n, aspect, head_dim)
+        except ConfigError:
+            continue  # below the smallest model: the budget check below counts what is left
+        shapes[(shape.d_model, shape.n_layers)] = shape
+    return sorted(shapes.values(), key=lambda s: s.params)
+
+
+def isoflop_jobs(law: ComputeOptimal, budgets: Sequence[float], n_sizes: int, cfg: DictConfig, vocab_size: int,
+                 spread: float = 4.0, aspect: float = 64.0, head_dim: int = 64) -> list[Job]:
+    tokens_per_step = cfg.data.batch_size * cfg.data.context_length
+    jobs = []
+    for budget in budgets:
+        shapes = _shapes(cfg, vocab_size, _sizes(law, budget, n_sizes, spread), aspect, head_dim)
+        fitting = [(s, _steps(s, budget, tokens_per_step)) for s in shapes]
+        fitting = [(s, steps) for s, steps in fitting if steps >= MIN_STEPS]
+        _check_budget(budget, len(fitting))
+        for shape, steps in fitting:
+            jobs.append(_job(f"isoflop/C{budget:.0e}/N{shape.params:.2e}", shape, steps, budget, tokens_per_step))
+    return jobs
+
+
+def wsd_jobs(law: ComputeOptimal, budgets: Sequence[float], n_sizes: int, cfg: DictConfig, vocab_size: int,
+             spread: float = 4.0, aspect: float = 64.0, head_dim: int = 64) -> list[Job]:
+    tokens_per_step = cfg.data.batch_size * cfg.data.context_length
+    low, high = min(budgets), max(budgets)
+    targets = np.logspace(math.log10(law.n_opt(low) / spread), math.log10(law.n_opt(high) * spread), n_sizes)
+    jobs, counts = [], dict.fromkeys(budgets, 0)
+    for shape in _shapes(cfg, vocab_size, targets, aspect, head_dim):
+        plan = sorted((steps, budget) for budget in budgets
+                      if (steps := _steps(shape, budget, tokens_per_step)) >= MIN_STEPS)
+        if not plan:
+            continue
+        every = _checkpoint_grid([steps for steps, _ in plan])
+        starts = {budget: every * max(1, round((1 - DECAY_FRACTION) * steps / every)) for steps, budget in plan}
+        # one warmup for the stable run and its decays, over before the earliest decay starts
+        wsd = ("sched=wsd", f"sched.warmup_steps={max(1, min(50, min(starts.values()) // 2))}")
+        longest_steps, longest = plan[-1]
+        name = f"wsd/N{shape.params:.2e}"
+        stable = (*shape.overrides(), *wsd, f"sched.decay_start={starts[longest]}", f"trainer.checkpoint_every={every}")
+        jobs.append(_job(f"{name}/C{longest:.0e}", shape, longest_steps, longest, tokens_per_step, stable))
+        counts[longest] += 1
+        for steps, budget in plan[:-1]:
+            resume = (*shape.overrides(), *wsd, f"sched.decay_start={starts[budget]}",
+                      f"ckpt_path=@RUN@/{name}/C{longest:.0e}/checkpoints/step{starts[budget]:06d}.ckpt")
+            jobs.append(_job(f"{name}/C{budget:.0e}", shape, steps, budget, tokens_per_step, resume,
+                             after=f"{name}/C{longest:.0e}"))
+            counts[budget] += 1
+    for budget, count in counts.items():
+        _check_budget(budget, count)
+    return jobs
+
+
+def _checkpoint_grid(run_steps: Sequence[int], slack: float = 0.02) -> int:
+    """The coarsest checkpoint interval on which each run's decay start (at 1 - DECAY_FRACTION of its steps)
+    lands within `slack` of its steps: the stable run keeps every checkpoint, so fewer is less disk."""
+    ideal = [(1 - DECAY_FRACTION) * steps for steps in run_steps]
+    for every in range(max(1, int(min(ideal))), 0, -1):
+        if all(abs(every * max(1, round(s / every)) - s) <= slack * steps for s, steps in zip(ideal, run_steps)):
+            return every
+    return 1
+
+
+def _job(name: str, shape: Shape, steps: int, budget: float, tokens_per_step: int,
+         overrides: Sequence[str] | None = None, after: str | None = None) -> Job:
+    flops = shape.flops_per_token * steps * tokens_per_step
+    if abs(flops / budget - 1) > BUDGET_TOLERANCE:
+        raise ConfigError(f"job {name}: {steps} steps plan {flops:.3g} FLOPs, more than 5% from its budget "
+                          f"{budget:.3g}; raise the budget or lower data.batch_size")
+    return Job(name, (*(overrides or shape.overrides()), f"trainer.max_steps={steps}"), budget, flops, after)
+
+
+def _check_budget(budget: float, sizes: int) -> None:
+    if sizes < 3:
+        raise ConfigError(f"budget {budget:.3g} FLOPs leaves {sizes} model sizes of at least {MIN_STEPS} steps (3 are "
+                          "needed for a parabola): the budget is too small for the smallest model; raise it or "
+                          "lower data.batch_size / data.context_length")
+
+
+def script(jobs: Sequence[Job], out: Path, base: Sequence[str]) -> str:
+    """A bash script that runs the jobs in order (a WSD decay after the run it resumes), each in its own
+    folder under `out`; a finished job is skipped on a second launch, as lmlab-train skips it."""
+    lines = ["#!/usr/bin/env bash", f"# {len(jobs)} lmlab-train jobs of `lmlab scaling sweep`; then:",
+             f"#   lmlab scaling collect {shlex.quote(str(out))} --budgets "
+             + ",".join(f"{b:.6g}" for b in sorted({j.budget for j in jobs})), "set -euo pipefail"]
+    for i, job in enumerate(jobs, start=1):
+        overrides = [o.replace("@RUN@", str(out)) for o in (*base, *job.overrides)]
+        lines.append(f"echo '[{i}/{len(jobs)}] {job.name}: {job.flops:.3g} FLOPs' >&2")
+        lines.append(shlex.join(["lmlab-train", *overrides, f"hydra.run.dir={out / job.name}"]))
+    return "\n".join(lines) + "\n"
