@@ -13,6 +13,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
 from lmlab.checks import at_least
+from lmlab.errors import ConfigError
 from lmlab.nn.transformer import ModelConfig
 
 
@@ -36,6 +37,9 @@ class TrainerConfig:
     progress_bar: bool = True  # a live bar on a terminal; plain lines every log_every steps otherwise
     compile: bool = False  # torch.compile each block and the loss (see lmlab.training.compile)
     eval_every: int | None = None  # steps between runs of the `eval` tasks (None: after the last step only)
+    # log train/grad_noise_scale, B_simple in tokens (lmlab.training.noise_scale), from a micro-batch's and the
+    # step's gradient norms: needs accumulate_grad_batches >= 2
+    grad_noise_scale: bool = False
 
     def __post_init__(self) -> None:
         at_least("trainer", self, 1, "max_steps", "val_every", "val_batches", "log_every", "accumulate_grad_batches",
@@ -43,6 +47,9 @@ class TrainerConfig:
         at_least("trainer", self, 0, "grad_clip")
         if self.eval_every is not None:
             at_least("trainer", self, 1, "eval_every")
+        if self.grad_noise_scale and self.accumulate_grad_batches < 2:
+            raise ConfigError("trainer.grad_noise_scale compares one micro-batch's gradient with the step's: set "
+                              "trainer.accumulate_grad_batches to 2 or more")
 
 
 @dataclass

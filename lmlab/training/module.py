@@ -24,6 +24,7 @@ from lmlab.tokenizers.base import Tokenizer, pack_tokenizer
 from lmlab.training.checkpoints import CONFIG_KEY, TOKENIZER_KEY
 from lmlab.training.compile import compile_for_training
 from lmlab.training.losses import LOSSES
+from lmlab.training.noise_scale import NoiseScale
 from lmlab.training.objective import training_terms
 from lmlab.training.step_guard import StepGuard
 
@@ -54,6 +55,12 @@ def optimizer_and_schedule(module: L.LightningModule, cfg: DictConfig, model: to
     return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
 
+def _norm(grads: list[torch.Tensor]) -> torch.Tensor:
+    """The global 2-norm of gradients, sharded (DTensor) or not."""
+    norm = torch.nn.utils.get_total_norm(grads)
+    return norm.full_tensor() if isinstance(norm, DTensor) else norm
+
+
 class LanguageModelTask(L.LightningModule):
     def __init__(self, cfg: DictConfig, tokenizer: Tokenizer):
         super().__init__()
@@ -71,6 +78,8 @@ class LanguageModelTask(L.LightningModule):
         self.guard = step_guard_for(cfg)
         self._micro_terms: list[dict[str, torch.Tensor]] = []  # this optimizer step's micro-batches so far
         self._loss: torch.Tensor | None = None  # this step's loss over all micro-batches and ranks, for the guard
+        self._noise: NoiseScale | None = None  # trainer.grad_noise_scale's estimator, made once the world is known
+        self._small_sq_norm = math.nan  # the step's first micro-batch's squared gradient norm
         self._configured = False
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -109,6 +118,26 @@ class LanguageModelTask(L.LightningModule):
         if len(first_of) > 1:
             self.log_dict({f"lr/{name}": lr for name, lr in first_of.items()})
 
+    def on_after_backward(self) -> None:
+        """With trainer.grad_noise_scale: the squared gradient norm of the step's first micro-batch, taken before
+        the others accumulate and before ranks reduce (Lightning syncs only the last micro-batch's backward)."""
+        t = self.cfg.trainer
+        if t.grad_noise_scale and len(self._micro_terms) == 1:
+            grads = [p.grad for p in self.parameters() if p.grad is not None]
+            # Lightning scales each micro-batch's loss by 1/K: the micro-batch's own mean gradient is K times this
+            self._small_sq_norm = float(_norm(grads)) ** 2 * t.accumulate_grad_batches ** 2
+
+    def _log_noise_scale(self, step_norm: float) -> None:
+        t = self.cfg.trainer
+        if self._noise is None:
+            from lmlab.data import SOURCES
+
+            _, data = SOURCES.resolve(self.cfg.data)
+            tokens = data.batch_size * data.context_length  # the global batch
+            self._noise = NoiseScale(tokens / (t.accumulate_grad_batches * self.trainer.world_size), tokens)
+        if math.isfinite(self._small_sq_norm) and math.isfinite(step_norm):
+            self.log("train/grad_noise_scale", self._noise.update(self._small_sq_norm, step_norm ** 2))
+
     def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None) -> None:
         """Clip to trainer.grad_clip by global norm, log the norm before clipping, and empty the
         gradients of a step the guard rejects, so that the optimizer step changes nothing."""
@@ -117,6 +146,8 @@ class LanguageModelTask(L.LightningModule):
         if isinstance(norm, DTensor):  # sharded gradients (fsdp): the norm over all shards
             norm = norm.full_tensor()
         self.log("train/grad_norm", norm)
+        if self.cfg.trainer.grad_noise_scale:
+            self._log_noise_scale(float(norm))
         if not self.guard.active:
             return
         loss, norm = float(self._loss), float(norm)

@@ -63,6 +63,7 @@ def test_checkpoint_from_another_model_is_rejected_before_training(make_cfg, tin
     (["model.n_layers=0"], "model.n_layers must be >= 1, got 0"),
     (["model.d_model=0"], "model.d_model must be >= 1, got 0"),
     (["trainer.accumulate_grad_batches=3"], "data.batch_size=8 is not divisible by 3"),
+    (["trainer.grad_noise_scale=true"], "set trainer.accumulate_grad_batches to 2 or more"),
 ])
 def test_bad_input_fails_before_training(make_cfg, tiny_overrides, tmp_path, extra, match):
     with pytest.raises(ConfigError, match=match):
