@@ -23,23 +23,23 @@ import math
 from pathlib import Path
 
 from lmlab.errors import ConfigError
-from lmlab.scaling.laws import (ComputeOptimal, FrontierFit, bootstrap, budget_of, curves_of, fit_envelope,
-                                fit_isoflop, fit_joint, fit_kaplan, law_from_json, law_to_json)
-from lmlab.scaling.plots import plot_frontier, plot_isoflop, plot_residuals
+from lmlab.scaling.laws import (ComputeOptimal, FrontierFit, bootstrap_fits, budget_of, curves_of, fit_envelope,
+                                fit_isoflop, fit_joint, fit_kaplan, intervals, law_from_json, law_to_json)
+from lmlab.scaling.plots import plot_envelope, plot_frontier, plot_isoflop, plot_residuals
 from lmlab.scaling.points import Point, read_points, write_points
 
 
-def fits_and_intervals(points: list[Point], samples: int, seed: int) -> tuple[dict, dict, dict[str, str]]:
-    """(fits by method, their parameters' intervals, why a method did not apply). IsoFLOP runs only on rows
-    with a budget and resamples within each; envelope and Kaplan resample whole runs' curves."""
-    fits, intervals, skipped = {}, {}, {}
+def fits_and_draws(points: list[Point], samples: int, seed: int) -> tuple[dict, dict[str, list], dict[str, str]]:
+    """(fits by method, their bootstrap refits, why a method did not apply). IsoFLOP runs only on rows with a
+    budget and resamples within each; envelope and Kaplan resample whole runs' curves."""
+    fits, draws, skipped = {}, {}, {}
     curves = list(curves_of(points).values())
     planned = [p for p in points if not math.isnan(p.budget)]
     finals = [curve[-1] for curve in curves]
     methods = {
         # approach 3 on final losses only when the table has curves: intermediate checkpoints of a cosine
         # run sit above the loss a run planned for that length would reach
-        "joint": (lambda ps: fit_joint(ps), finals if any(len(c) > 1 for c in curves) else points, None),
+        "joint": (fit_joint, finals if any(len(c) > 1 for c in curves) else points, None),
         "isoflop": (fit_isoflop, planned, "budget"),
         "envelope": (fit_envelope, points, "curves"),
         "kaplan": (fit_kaplan, points, "curves"),
@@ -51,25 +51,25 @@ def fits_and_intervals(points: list[Point], samples: int, seed: int) -> tuple[di
             skipped[name] = str(err)
             continue
         if samples:
-            if name == "joint":
+            if name == "joint":  # each refit starts from the full fit: the grid search is the slow part
                 refit, units, strata = (lambda ps, init=fits[name]: fit_joint(ps, init=init)), [[p] for p in data], None
             elif unit == "budget":
                 refit, units, strata = fit, [[p] for p in data], [budget_of(p) for p in data]
             else:
                 refit, units, strata = fit, curves, None
-            intervals[name] = bootstrap(refit, units, samples, seed, strata=strata)
-    return fits, intervals, skipped
+            draws[name] = bootstrap_fits(refit, units, samples, seed, strata=strata)
+    return fits, draws, skipped
 
 
 def _with_interval(value: float, interval: tuple[float, float] | None) -> str:
     return f"{value:.3f}" + (f" [{interval[0]:.3f}, {interval[1]:.3f}]" if interval else "")
 
 
-def report(fits: dict, intervals: dict, skipped: dict[str, str], at: float) -> str:
+def report(fits: dict, intervals_of: dict, skipped: dict[str, str], at: float) -> str:
     lines = [f"{'method':<9} {'N* ~ C^a':<24} {'D* ~ C^b':<24} {'N*':>10} {'D*':>10} {'D*/N*':>7} {'loss':>7}"
              f"   (at C = {at:.3g} FLOPs; 95% bootstrap intervals)"]
     for name, fit in fits.items():
-        params, ci = fit.params(), intervals.get(name, {})
+        params, ci = fit.params(), intervals_of.get(name, {})
         if not isinstance(fit, ComputeOptimal):
             lines.append(f"{name:<9} " + ", ".join(f"{k} {_with_interval(v, ci.get(k))}" for k, v in params.items()
                                                    if not k.endswith("_c")))
@@ -78,7 +78,7 @@ def report(fits: dict, intervals: dict, skipped: dict[str, str], at: float) -> s
                      f"{_with_interval(params['b'], ci.get('b')):<24} {fit.n_opt(at):>10.3g} {fit.d_opt(at):>10.3g} "
                      f"{fit.tokens_per_parameter(at):>7.1f} {fit.predicted_loss(at):>7.3f}")
     if "joint" in fits:
-        p, ci = fits["joint"].params(), intervals.get("joint", {})
+        p, ci = fits["joint"].params(), intervals_of.get("joint", {})
         lines.append("joint law: L = E + A/N^alpha + B/D^beta with " +
                      ", ".join(f"{k} {_with_interval(p[k], ci.get(k))}" for k in ("E", "A", "B", "alpha", "beta")))
     lines += [f"{name}: not fitted: {why}" for name, why in skipped.items()]
@@ -87,20 +87,23 @@ def report(fits: dict, intervals: dict, skipped: dict[str, str], at: float) -> s
 
 def cmd_fit(args: argparse.Namespace) -> int:
     points = read_points(args.points)
-    fits, intervals, skipped = fits_and_intervals(points, args.bootstrap, args.seed)
+    fits, draws, skipped = fits_and_draws(points, args.bootstrap, args.seed)
     if not fits:
         raise ConfigError("no fit applies to these points:\n" + "\n".join(f"  {k}: {v}" for k, v in skipped.items()))
     at = args.at or 10 * max(p.flops for p in points)
-    print(report(fits, intervals, skipped, at))
+    ci = {name: intervals(d) for name, d in draws.items()}
+    print(report(fits, ci, skipped, at))
     args.out.mkdir(parents=True, exist_ok=True)
-    summary = {name: {"params": fit.params(), "intervals": intervals.get(name, {}),
+    summary = {name: {"params": fit.params(), "intervals": ci.get(name, {}),
                       **({"law": law_to_json(fit), "at": at, "n_opt": float(fit.n_opt(at)), "d_opt": float(fit.d_opt(at)),
                           "predicted_loss": float(fit.predicted_loss(at))} if isinstance(fit, ComputeOptimal) else {})}
                for name, fit in fits.items()}
     (args.out / "fits.json").write_text(json.dumps(summary, indent=1))
     if isinstance(fits.get("isoflop"), FrontierFit):
         plot_isoflop(fits["isoflop"], points, args.out / "isoflop.png")
-    plot_frontier({k: v for k, v in fits.items() if isinstance(v, ComputeOptimal)}, args.out / "frontier.png", at)
+    optimal = {k: v for k, v in fits.items() if isinstance(v, ComputeOptimal)}
+    plot_frontier(optimal, args.out / "frontier.png", at, draws)
+    plot_envelope(points, optimal, args.out / "envelope.png", at)
     if "joint" in fits:
         plot_residuals(fits["joint"], points, args.out / "residuals.png")
     print(f"fits.json and plots in {args.out}")

@@ -261,28 +261,39 @@ def fit_kaplan(points: Sequence[Point]) -> KaplanFit:
     return KaplanFit(loss_n, fit_power_law([p.flops for p in frontier], [p.loss for p in frontier], floor=False))
 
 
-def bootstrap(fit: Callable[[list[Point]], object], units: Sequence[Sequence[Point]], samples: int = 200,
-              seed: int = 0, level: float = 0.95, strata: Sequence[Hashable] | None = None) -> dict[str, tuple[float, float]]:
-    """Percentile intervals of each of `fit(points).params()` over `samples` refits, each on units (points, or a
-    run's whole curve) drawn with replacement; within each stratum (an IsoFLOP budget) when given. Draws
-    whose fit fails (a degenerate resample) are skipped; more than half failing is an error."""
+def bootstrap_fits(fit: Callable[[list[Point]], object], units: Sequence[Sequence[Point]], samples: int = 200,
+                   seed: int = 0, strata: Sequence[Hashable] | None = None) -> list:
+    """`samples` refits, each on units (points, or a run's whole curve) drawn with replacement; within each
+    stratum (an IsoFLOP budget) when given. Draws whose fit fails (a degenerate resample) are left out; more
+    than half failing is an error."""
     rng = np.random.default_rng(seed)
     strata = list(strata) if strata is not None else [0] * len(units)
     by_stratum = defaultdict(list)
     for i, s in enumerate(strata):
         by_stratum[s].append(i)
-    draws: dict[str, list[float]] = defaultdict(list)
-    failed = 0
+    fits = []
     for _ in range(samples):
         chosen = [i for members in by_stratum.values() for i in rng.choice(members, len(members))]
         try:
-            params = fit([p for i in chosen for p in units[i]]).params()
+            fits.append(fit([p for i in chosen for p in units[i]]))
         except ConfigError:
-            failed += 1
             continue
-        for key, value in params.items():
+    if samples - len(fits) > samples // 2:
+        raise ConfigError(f"{samples - len(fits)} of {samples} bootstrap refits failed: too few points for a stable fit")
+    return fits
+
+
+def intervals(fits: Sequence, level: float = 0.95) -> dict[str, tuple[float, float]]:
+    """Percentile intervals of each of the fits' `params()`."""
+    draws: dict[str, list[float]] = defaultdict(list)
+    for f in fits:
+        for key, value in f.params().items():
             draws[key].append(value)
-    if failed > samples // 2:
-        raise ConfigError(f"{failed} of {samples} bootstrap refits failed: too few points for a stable fit")
     tail = 100 * (1 - level) / 2
     return {key: (float(np.percentile(v, tail)), float(np.percentile(v, 100 - tail))) for key, v in draws.items()}
+
+
+def bootstrap(fit: Callable[[list[Point]], object], units: Sequence[Sequence[Point]], samples: int = 200,
+              seed: int = 0, level: float = 0.95, strata: Sequence[Hashable] | None = None) -> dict[str, tuple[float, float]]:
+    """Percentile intervals of `fit(points).params()` over `bootstrap_fits`."""
+    return intervals(bootstrap_fits(fit, units, samples, seed, strata), level)

@@ -24,7 +24,7 @@ def test_fit_writes_every_applicable_fit_with_predictions_and_plots(tmp_path, ca
     assert fits["isoflop"]["n_opt"] == pytest.approx(CHINCHILLA.n_opt(1e20), rel=0.1)
     low, high = fits["isoflop"]["intervals"]["a"]
     assert low <= fits["isoflop"]["params"]["a"] <= high
-    for png in ("isoflop.png", "frontier.png", "residuals.png"):
+    for png in ("isoflop.png", "frontier.png", "envelope.png", "residuals.png"):
         assert (tmp_path / "fit" / png).stat().st_size > 1000
 
 
