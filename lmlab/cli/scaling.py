@@ -143,9 +143,9 @@ def _settings(items: list[str], keys: dict, usage: str) -> tuple[dict, list[str]
             settings[key] = TRUE[value.lower()] if keys[key] is bool else keys[key](value)
         except (KeyError, ValueError):
             raise ConfigError(f"{key}={value!r} is not a {getattr(keys[key], '__name__', 'value').strip('_')}") from None
-    required = usage.split()[3].split("=")[0]
+    required = usage.split()[3].split("=")[0]  # the verb's first setting: "lmlab scaling VERB KEY=..."
     if required not in settings:
-        raise ConfigError(f"say the {required}: {usage}")
+        raise ConfigError(f"{required}= is missing: {usage}")
     return settings, overrides
 
 

@@ -64,7 +64,7 @@ def test_plan_cli_from_a_fit_file(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["model.vocab_size=1024"], "say the compute budget"),
+    (["model.vocab_size=1024"], "flops= is missing: lmlab scaling plan flops=1e20"),
     (["flops=lots"], "flops='lots' is not a float"),
     (["flops=1e20", "fit=missing.json"], "no such fit file"),
 ])
