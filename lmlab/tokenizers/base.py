@@ -28,11 +28,16 @@ TOKENIZER_CLASSES: dict[str, type[Tokenizer]] = {}
 
 
 def expected_vocab_size(tokenizer_cfg) -> int:
-    """The vocabulary a tokenizer config asks for, known before it is built or trained: its
-    `vocab_size` field where it has one (a trained tokenizer may stop short of it), else the 256
-    byte ids plus its special tokens."""
+    """The vocabulary a tokenizer config asks for, known before it is built or trained: a trained one's
+    (`path` with a GPT-2 vocab.json: its tokens and any special token missing from them), else its
+    `vocab_size` field where it has one (a trained tokenizer may stop short of it), else the 256 byte
+    ids plus its special tokens."""
+    specials = set(tokenizer_cfg.get("special_tokens") or [])
+    path = tokenizer_cfg.get("path")
+    if path and (Path(path).expanduser() / "vocab.json").is_file():
+        return len(json.loads((Path(path).expanduser() / "vocab.json").read_text(encoding="utf-8")).keys() | specials)
     vocab_size = tokenizer_cfg.get("vocab_size")
-    return vocab_size or 256 + len(tokenizer_cfg.get("special_tokens") or [])
+    return vocab_size or 256 + len(specials)
 
 
 class Tokenizer(ABC):

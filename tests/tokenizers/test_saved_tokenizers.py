@@ -21,3 +21,15 @@ def test_saved_tokenizers_rebuild_with_the_same_ids(sample):
         unpack_tokenizer({**packed, "class": "MyTokenizer"}, "ckpt")
     with pytest.raises(ConfigError, match="ckpt: its BPETokenizer tokenizer rebuilds with fingerprint"):
         unpack_tokenizer({**packed, "fingerprint": "0" * 16}, "ckpt")
+
+
+def test_the_vocabulary_of_a_saved_tokenizer_is_known_from_its_folder(tmp_path):
+    from lmlab.tokenizers.base import expected_vocab_size
+
+    bpe = BPETokenizer({**{i: bytes([i]) for i in range(256)}, 256: b"th"}, [(b"t", b"h")], ["<|endoftext|>"])
+    bpe.save(tmp_path)
+    # the config asks for 1024, but the trained tokenizer in `path` has 258 ids (with its end-of-text)
+    config = {"vocab_size": 1024, "path": str(tmp_path), "special_tokens": ["<|endoftext|>"]}
+    assert expected_vocab_size(config) == bpe.vocab_size == 258
+    assert expected_vocab_size({**config, "special_tokens": ["<|endoftext|>", "<|pad|>"]}) == 259
+    assert expected_vocab_size({"vocab_size": 1024, "path": None}) == 1024
