@@ -126,7 +126,7 @@ def _flops_list(text: str) -> list[float]:
 
 
 PLAN_KEYS = {"flops": float, "fit": Path, "method": str, "inference_tokens": float, "aspect": float, "head_dim": int}
-SWEEP_KEYS = {"budgets": _flops_list, "n_sizes": int, "mode": str, "spread": float, "out": Path, "launch": bool,
+SWEEP_KEYS = {"budgets": _flops_list, "n_sizes": int, "mode": str, "spread": float, "out": Path, "launch": bool, "parallel": int,
               "fit": Path, "method": str, "aspect": float, "head_dim": int}
 TRUE = {"true": True, "false": False, "1": True, "0": False}
 
@@ -179,7 +179,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     from lmlab.scaling.sweep import isoflop_jobs, script, wsd_jobs
 
     settings, overrides = _settings(args.settings, SWEEP_KEYS, "lmlab scaling sweep budgets=[1e15,1e16,1e17] "
-                                    "[n_sizes=7 mode=isoflop|wsd spread=4 out=DIR launch=false fit=FILE] [overrides]")
+                                    "[n_sizes=7 mode=isoflop|wsd spread=4 out=DIR launch=false parallel=1 fit=FILE] [overrides]")
     modes = {"isoflop": isoflop_jobs, "wsd": wsd_jobs}
     mode = settings.get("mode", "isoflop")
     if mode not in modes:
@@ -189,7 +189,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
                        settings.get("aspect", 64.0), settings.get("head_dim", 64))
     out = (settings.get("out") or Path("outputs/scaling") / mode).resolve()
     out.mkdir(parents=True, exist_ok=True)
-    (out / "sweep.sh").write_text(script(jobs, out, overrides))
+    (out / "sweep.sh").write_text(script(jobs, out, overrides, settings.get("parallel", 1)))
     (out / "jobs.json").write_text(json.dumps([{"name": j.name, "budget": j.budget, "flops": j.flops,
                                                 "overrides": list(j.overrides), "after": j.after} for j in jobs], indent=1))
     print(f"sizes from {source}")

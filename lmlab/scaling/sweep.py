@@ -131,14 +131,33 @@ def _check_budget(budget: float, sizes: int) -> None:
                           "lower data.batch_size / data.context_length")
 
 
-def script(jobs: Sequence[Job], out: Path, base: Sequence[str]) -> str:
-    """A bash script that runs the jobs in order (a WSD decay after the run it resumes), each in its own
-    folder under `out`; a finished job is skipped on a second launch, as lmlab-train skips it."""
-    lines = ["#!/usr/bin/env bash", f"# {len(jobs)} lmlab-train jobs of `lmlab scaling sweep`; then:",
-             f"#   lmlab scaling collect {shlex.quote(str(out))} --budgets "
-             + ",".join(f"{b:.6g}" for b in sorted({j.budget for j in jobs})), "set -euo pipefail"]
-    for i, job in enumerate(jobs, start=1):
-        overrides = [o.replace("@RUN@", str(out)) for o in (*base, *job.overrides)]
-        lines.append(f"echo '[{i}/{len(jobs)}] {job.name}: {job.flops:.3g} FLOPs' >&2")
-        lines.append(shlex.join(["lmlab-train", *overrides, f"hydra.run.dir={out / job.name}"]))
+def script(jobs: Sequence[Job], out: Path, base: Sequence[str], parallel: int = 1) -> str:
+    """A bash script that runs the jobs, each in its own folder under `out`, `parallel` chains at a time: a
+    chain is a job and the WSD decays that resume it, run in order. With parallel > 1 each chain's output
+    goes to out/logs/CHAIN.log (small models leave a GPU idle: several runs share it). A finished job is
+    skipped on a second launch, as lmlab-train skips it; the script fails if any job did."""
+    if parallel < 1:
+        raise ConfigError(f"parallel must be >= 1, got {parallel}")
+    chains: dict[str, list[Job]] = {}
+    for job in jobs:
+        chains.setdefault(job.after or job.name, []).append(job)
+    lines = ["#!/usr/bin/env bash", f"# {len(jobs)} lmlab-train jobs of `lmlab scaling sweep` in {len(chains)} chains; "
+             "then:", f"#   lmlab scaling collect {shlex.quote(str(out))} --budgets "
+             + ",".join(f"{b:.6g}" for b in sorted({j.budget for j in jobs})), "set -uo pipefail",
+             f"mkdir -p {shlex.quote(str(out / 'logs'))}"]
+    for i, chain in enumerate(chains.values(), start=1):
+        lines.append(f"chain{i}() {{")
+        for job in chain:
+            overrides = [o.replace("@RUN@", str(out)) for o in (*base, *job.overrides)]
+            lines.append(f"    echo '[{i}/{len(chains)}] {job.name}: {job.flops:.3g} FLOPs' >&2")
+            lines.append("    " + shlex.join(["lmlab-train", *overrides, f"hydra.run.dir={out / job.name}"]) + " || return")
+        lines.append("}")
+    log = shlex.quote(str(out / "logs"))
+    run = (f'echo "$chain: started, log in {log}/$chain.log" >&2; "$chain" > {log}/"$chain".log 2>&1'
+           if parallel > 1 else '"$chain"')
+    lines += ["failed=0", f"for chain in {' '.join(f'chain{i}' for i in range(1, len(chains) + 1))}; do",
+              f'    while [ "$(jobs -rp | wc -l)" -ge {parallel} ]; do wait -n || failed=1; done',
+              f"    {{ {run}; }} &", "done",
+              'while [ "$(jobs -rp | wc -l)" -gt 0 ]; do wait -n || failed=1; done',
+              '[ $failed = 0 ] || echo "a job failed: see its log" >&2', "exit $failed"]
     return "\n".join(lines) + "\n"

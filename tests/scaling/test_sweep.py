@@ -3,6 +3,7 @@ stable run's checkpoints."""
 
 import math
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -80,7 +81,35 @@ def test_too_small_a_budget_is_one_clear_error(tmp_path, capsys):
     assert main(["scaling", "sweep", "budgets=[3e11,1e12,3e12]", "n_sizes=5", "aspect=32", f"out={tmp_path}",
                  *BASE]) == 0
     script = (tmp_path / "sweep.sh").read_text()
-    commands = [line for line in script.splitlines() if line.startswith("lmlab-train ")]
+    commands = [line.strip() for line in script.splitlines() if line.strip().startswith("lmlab-train ")]
     assert len(commands) == len(re.findall(r"^\S+\s+\S+ FLOPs", capsys.readouterr().out, re.M)) == 12
     assert all("hydra.run.dir=" in line and "model.d_model=" in line for line in commands)
     assert "lmlab scaling collect" in script
+
+
+@pytest.mark.parametrize("parallel", [1, 3])
+def test_the_script_runs_every_chain_in_order_and_reports_a_failure(tmp_path, parallel):
+    """A stand-in lmlab-train records each job's folder; the one named in FAIL fails."""
+    import os
+    import subprocess
+
+    from lmlab.scaling.sweep import script
+
+    jobs = wsd_jobs(CHINCHILLA, [3e11, 3e12], 4, compose_config(BASE), 320, aspect=32)
+    (tmp_path / "bin").mkdir()
+    stub = tmp_path / "bin" / "lmlab-train"
+    stub.write_text('#!/usr/bin/env bash\nfor a in "$@"; do case $a in hydra.run.dir=*) dir=${a#*=};; esac; done\n'
+                    'sleep 0.05; echo "$dir" >> "$RECORD"; [ "$dir" != "$FAIL" ]\n')
+    stub.chmod(0o755)
+    (tmp_path / "sweep.sh").write_text(script(jobs, tmp_path / "out", [], parallel))
+    env = {**os.environ, "PATH": f"{tmp_path / 'bin'}:{os.environ['PATH']}", "RECORD": str(tmp_path / "ran"), "FAIL": ""}
+    assert subprocess.run(["bash", str(tmp_path / "sweep.sh")], env=env, capture_output=True).returncode == 0
+    ran = [Path(line).relative_to(tmp_path / "out").as_posix() for line in (tmp_path / "ran").read_text().split()]
+    assert sorted(ran) == sorted(j.name for j in jobs)
+    for job in (j for j in jobs if j.after):
+        assert ran.index(job.after) < ran.index(job.name)  # a decay after the stable run it resumes
+    (tmp_path / "ran").unlink()
+    env["FAIL"] = str(tmp_path / "out" / jobs[0].name)  # a stable run fails: its decays do not run
+    assert subprocess.run(["bash", str(tmp_path / "sweep.sh")], env=env, capture_output=True).returncode == 1
+    ran = (tmp_path / "ran").read_text().split()
+    assert not any(j.after == jobs[0].name and str(tmp_path / "out" / j.name) in ran for j in jobs)
