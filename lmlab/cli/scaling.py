@@ -23,41 +23,43 @@ import math
 from pathlib import Path
 
 from lmlab.errors import ConfigError
-from lmlab.scaling.laws import (ComputeOptimal, FrontierFit, bootstrap_fits, budget_of, curves_of, fit_envelope,
-                                fit_isoflop, fit_joint, fit_kaplan, intervals, law_from_json, law_to_json)
+from lmlab.scaling.laws import (ComputeOptimal, FrontierFit, bootstrap_fits, curves_of, fit_envelope,
+                                fit_isoflop, fit_joint, fit_kaplan, intervals, isoflop_residual_fits, law_from_json,
+                                law_to_json)
 from lmlab.scaling.plots import plot_envelope, plot_frontier, plot_isoflop, plot_residuals
 from lmlab.scaling.points import Point, read_points, write_points
 
 
 def fits_and_draws(points: list[Point], samples: int, seed: int) -> tuple[dict, dict[str, list], dict[str, str]]:
     """(fits by method, their bootstrap refits, why a method did not apply). IsoFLOP runs only on rows with a
-    budget and resamples within each; envelope and Kaplan resample whole runs' curves."""
+    budget and redraws each budget's residuals; the joint law resamples points, envelope and Kaplan whole
+    runs' curves."""
     fits, draws, skipped = {}, {}, {}
     curves = list(curves_of(points).values())
     planned = [p for p in points if not math.isnan(p.budget)]
     finals = [curve[-1] for curve in curves]
+    # method -> (its fit, the points it reads, its bootstrap refits given the fit and those points)
     methods = {
         # approach 3 on final losses only when the table has curves: intermediate checkpoints of a cosine
-        # run sit above the loss a run planned for that length would reach
-        "joint": (fit_joint, finals if any(len(c) > 1 for c in curves) else points, None),
-        "isoflop": (fit_isoflop, planned, "budget"),
-        "envelope": (fit_envelope, points, "curves"),
-        "kaplan": (fit_kaplan, points, "curves"),
+        # run sit above the loss a run planned for that length would reach. Each refit starts from the
+        # full fit: the grid search is the slow part.
+        "joint": (fit_joint, finals if any(len(c) > 1 for c in curves) else points,
+                  lambda f, d: bootstrap_fits(lambda ps: fit_joint(ps, init=f), [[p] for p in d], samples, seed)),
+        "isoflop": (fit_isoflop, planned, lambda f, d: isoflop_residual_fits(f, d, samples, seed)),
+        "envelope": (fit_envelope, points, lambda f, d: bootstrap_fits(fit_envelope, curves, samples, seed)),
+        "kaplan": (fit_kaplan, points, lambda f, d: bootstrap_fits(fit_kaplan, curves, samples, seed)),
     }
-    for name, (fit, data, unit) in methods.items():
+    for name, (fit, data, refits) in methods.items():
         try:
             fits[name] = fit(data)
         except ConfigError as err:
             skipped[name] = str(err)
             continue
         if samples:
-            if name == "joint":  # each refit starts from the full fit: the grid search is the slow part
-                refit, units, strata = (lambda ps, init=fits[name]: fit_joint(ps, init=init)), [[p] for p in data], None
-            elif unit == "budget":
-                refit, units, strata = fit, [[p] for p in data], [budget_of(p) for p in data]
-            else:
-                refit, units, strata = fit, curves, None
-            draws[name] = bootstrap_fits(refit, units, samples, seed, strata=strata)
+            try:
+                draws[name] = refits(fits[name], data)
+            except ConfigError as err:  # the fit stands; only its intervals are missing
+                skipped[f"{name} intervals"] = str(err)
     return fits, draws, skipped
 
 
@@ -81,7 +83,7 @@ def report(fits: dict, intervals_of: dict, skipped: dict[str, str], at: float) -
         p, ci = fits["joint"].params(), intervals_of.get("joint", {})
         lines.append("joint law: L = E + A/N^alpha + B/D^beta with " +
                      ", ".join(f"{k} {_with_interval(p[k], ci.get(k))}" for k in ("E", "A", "B", "alpha", "beta")))
-    lines += [f"{name}: not fitted: {why}" for name, why in skipped.items()]
+    lines += [f"{name}: not {'computed' if name.endswith('intervals') else 'fitted'}: {why}" for name, why in skipped.items()]
     return "\n".join(lines)
 
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 from abc import ABC, abstractmethod
 from collections import defaultdict
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Callable, Hashable, Sequence
 
 import numpy as np
@@ -249,8 +249,14 @@ class KaplanFit:
     loss_c: PowerLaw
 
     def params(self) -> dict[str, float]:
-        return {"alpha_N": self.loss_n.alpha, "N_c": self.loss_n.A ** (1 / self.loss_n.alpha),
-                "alpha_C": self.loss_c.alpha, "C_c": self.loss_c.A ** (1 / self.loss_c.alpha)}
+        return {"alpha_N": self.loss_n.alpha, "N_c": _scale(self.loss_n), "alpha_C": self.loss_c.alpha,
+                "C_c": _scale(self.loss_c)}
+
+
+def _scale(law: PowerLaw) -> float:
+    """x_c of L = (x_c / x)^alpha, i.e. A^(1/alpha); inf where a near-flat fit puts it beyond a float."""
+    log_scale = math.log(law.A) / law.alpha if law.alpha > 0 else math.inf
+    return math.exp(log_scale) if log_scale < 700 else math.inf
 
 
 def fit_kaplan(points: Sequence[Point]) -> KaplanFit:
@@ -283,12 +289,35 @@ def bootstrap_fits(fit: Callable[[list[Point]], object], units: Sequence[Sequenc
     return fits
 
 
+def isoflop_residual_fits(fit: FrontierFit, points: Sequence[Point], samples: int = 200, seed: int = 0) -> list:
+    """IsoFLOP refits on each budget's parabola plus its own residuals drawn with replacement: with 5 or so
+    sizes a budget, resampling the points themselves too often leaves fewer than 3 distinct sizes."""
+    rng = np.random.default_rng(seed)
+    groups = defaultdict(list)
+    for p in points:
+        groups[budget_of(p)].append(p)
+    fitted = {b: np.polyval(fit.parabolas[b], np.log([p.n for p in g])) for b, g in groups.items() if b in fit.parabolas}
+    residuals = {b: np.array([p.loss for p in groups[b]]) - fitted[b] for b in fitted}
+    fits = []
+    for _ in range(samples):
+        drawn = [replace(p, loss=float(loss)) for b in fitted
+                 for p, loss in zip(groups[b], fitted[b] + rng.choice(residuals[b], len(groups[b])))]
+        try:
+            fits.append(fit_isoflop(drawn))
+        except ConfigError:
+            continue
+    if samples - len(fits) > samples // 2:
+        raise ConfigError(f"{samples - len(fits)} of {samples} IsoFLOP refits failed: the parabolas are too flat")
+    return fits
+
+
 def intervals(fits: Sequence, level: float = 0.95) -> dict[str, tuple[float, float]]:
-    """Percentile intervals of each of the fits' `params()`."""
+    """Percentile intervals of each of the fits' `params()` (non-finite values left out)."""
     draws: dict[str, list[float]] = defaultdict(list)
     for f in fits:
         for key, value in f.params().items():
-            draws[key].append(value)
+            if math.isfinite(value):
+                draws[key].append(value)
     tail = 100 * (1 - level) / 2
     return {key: (float(np.percentile(v, tail)), float(np.percentile(v, 100 - tail))) for key, v in draws.items()}
 

@@ -133,3 +133,16 @@ def test_points_table_round_trip(tmp_path):
     (tmp_path / "bad.csv").write_text("run,n\nx,1\n")
     with pytest.raises(ConfigError, match="needs the columns"):
         read_points(tmp_path / "bad.csv")
+
+
+def test_isoflop_residual_refits_bracket_the_fit_with_five_sizes_a_budget():
+    from lmlab.scaling.laws import intervals, isoflop_residual_fits
+
+    rng = np.random.default_rng(1)
+    points = [Point(p.run, p.n, p.d, p.loss * math.exp(rng.normal(0, 0.003)), budget=p.budget)
+              for p in isoflop_points(sizes=5)]
+    fit = fit_isoflop(points)
+    refits = isoflop_residual_fits(fit, points, samples=100)
+    assert len(refits) >= 90  # the sizes stay: only the losses are redrawn
+    low, high = intervals(refits)["a"]
+    assert low < fit.params()["a"] < high and high - low < 0.2
