@@ -118,13 +118,16 @@ def cmd_collect(args: argparse.Namespace) -> int:
     points = collect(args.runs, args.loss_tag, args.budgets)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     write_points(points, args.out)
-    runs = {p.run.rsplit("@", 1)[0] for p in points}
-    print(f"{len(points)} points of {len(runs)} runs -> {args.out}")
+    print(f"{len(points)} points of {len(curves_of(points))} runs -> {args.out}")
     return 0
 
 
 def _flops_list(text: str) -> list[float]:
-    return [float(b) for b in text.strip("[]").split(",") if b]
+    """FLOP counts such as 1e17,1e18 or [1e17,1e18] (sweep's budgets=, collect's --budgets)."""
+    try:
+        return [float(b) for b in text.strip("[]").split(",") if b]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"budgets are comma-separated FLOP counts such as 1e17,1e18; got {text!r}")
 
 
 PLAN_KEYS = {"flops": float, "fit": Path, "method": str, "inference_tokens": float, "aspect": float, "head_dim": int}
@@ -143,6 +146,8 @@ def _settings(items: list[str], keys: dict, usage: str) -> tuple[dict, list[str]
             continue
         try:
             settings[key] = TRUE[value.lower()] if keys[key] is bool else keys[key](value)
+        except argparse.ArgumentTypeError as err:
+            raise ConfigError(f"{key}={value!r}: {err}") from None
         except (KeyError, ValueError):
             raise ConfigError(f"{key}={value!r} is not a {getattr(keys[key], '__name__', 'value').strip('_')}") from None
     required = usage.split()[3].split("=")[0]  # the verb's first setting: "lmlab scaling VERB KEY=..."
@@ -211,13 +216,6 @@ def _law(path: Path, method: str) -> tuple[ComputeOptimal, str]:
     return law_from_json(fits[method]["law"]), f"{method} fit in {path}"
 
 
-def _budgets(text: str) -> list[float]:
-    try:
-        return [float(b) for b in text.split(",") if b]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"budgets are comma-separated FLOP counts such as 1e17,1e18; got {text!r}")
-
-
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="lmlab scaling", description="scaling laws from lmlab's runs")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -225,7 +223,7 @@ def main(argv: list[str]) -> int:
     p_collect.add_argument("runs", nargs="+", type=Path, help="run or multirun folders")
     p_collect.add_argument("--out", type=Path, default=Path("outputs/scaling/points.csv"))
     p_collect.add_argument("--loss-tag", default="val/loss", help="the logged loss each point takes (val/loss)")
-    p_collect.add_argument("--budgets", type=_budgets, default=[],
+    p_collect.add_argument("--budgets", type=_flops_list, default=[],
                            help="IsoFLOP budgets, e.g. 1e17,1e18: a run planned within 10%% of one carries it")
     p_collect.set_defaults(func=cmd_collect)
     p_plan = sub.add_parser("plan", help="N*, D*, loss and an lmlab config for a compute budget")

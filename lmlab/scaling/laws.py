@@ -211,10 +211,11 @@ def fit_isoflop(points: Sequence[Point]) -> FrontierFit:
 
 
 def curves_of(points: Sequence[Point]) -> dict[str, list[Point]]:
-    """Each run's points in token order: a run folder's checkpoints (the run name before any '@step')."""
+    """Each run's points in token order: a run folder's checkpoints (the run name before its last '@step';
+    a folder's own path may hold an '@')."""
     curves = defaultdict(list)
     for p in points:
-        curves[p.run.split("@", 1)[0]].append(p)
+        curves[p.run.rsplit("@", 1)[0]].append(p)
     return {run: sorted(curve, key=lambda p: p.d) for run, curve in curves.items()}
 
 

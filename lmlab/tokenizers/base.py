@@ -33,9 +33,9 @@ def expected_vocab_size(tokenizer_cfg) -> int:
     `vocab_size` field where it has one (a trained tokenizer may stop short of it), else the 256 byte
     ids plus its special tokens."""
     specials = set(tokenizer_cfg.get("special_tokens") or [])
-    path = tokenizer_cfg.get("path")
-    if path and (Path(path).expanduser() / "vocab.json").is_file():
-        return len(json.loads((Path(path).expanduser() / "vocab.json").read_text(encoding="utf-8")).keys() | specials)
+    vocab_file = Path(tokenizer_cfg.get("path") or "").expanduser() / "vocab.json"
+    if tokenizer_cfg.get("path") and vocab_file.is_file():
+        return len(json.loads(vocab_file.read_text(encoding="utf-8")).keys() | specials)
     vocab_size = tokenizer_cfg.get("vocab_size")
     return vocab_size or 256 + len(specials)
 

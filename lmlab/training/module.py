@@ -55,9 +55,8 @@ def optimizer_and_schedule(module: L.LightningModule, cfg: DictConfig, model: to
     return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
 
-def _norm(grads: list[torch.Tensor]) -> torch.Tensor:
-    """The global 2-norm of gradients, sharded (DTensor) or not."""
-    norm = torch.nn.utils.get_total_norm(grads)
+def _whole(norm: torch.Tensor) -> torch.Tensor:
+    """A gradient norm over all shards: of sharded gradients (fsdp) it comes back a DTensor."""
     return norm.full_tensor() if isinstance(norm, DTensor) else norm
 
 
@@ -125,7 +124,8 @@ class LanguageModelTask(L.LightningModule):
         if t.grad_noise_scale and len(self._micro_terms) == 1:
             grads = [p.grad for p in self.parameters() if p.grad is not None]
             # Lightning scales each micro-batch's loss by 1/K: the micro-batch's own mean gradient is K times this
-            self._small_sq_norm = float(_norm(grads)) ** 2 * t.accumulate_grad_batches ** 2
+            norm = float(_whole(torch.nn.utils.get_total_norm(grads)))
+            self._small_sq_norm = norm ** 2 * t.accumulate_grad_batches ** 2
 
     def _log_noise_scale(self, step_norm: float) -> None:
         t = self.cfg.trainer
@@ -142,9 +142,7 @@ class LanguageModelTask(L.LightningModule):
         """Clip to trainer.grad_clip by global norm, log the norm before clipping, and empty the
         gradients of a step the guard rejects, so that the optimizer step changes nothing."""
         params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-        norm = torch.nn.utils.clip_grad_norm_(params, self.cfg.trainer.grad_clip or math.inf)
-        if isinstance(norm, DTensor):  # sharded gradients (fsdp): the norm over all shards
-            norm = norm.full_tensor()
+        norm = _whole(torch.nn.utils.clip_grad_norm_(params, self.cfg.trainer.grad_clip or math.inf))
         self.log("train/grad_norm", norm)
         if self.cfg.trainer.grad_noise_scale:
             self._log_noise_scale(float(norm))
