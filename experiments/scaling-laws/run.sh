@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # The scaling-laws experiment, in parts that each fit a device-tool call (a warm machine keeps $D):
-#   corpus    make_corpus.py: Python source of the machine's stdlib and packages ($MB MB), and a BPE of
-#             $VOCAB tokens trained on its first $SAMPLE_MB MB
+#   corpus    make_corpus.py: source files of the machine's stdlib, packages and /usr/include ($MB MB), a BPE of
+#             $VOCAB tokens trained on its first $SAMPLE_MB MB, and the token cache every run reads
 #   isoflop   lmlab scaling sweep at $BUDGETS ($SIZES sizes each), launched; collect; fit every method
 #   predict   plan the compute-optimal run at 10x the largest budget from the IsoFLOP fit, train it, and
 #             compare its final val/loss with the prediction
 #   mup       learning-rate sweep at widths 128..1024 under model/init=gpt2 (standard) and mup
 #   batch     batch-size sweep at fixed tokens with the gradient noise scale logged
-# Env: BUDGETS ("[1e14,3e14,1e15]"), SIZES (5), MB (100), SAMPLE_MB (10), VOCAB (4096), CONTEXT (256),
+# The mup and batch runs, like the sweep's, train $PARALLEL at a time.
+# Env: BUDGETS ("[1e14,3e14,1e15]"), SIZES (5), MB (400), SAMPLE_MB (10), VOCAB (4096), CONTEXT (256),
 #      BATCH (32), PARALLEL (sweep runs side by side, 1; small models leave an H200 idle: try 8),
 #      SMALL=1 (a CPU-sized corpus, budgets and sweeps, to check the pipeline).
 # Usage: experiments/scaling-laws/run.sh OUT_DIR [corpus isoflop predict mup batch]
@@ -24,21 +25,29 @@ if [ "${SMALL:-0}" = 1 ]; then
     CONTEXT=${CONTEXT:-64}; BATCH=${BATCH:-32}; WIDTHS=${WIDTHS:-64,128}; LRS=${LRS:-1e-3,1e-2}; MUP_STEPS=${MUP_STEPS:-20}
     BATCHES=${BATCHES:-8,16}; BATCH_TOKENS=${BATCH_TOKENS:-40960}
 fi
-MB=${MB:-100}; SAMPLE_MB=${SAMPLE_MB:-10}; VOCAB=${VOCAB:-4096}; BUDGETS=${BUDGETS:-"[1e14,3e14,1e15]"}; SIZES=${SIZES:-5}
-CONTEXT=${CONTEXT:-256}; BATCH=${BATCH:-32}; WIDTHS=${WIDTHS:-128,256,512,1024}; LRS=${LRS:-3e-4,1e-3,3e-3,1e-2,3e-2}
+MB=${MB:-400}; SAMPLE_MB=${SAMPLE_MB:-10}; VOCAB=${VOCAB:-4096}; BUDGETS=${BUDGETS:-"[1e14,3e14,1e15]"}; SIZES=${SIZES:-5}
+CONTEXT=${CONTEXT:-256}; BATCH=${BATCH:-32}; WIDTHS=${WIDTHS:-128,256,512,1024}; LRS=${LRS:-1e-4,3e-4,1e-3,3e-3,1e-2,3e-2}
 MUP_STEPS=${MUP_STEPS:-500}; BATCHES=${BATCHES:-8,16,32,64,128,256}; BATCH_TOKENS=${BATCH_TOKENS:-20000000}
 PARALLEL=${PARALLEL:-1}
 TOKENIZER=$D/tokenizer
-CORPUS="data=text_files data.paths=[$D/corpus/corpus.txt] data.context_length=$CONTEXT tokenizer.path=$TOKENIZER
+CORPUS="data=text_files data.paths=[$D/corpus/corpus.jsonl] data.context_length=$CONTEXT tokenizer.path=$TOKENIZER
         cache_dir=$D/cache"  # what the token cache is keyed by
 DATA="$CORPUS data.batch_size=$BATCH model.max_seq_len=$CONTEXT trainer.progress_bar=false logger=csv"
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}  # parallel runs share the CPU cores
 mkdir -p "$D"
+export DATA
+# stdin: "RUN_DIR OVERRIDE..." a line; lmlab-train runs, $PARALLEL at a time, each logged to RUN_DIR.log. A failed
+# run is reported and the others go on: in a learning-rate sweep the largest rates are expected to diverge.
+side_by_side() {
+    xargs -L1 -P "$PARALLEL" bash -c 'mkdir -p "$(dirname "$0")"; lmlab-train $DATA "${@}" "hydra.run.dir=$0" > "$0.log" 2>&1 \
+        || echo "failed: $0 (see $0.log)" >&2'
+}
 for part in $PARTS; do
     echo "== $part -> $D" >&2
     case $part in
         corpus)
             python "$HERE/make_corpus.py" "$D/corpus" --mb "$MB" --sample-mb "$SAMPLE_MB"
-            lmlab-tokenize train data=text_files "data.paths=[$D/corpus/sample.txt]" tokenizer.vocab_size=$VOCAB \
+            lmlab-tokenize train data=text_files "data.paths=[$D/corpus/sample.jsonl]" tokenizer.vocab_size=$VOCAB \
                 hydra.run.dir=$TOKENIZER
             lmlab-tokenize encode $CORPUS ;;
         isoflop)
@@ -64,16 +73,17 @@ for name, entry in fits.items():
 EOF
             ;;
         mup)
-            lmlab-train -m $DATA "model.d_model=$WIDTHS" "optim.lr=$LRS" model/init=gpt2,mup \
-                trainer.max_steps=$MUP_STEPS hydra.sweep.dir=$D/mup
+            for init in gpt2 mup; do for width in ${WIDTHS//,/ }; do for lr in ${LRS//,/ }; do
+                echo "$D/mup/$init-$width-$lr model/init=$init model.d_model=$width optim.lr=$lr trainer.max_steps=$MUP_STEPS"
+            done; done; done | side_by_side
             python "$HERE/plot_sweeps.py" mup "$D/mup" ;;
         batch)
-            # the same tokens at every batch size: steps = BATCH_TOKENS / (batch x context)
+            # the same tokens at every batch size: steps = BATCH_TOKENS / (batch x context), about 20 validations
             for b in ${BATCHES//,/ }; do
-                lmlab-train $DATA data.batch_size=$b trainer.max_steps=$((BATCH_TOKENS / (b * CONTEXT))) \
-                    trainer.val_every=$((BATCH_TOKENS / (b * CONTEXT) / 20 > 0 ? BATCH_TOKENS / (b * CONTEXT) / 20 : 1)) \
-                    trainer.accumulate_grad_batches=2 trainer.grad_noise_scale=true hydra.run.dir=$D/batch/$b 2>&1 | tail -1
-            done
+                steps=$((BATCH_TOKENS / (b * CONTEXT)))
+                echo "$D/batch/$b data.batch_size=$b trainer.max_steps=$steps trainer.val_every=$((steps / 20 > 0 ? steps / 20 : 1))" \
+                    "trainer.accumulate_grad_batches=2 trainer.grad_noise_scale=true"
+            done | side_by_side
             python "$HERE/plot_sweeps.py" batch "$D/batch" ;;
     esac
 done

@@ -132,7 +132,7 @@ def _flops_list(text: str) -> list[float]:
 
 PLAN_KEYS = {"flops": float, "fit": Path, "method": str, "inference_tokens": float, "aspect": float, "head_dim": int}
 SWEEP_KEYS = {"budgets": _flops_list, "n_sizes": int, "mode": str, "spread": float, "out": Path, "launch": bool, "parallel": int,
-              "fit": Path, "method": str, "aspect": float, "head_dim": int}
+              "fit": Path, "method": str, "aspect": float, "head_dim": int, "validations": int}
 TRUE = {"true": True, "false": False, "1": True, "0": False}
 
 
@@ -186,14 +186,15 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     from lmlab.scaling.sweep import isoflop_jobs, script, wsd_jobs
 
     settings, overrides = _settings(args.settings, SWEEP_KEYS, "lmlab scaling sweep budgets=[1e15,1e16,1e17] "
-                                    "[n_sizes=7 mode=isoflop|wsd spread=4 out=DIR launch=false parallel=1 fit=FILE] [overrides]")
+                                    "[n_sizes=7 mode=isoflop|wsd spread=4 out=DIR launch=false parallel=1 validations=20 fit=FILE] "
+                                    "[overrides]")
     modes = {"isoflop": isoflop_jobs, "wsd": wsd_jobs}
     mode = settings.get("mode", "isoflop")
     if mode not in modes:
         raise ConfigError(f"mode={mode!r}: the modes are {', '.join(modes)}")
     law, source, cfg, vocab = _law_and_config(settings, overrides)
     jobs = modes[mode](law, settings["budgets"], settings.get("n_sizes", 7), cfg, vocab, settings.get("spread", 4.0),
-                       settings.get("aspect", 64.0), settings.get("head_dim", 64))
+                       settings.get("aspect", 64.0), settings.get("head_dim", 64), settings.get("validations", 20))
     out = (settings.get("out") or Path("outputs/scaling") / mode).resolve()
     out.mkdir(parents=True, exist_ok=True)
     (out / "sweep.sh").write_text(script(jobs, out, overrides, settings.get("parallel", 1)))
@@ -232,7 +233,8 @@ def main(argv: list[str]) -> int:
     p_plan.set_defaults(func=cmd_plan)
     p_sweep = sub.add_parser("sweep", help="lmlab-train jobs of an IsoFLOP or WSD sweep (a script; launch=true runs it)")
     p_sweep.add_argument("settings", nargs="*", help="budgets=[1e15,1e16,1e17] [n_sizes=7 mode=isoflop|wsd spread=4 "
-                                                     "out=DIR launch=false fit=FILE method=joint] and lmlab-train overrides")
+                                                     "out=DIR launch=false parallel=1 validations=20 fit=FILE "
+                                                     "method=joint] and lmlab-train overrides")
     p_sweep.set_defaults(func=cmd_sweep)
     p_fit = sub.add_parser("fit", help="every published fit of a points table, with intervals, predictions and PNGs")
     p_fit.add_argument("points", type=Path, help="points CSV (run, n, d, loss[, c, n_total, budget])")

@@ -9,8 +9,12 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from itertools import islice
 from pathlib import Path
+from typing import Iterator
 
 import numpy as np
 from tqdm import tqdm
@@ -61,6 +65,16 @@ def _build(source: TextSource, tokenizer: Tokenizer, bin_path: Path, meta_path: 
     atomic_write_text(meta_path, json.dumps(meta, indent=2))
 
 
+def _encoded(source: TextSource, tokenizer: Tokenizer, workers: int | None = None) -> Iterator[tuple[str, np.ndarray]]:
+    """Each non-empty document with its ids, in order, encoded on `workers` threads (one per CPU): tiktoken's
+    encoder releases the GIL, so a corpus of many documents encodes about that many times faster."""
+    workers = workers or os.cpu_count() or 1
+    docs = (doc for doc in source.documents() if doc)
+    with ThreadPoolExecutor(workers) as pool:
+        while block := list(islice(docs, 16 * workers)):  # bounded: the corpus need not fit in memory
+            yield from zip(block, pool.map(tokenizer.encode_array, block))
+
+
 def _write_tokens(source: TextSource, tokenizer: Tokenizer, path: Path, dtype: np.dtype,
                   progress: bool) -> dict[str, int]:
     """Stream every document's ids (each followed by end-of-text, if the tokenizer has one) to `path`."""
@@ -68,10 +82,7 @@ def _write_tokens(source: TextSource, tokenizer: Tokenizer, path: Path, dtype: n
     n_tokens = n_bytes = n_pending = 0
     pending: list[np.ndarray] = []
     with path.open("wb") as out:
-        for doc in tqdm(source.documents(), desc="tokenizing", unit="doc", disable=not progress):
-            if not doc:
-                continue
-            ids = tokenizer.encode_array(doc)
+        for doc, ids in tqdm(_encoded(source, tokenizer), desc="tokenizing", unit="doc", disable=not progress):
             pending.append(ids if eot is None else np.append(ids, eot))
             n_bytes += len(doc.encode("utf-8"))
             n_tokens += len(pending[-1])

@@ -7,6 +7,9 @@
   20%: the decay starts at 0.8 T). One stable phase per size yields a loss at every budget for little
   more than the cost of the longest run.
 
+Each job validates about `validations` times (trainer.val_every from its steps): enough points for the envelope
+method's curves without a long run spending a tenth of its time validating every 50 steps.
+
 Every job's planned FLOPs (the cost model's per token, times its steps and tokens per step) lie within 5%
 of its budget, and `lmlab scaling collect --budgets ...` finds the budget again from them.
 """
@@ -29,6 +32,7 @@ from lmlab.scaling.plan import Shape, model_shape
 DECAY_FRACTION = 0.2  # of a WSD run's steps, the decay at its end (sched.decay_fraction's default)
 BUDGET_TOLERANCE = 0.05
 MIN_STEPS = 20  # a shorter run is mostly warmup: its loss says little
+VALIDATIONS = 20  # per job, by default
 
 
 @dataclass(frozen=True)
@@ -37,6 +41,7 @@ class Job:
     overrides: tuple[str, ...]
     budget: float
     flops: float  # planned, by the cost model
+    steps: int
     after: str | None = None  # the job whose checkpoint this one resumes (a WSD decay)
 
 
@@ -61,7 +66,8 @@ def _shapes(cfg: DictConfig, vocab_size: int, targets: Sequence[float], aspect: 
 
 
 def isoflop_jobs(law: ComputeOptimal, budgets: Sequence[float], n_sizes: int, cfg: DictConfig, vocab_size: int,
-                 spread: float = 4.0, aspect: float = 64.0, head_dim: int = 64) -> list[Job]:
+                 spread: float = 4.0, aspect: float = 64.0, head_dim: int = 64,
+                 validations: int = VALIDATIONS) -> list[Job]:
     tokens_per_step = cfg.data.batch_size * cfg.data.context_length
     jobs = []
     for budget in budgets:
@@ -70,12 +76,14 @@ def isoflop_jobs(law: ComputeOptimal, budgets: Sequence[float], n_sizes: int, cf
         fitting = [(s, steps) for s, steps in fitting if steps >= MIN_STEPS]
         _check_budget(budget, len(fitting))
         for shape, steps in fitting:
-            jobs.append(_job(f"isoflop/C{budget:.0e}/N{shape.params:.2e}", shape, steps, budget, tokens_per_step))
+            jobs.append(_job(f"isoflop/C{budget:.0e}/N{shape.params:.2e}", shape, steps, budget, tokens_per_step,
+                             validations))
     return jobs
 
 
 def wsd_jobs(law: ComputeOptimal, budgets: Sequence[float], n_sizes: int, cfg: DictConfig, vocab_size: int,
-             spread: float = 4.0, aspect: float = 64.0, head_dim: int = 64) -> list[Job]:
+             spread: float = 4.0, aspect: float = 64.0, head_dim: int = 64,
+             validations: int = VALIDATIONS) -> list[Job]:
     tokens_per_step = cfg.data.batch_size * cfg.data.context_length
     low, high = min(budgets), max(budgets)
     targets = np.logspace(math.log10(law.n_opt(low) / spread), math.log10(law.n_opt(high) * spread), n_sizes)
@@ -92,12 +100,12 @@ def wsd_jobs(law: ComputeOptimal, budgets: Sequence[float], n_sizes: int, cfg: D
         longest_steps, longest = plan[-1]
         name = f"wsd/N{shape.params:.2e}"
         stable = (*shape.overrides(), *wsd, f"sched.decay_start={starts[longest]}", f"trainer.checkpoint_every={every}")
-        jobs.append(_job(f"{name}/C{longest:.0e}", shape, longest_steps, longest, tokens_per_step, stable))
+        jobs.append(_job(f"{name}/C{longest:.0e}", shape, longest_steps, longest, tokens_per_step, validations, stable))
         counts[longest] += 1
         for steps, budget in plan[:-1]:
             resume = (*shape.overrides(), *wsd, f"sched.decay_start={starts[budget]}",
                       f"ckpt_path=@RUN@/{name}/C{longest:.0e}/checkpoints/step{starts[budget]:06d}.ckpt")
-            jobs.append(_job(f"{name}/C{budget:.0e}", shape, steps, budget, tokens_per_step, resume,
+            jobs.append(_job(f"{name}/C{budget:.0e}", shape, steps, budget, tokens_per_step, validations, resume,
                              after=f"{name}/C{longest:.0e}"))
             counts[budget] += 1
     for budget, count in counts.items():
@@ -115,13 +123,16 @@ def _checkpoint_grid(run_steps: Sequence[int], slack: float = 0.02) -> int:
     return 1
 
 
-def _job(name: str, shape: Shape, steps: int, budget: float, tokens_per_step: int,
+def _job(name: str, shape: Shape, steps: int, budget: float, tokens_per_step: int, validations: int,
          overrides: Sequence[str] | None = None, after: str | None = None) -> Job:
     flops = shape.flops_per_token * steps * tokens_per_step
     if abs(flops / budget - 1) > BUDGET_TOLERANCE:
         raise ConfigError(f"job {name}: {steps} steps plan {flops:.3g} FLOPs, more than 5% from its budget "
                           f"{budget:.3g}; raise the budget or lower data.batch_size")
-    return Job(name, (*(overrides or shape.overrides()), f"trainer.max_steps={steps}"), budget, flops, after)
+    if validations < 1:
+        raise ConfigError(f"validations must be >= 1, got {validations}")
+    return Job(name, (*(overrides or shape.overrides()), f"trainer.max_steps={steps}",
+                      f"trainer.val_every={max(1, steps // validations)}"), budget, flops, steps, after)
 
 
 def _check_budget(budget: float, sizes: int) -> None:
@@ -132,8 +143,8 @@ def _check_budget(budget: float, sizes: int) -> None:
 
 
 def script(jobs: Sequence[Job], out: Path, base: Sequence[str], parallel: int = 1) -> str:
-    """A bash script that runs the jobs, each in its own folder under `out`, `parallel` chains at a time: a
-    chain is a job and the WSD decays that resume it, run in order. With parallel > 1 each chain's output
+    """A bash script that runs the jobs, each in its own folder under `out`, `parallel` chains at a time, the
+    costliest first: a chain is a job and the WSD decays that resume it, run in order. With parallel > 1 each chain's output
     goes to out/logs/CHAIN.log (small models leave a GPU idle: several runs share it). A finished job is
     skipped on a second launch, as lmlab-train skips it; the script fails if any job did."""
     if parallel < 1:
@@ -141,6 +152,10 @@ def script(jobs: Sequence[Job], out: Path, base: Sequence[str], parallel: int = 
     chains: dict[str, list[Job]] = {}
     for job in jobs:
         chains.setdefault(job.after or job.name, []).append(job)
+    # the largest budgets first and, within one, the most steps (small models run slowest per FLOP): with
+    # parallel > 1, no long run is left to start after the rest are done
+    chains = dict(sorted(chains.items(), key=lambda item: (-sum(j.budget for j in item[1]),
+                                                           -sum(j.steps for j in item[1]))))
     lines = ["#!/usr/bin/env bash", f"# {len(jobs)} lmlab-train jobs of `lmlab scaling sweep` in {len(chains)} chains; "
              "then:", f"#   lmlab scaling collect {shlex.quote(str(out))} --budgets "
              + ",".join(f"{b:.6g}" for b in sorted({j.budget for j in jobs})), "set -uo pipefail",

@@ -40,6 +40,8 @@ def test_jobs_compose_and_spend_their_budget(make):
         assert len(sizes) >= 3
     for job in jobs:
         assert _planned(job) == pytest.approx(job.budget, rel=0.05)
+        o = dict(o.split("=", 1) for o in job.overrides)
+        assert 20 <= int(o["trainer.max_steps"]) // int(o["trainer.val_every"]) < 40  # about 20 validations a job
 
 
 def test_wsd_decays_resume_checkpoints_that_the_stable_run_writes():
@@ -108,6 +110,9 @@ def test_the_script_runs_every_chain_in_order_and_reports_a_failure(tmp_path, pa
     assert sorted(ran) == sorted(j.name for j in jobs)
     for job in (j for j in jobs if j.after):
         assert ran.index(job.after) < ran.index(job.name)  # a decay after the stable run it resumes
+    if parallel == 1:  # the costliest chain first: the largest budget's stable run of the most steps
+        first = max((j for j in jobs if j.after is None), key=lambda j: (j.budget, j.steps))
+        assert ran[0] == first.name
     (tmp_path / "ran").unlink()
     env["FAIL"] = str(tmp_path / "out" / jobs[0].name)  # a stable run fails: its decays do not run
     assert subprocess.run(["bash", str(tmp_path / "sweep.sh")], env=env, capture_output=True).returncode == 1
