@@ -37,9 +37,10 @@ export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}  # parallel runs share the CPU core
 mkdir -p "$D"
 export DATA
 # stdin: "RUN_DIR OVERRIDE..." a line; lmlab-train runs, $PARALLEL at a time, each logged to RUN_DIR.log. A failed
-# run is reported and the others go on: in a learning-rate sweep the largest rates are expected to diverge.
+# run is reported and the others go on: in a learning-rate sweep the largest rates are expected to diverge. A second
+# launch skips finished runs and continues interrupted ones (ckpt_path=auto).
 side_by_side() {
-    xargs -L1 -P "$PARALLEL" bash -c 'mkdir -p "$(dirname "$0")"; lmlab-train $DATA "${@}" "hydra.run.dir=$0" > "$0.log" 2>&1 \
+    xargs -L1 -P "$PARALLEL" bash -c 'mkdir -p "$(dirname "$0")"; lmlab-train $DATA "${@}" ckpt_path=auto "hydra.run.dir=$0" > "$0.log" 2>&1 \
         || echo "failed: $0 (see $0.log)" >&2'
 }
 for part in $PARTS; do

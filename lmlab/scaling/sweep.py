@@ -99,7 +99,8 @@ def wsd_jobs(law: ComputeOptimal, budgets: Sequence[float], n_sizes: int, cfg: D
         wsd = ("sched=wsd", f"sched.warmup_steps={max(1, min(50, min(starts.values()) // 2))}")
         longest_steps, longest = plan[-1]
         name = f"wsd/N{shape.params:.2e}"
-        stable = (*shape.overrides(), *wsd, f"sched.decay_start={starts[longest]}", f"trainer.checkpoint_every={every}")
+        stable = (*shape.overrides(), *wsd, f"sched.decay_start={starts[longest]}", f"trainer.checkpoint_every={every}",
+                  "ckpt_path=auto")
         jobs.append(_job(f"{name}/C{longest:.0e}", shape, longest_steps, longest, tokens_per_step, validations, stable))
         counts[longest] += 1
         for steps, budget in plan[:-1]:
@@ -131,7 +132,9 @@ def _job(name: str, shape: Shape, steps: int, budget: float, tokens_per_step: in
                           f"{budget:.3g}; raise the budget or lower data.batch_size")
     if validations < 1:
         raise ConfigError(f"validations must be >= 1, got {validations}")
-    return Job(name, (*(overrides or shape.overrides()), f"trainer.max_steps={steps}",
+    # ckpt_path=auto: a second launch continues an interrupted job from its newest checkpoint and skips a finished one
+    overrides = overrides or (*shape.overrides(), "ckpt_path=auto")
+    return Job(name, (*overrides, f"trainer.max_steps={steps}",
                       f"trainer.val_every={max(1, steps // validations)}"), budget, flops, steps, after)
 
 
@@ -146,7 +149,8 @@ def script(jobs: Sequence[Job], out: Path, base: Sequence[str], parallel: int = 
     """A bash script that runs the jobs, each in its own folder under `out`, `parallel` chains at a time, the
     costliest first: a chain is a job and the WSD decays that resume it, run in order. With parallel > 1 each chain's output
     goes to out/logs/CHAIN.log (small models leave a GPU idle: several runs share it). A finished job is
-    skipped on a second launch, as lmlab-train skips it; the script fails if any job did."""
+    skipped on a second launch (its ckpt_path=auto finds it
+    done) and an interrupted one continues; the script fails if any job did."""
     if parallel < 1:
         raise ConfigError(f"parallel must be >= 1, got {parallel}")
     chains: dict[str, list[Job]] = {}
