@@ -72,12 +72,15 @@ class GPT2Init:
         self.std = cfg.std
 
     def apply(self, model: nn.Module) -> dict[str, float]:
-        # Each layer adds two residual branches; shrinking their outputs keeps the residual
-        # stream's variance from growing with depth.
-        depth_scale = 1 / math.sqrt(2 * len(model.layers))
         for m in _matrices(model):
-            nn.init.normal_(m.weight, std=self.std * (depth_scale if m.name.endswith(RESIDUAL_OUTPUTS) else 1.0))
+            nn.init.normal_(m.weight, std=self.std * _depth_scale(model, m))
         return {}
+
+
+def _depth_scale(model: nn.Module, matrix: Matrix) -> float:
+    """1/sqrt(2 n_layers) for a projection that writes into the residual stream, else 1: each layer adds two
+    residual branches, and shrinking their outputs keeps the stream's variance from growing with depth."""
+    return 1 / math.sqrt(2 * len(model.layers)) if matrix.name.endswith(RESIDUAL_OUTPUTS) else 1.0
 
 
 @INITS.register("mup")
@@ -97,7 +100,8 @@ class MuPInit:
         """With m = d_model / base_d_model: hidden matrices get std / sqrt(m) (variance ~ 1/fan_in)
         and learning rate / m (Adam); embeddings and the readout keep std and learning rate; the
         logits are multiplied by 1/m; attention scores use 1/head_dim scaling (1/sqrt(head_dim * m)
-        here, which equals 1/sqrt(head_dim) at the base width)."""
+        here, which equals 1/sqrt(head_dim) at the base width). Residual-stream outputs keep gpt2's
+        depth scaling (a width-independent factor), so that at m = 1 this is gpt2's scheme exactly."""
         m = model.embed_tokens.embedding_dim / self.cfg.base_d_model
         lr_multipliers = {}
         for matrix in _matrices(model):
@@ -105,7 +109,7 @@ class MuPInit:
             if readout or matrix.embedding:
                 std = 0.0 if readout and self.cfg.readout_zero_init else self.cfg.std
             else:
-                std = self.cfg.std / math.sqrt(m)
+                std = self.cfg.std * _depth_scale(model, matrix) / math.sqrt(m)
                 lr_multipliers[matrix.name] = 1 / m
             nn.init.normal_(matrix.weight, std=std) if std else nn.init.zeros_(matrix.weight)
         model.output_multiplier = 1 / m

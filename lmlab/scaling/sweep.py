@@ -147,10 +147,9 @@ def _check_budget(budget: float, sizes: int) -> None:
 
 def script(jobs: Sequence[Job], out: Path, base: Sequence[str], parallel: int = 1) -> str:
     """A bash script that runs the jobs, each in its own folder under `out`, `parallel` chains at a time, the
-    costliest first: a chain is a job and the WSD decays that resume it, run in order. With parallel > 1 each chain's output
-    goes to out/logs/CHAIN.log (small models leave a GPU idle: several runs share it). A finished job is
-    skipped on a second launch (its ckpt_path=auto finds it
-    done) and an interrupted one continues; the script fails if any job did."""
+    costliest first: a chain is a job and the WSD decays that resume it, run in order. With parallel > 1 each
+    chain's output goes to out/logs/CHAIN.log (small models leave a GPU idle: several runs share it). A second
+    launch skips finished jobs and continues interrupted ones (ckpt_path=auto); the script fails if any job did."""
     if parallel < 1:
         raise ConfigError(f"parallel must be >= 1, got {parallel}")
     chains: dict[str, list[Job]] = {}

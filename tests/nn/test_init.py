@@ -38,6 +38,7 @@ def test_mup_multipliers_and_parameter_groups():
     assert m.output_multiplier == 0.25
     assert m.layers[0].self_attn.score_scale == pytest.approx(1 / math.sqrt(64 * 4))
     assert m.layers[0].mlp.up_proj.weight.std().item() == pytest.approx(0.02 / 2, rel=0.05)
+    assert m.layers[0].mlp.down_proj.weight.std().item() == pytest.approx(0.02 / 2 / 2, rel=0.05)  # and depth's 1/sqrt(4)
     assert m.embed_tokens.weight.std().item() == pytest.approx(0.02, rel=0.05)
     assert m.lr_multipliers["layers.1.self_attn.k_proj.weight"] == 0.25
     assert "embed_tokens.weight" not in m.lr_multipliers and "lm_head.weight" not in m.lr_multipliers
@@ -45,6 +46,14 @@ def test_mup_multipliers_and_parameter_groups():
     hidden = next(g for g in groups if g["lr"] == pytest.approx(2.5e-3))
     assert any(p is m.layers[0].mlp.gate_proj.weight for p in hidden["params"])
     assert sum(len(g["params"]) for g in groups) == len(list(m.parameters()))
+
+
+def test_mup_at_its_base_width_is_the_gpt2_scheme():
+    mup, gpt2 = model(64, {"name": "mup", "base_d_model": 64}, n_layers=4), model(64, "gpt2", n_layers=4)
+    for (name, a), (_, b) in zip(mup.named_parameters(), gpt2.named_parameters()):
+        assert torch.equal(a, b), name
+    assert set(mup.lr_multipliers.values()) == {1.0} and mup.output_multiplier == 1.0
+    assert mup.layers[0].self_attn.score_scale == pytest.approx(1 / math.sqrt(16))  # 1/sqrt(head_dim), the default
 
 
 def logit_change(width: int, init) -> float:
