@@ -26,6 +26,7 @@ BUILTIN_MODULES = (
     "lmlab.eval.tasks",
     "lmlab.alignment",
     "lmlab.alignment.tasks",
+    "lmlab.curation.filters",
     "lmlab.training.config",  # the schema of train.yaml
 )
 

@@ -1,0 +1,227 @@
+"""Document filters, each a registry entry (`FILTERS`, config group `curation/filter`) that returns a Decision:
+keep or drop, the reason, and for a filter that edits the text (C4's line rules) the text it keeps.
+
+- `gopher`: Gopher's quality rules (Rae et al. 2021, appendix A): word count, mean word length, lines ending in
+  an ellipsis, words with a letter.
+- `repetition`: Gopher's repetition rules: duplicate lines and paragraphs, the most frequent n-grams'
+  share of the characters, the share in duplicated n-grams.
+- `c4`: C4's line and page rules (Raffel et al. 2020).
+- `language`: keeps documents whose language (py3langid) is one of a list, at a minimum probability.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+from dataclasses import dataclass, field
+
+from lmlab.curation.langid import identify_language
+from lmlab.registry import Registry
+
+FILTERS = Registry("filter", group="curation/filter", doc="document filters: keep or drop, with the reason")
+
+KEEP_REASON = "kept"
+
+
+@dataclass(frozen=True)
+class Decision:
+    keep: bool
+    reason: str  # why it was dropped ("kept" when it was not)
+    text: str | None = None  # the text kept, for a filter that edits it
+
+    @classmethod
+    def kept(cls, text: str | None = None) -> Decision:
+        return cls(True, KEEP_REASON, text)
+
+
+def words_of(text: str) -> list[str]:
+    return text.split()
+
+
+@FILTERS.register("gopher")
+class GopherQuality:
+    """Gopher's quality rules: word count, mean word length, ellipsis lines, words with a letter.
+
+    At the published thresholds: 50 to 100,000 words, mean word length 3 to 10, at most 30% of lines ending in an
+    ellipsis, at least 80% of words with a letter."""
+
+    @dataclass
+    class Config:
+        min_words: int = 50
+        max_words: int = 100_000
+        min_mean_word_length: float = 3.0
+        max_mean_word_length: float = 10.0
+        max_ellipsis_lines: float = 0.3
+        min_alphabetic_words: float = 0.8
+
+    def __init__(self, cfg: Config | None = None):
+        self.cfg = cfg or self.Config()
+
+    def __call__(self, text: str) -> Decision:
+        c, words = self.cfg, words_of(text)
+        if not c.min_words <= len(words) <= c.max_words:
+            return Decision(False, f"gopher: {len(words)} words, outside {c.min_words}..{c.max_words}")
+        mean_length = sum(map(len, words)) / len(words)
+        if not c.min_mean_word_length <= mean_length <= c.max_mean_word_length:
+            return Decision(False, f"gopher: mean word length {mean_length:.1f}, outside "
+                                   f"{c.min_mean_word_length:g}..{c.max_mean_word_length:g}")
+        lines = [line for line in text.splitlines() if line.strip()]
+        ellipsis = sum(line.rstrip().endswith(("...", "\u2026")) for line in lines) / max(len(lines), 1)
+        if ellipsis > c.max_ellipsis_lines:
+            return Decision(False, f"gopher: {ellipsis:.0%} of lines end in an ellipsis (> {c.max_ellipsis_lines:.0%})")
+        alphabetic = sum(any(ch.isalpha() for ch in word) for word in words) / len(words)
+        if alphabetic < c.min_alphabetic_words:
+            return Decision(False, f"gopher: {alphabetic:.0%} of words have a letter (< {c.min_alphabetic_words:.0%})")
+        return Decision.kept()
+
+
+def gopher_quality_filter(text: str) -> bool:
+    """True when the text passes Gopher's quality rules at their published thresholds."""
+    return GopherQuality()(text).keep
+
+
+def _ngram_stats(words: list[str], n: int) -> tuple[float, float]:
+    """(characters in the most frequent n-gram's occurrences, characters in words covered by n-grams that occur
+    more than once), each over all words' characters, as Gopher counts them."""
+    total = sum(map(len, words))
+    grams = [tuple(words[i:i + n]) for i in range(len(words) - n + 1)]
+    if not grams or not total:
+        return 0.0, 0.0
+    counts = Counter(grams)
+    top, top_count = counts.most_common(1)[0]
+    top_chars = sum(map(len, top)) * top_count if top_count > 1 else 0
+    covered = [False] * len(words)
+    for i, gram in enumerate(grams):
+        if counts[gram] > 1:
+            covered[i:i + n] = [True] * n
+    duplicated_chars = sum(len(w) for w, c in zip(words, covered) if c)
+    return top_chars / total, duplicated_chars / total
+
+
+def _duplicates(parts: list[str]) -> tuple[float, float]:
+    """(fraction of parts that repeat an earlier one, fraction of characters in those repeats)."""
+    seen, repeats, repeat_chars = set(), 0, 0
+    for part in parts:
+        if part in seen:
+            repeats += 1
+            repeat_chars += len(part)
+        seen.add(part)
+    total_chars = sum(map(len, parts))
+    return repeats / max(len(parts), 1), repeat_chars / max(total_chars, 1)
+
+
+@FILTERS.register("repetition")
+class GopherRepetition:
+    """Gopher's repetition rules: duplicate lines and paragraphs, top n-gram and duplicate n-gram character shares."""
+
+    @dataclass
+    class Config:
+        max_duplicate_lines: float = 0.30
+        max_duplicate_paragraphs: float = 0.30
+        max_duplicate_line_chars: float = 0.20
+        max_duplicate_paragraph_chars: float = 0.20
+        # n -> the most frequent n-gram's largest share of the characters (n = 2, 3, 4)
+        max_top_ngram_chars: dict[int, float] = field(default_factory=lambda: {2: 0.20, 3: 0.18, 4: 0.16})
+        # n -> the largest share of characters in n-grams that occur more than once (n = 5..10)
+        max_duplicate_ngram_chars: dict[int, float] = field(
+            default_factory=lambda: {5: 0.15, 6: 0.14, 7: 0.13, 8: 0.12, 9: 0.11, 10: 0.10})
+
+    def __init__(self, cfg: Config | None = None):
+        self.cfg = cfg or self.Config()
+
+    def __call__(self, text: str) -> Decision:
+        c = self.cfg
+        lines = [line.strip() for line in text.splitlines() if line.strip()]
+        paragraphs = [p.strip() for p in re.split(r"\n\s*\n", text) if p.strip()]
+        for kind, parts, max_share, max_chars in (("lines", lines, c.max_duplicate_lines, c.max_duplicate_line_chars),
+                                                  ("paragraphs", paragraphs, c.max_duplicate_paragraphs,
+                                                   c.max_duplicate_paragraph_chars)):
+            share, chars = _duplicates(parts)
+            if share > max_share:
+                return Decision(False, f"repetition: {share:.0%} duplicate {kind} (> {max_share:.0%})")
+            if chars > max_chars:
+                return Decision(False, f"repetition: {chars:.0%} of characters in duplicate {kind} (> {max_chars:.0%})")
+        words = words_of(text)
+        for n, limit in sorted(c.max_top_ngram_chars.items()):
+            top, _ = _ngram_stats(words, n)
+            if top > limit:
+                return Decision(False, f"repetition: the top {n}-gram holds {top:.0%} of characters (> {limit:.0%})")
+        for n, limit in sorted(c.max_duplicate_ngram_chars.items()):
+            _, duplicated = _ngram_stats(words, n)
+            if duplicated > limit:
+                return Decision(False, f"repetition: {duplicated:.0%} of characters in duplicate {n}-grams "
+                                       f"(> {limit:.0%})")
+        return Decision.kept()
+
+
+def gopher_repetition(text: str) -> bool:
+    """True when the text passes Gopher's repetition rules at their published thresholds."""
+    return GopherRepetition()(text).keep
+
+
+TERMINAL = ('.', '!', '?', '"', "'", '\u201d')
+POLICY_PHRASES = ("terms of use", "privacy policy", "cookie policy", "uses cookies", "use of cookies", "use cookies")
+
+
+@FILTERS.register("c4")
+class C4Rules:
+    """C4's rules: sentence lines only; pages with code, "lorem ipsum" or too few sentences dropped.
+
+    Lines are kept that end in terminal punctuation, have enough words and do not mention JavaScript or the
+    site's policies; a page is dropped for "lorem ipsum", a curly bracket or too few sentences in what is left."""
+
+    @dataclass
+    class Config:
+        min_words_per_line: int = 3  # C4 used 3 in its code (5 in the paper's text)
+        min_sentences: int = 3
+        max_word_length: int = 1000
+
+    def __init__(self, cfg: Config | None = None):
+        self.cfg = cfg or self.Config()
+
+    def __call__(self, text: str) -> Decision:
+        c = self.cfg
+        lowered = text.lower()
+        if "lorem ipsum" in lowered:
+            return Decision(False, "c4: lorem ipsum")
+        if "{" in text:
+            return Decision(False, "c4: a curly bracket (code)")
+        kept = []
+        for line in (line.strip() for line in text.splitlines()):
+            low = line.lower()
+            words = line.split()
+            if (not line.endswith(TERMINAL) or len(words) < c.min_words_per_line or "javascript" in low
+                    or any(p in low for p in POLICY_PHRASES) or any(len(w) > c.max_word_length for w in words)):
+                continue
+            kept.append(line)
+        sentences = len(re.findall(r"[.!?](?:\s|$)", "\n".join(kept)))
+        if sentences < c.min_sentences:
+            return Decision(False, f"c4: {sentences} sentences in kept lines (< {c.min_sentences})")
+        return Decision.kept("\n".join(kept))
+
+
+def c4_rules(text: str) -> str | None:
+    """The lines of the text that C4's rules keep, or None when they drop the page."""
+    decision = C4Rules()(text)
+    return decision.text if decision.keep else None
+
+
+@FILTERS.register("language")
+class LanguageFilter:
+    """Keeps documents in the listed languages (py3langid) at a minimum probability."""
+
+    @dataclass
+    class Config:
+        languages: list[str] = field(default_factory=lambda: ["en"])
+        min_probability: float = 0.65
+
+    def __init__(self, cfg: Config | None = None):
+        self.cfg = cfg or self.Config()
+
+    def __call__(self, text: str) -> Decision:
+        language, probability = identify_language(text)
+        if language not in self.cfg.languages:
+            return Decision(False, f"language: {language} ({probability:.2f}), not one of {','.join(self.cfg.languages)}")
+        if probability < self.cfg.min_probability:
+            return Decision(False, f"language: {language} at {probability:.2f} (< {self.cfg.min_probability:g})")
+        return Decision.kept()

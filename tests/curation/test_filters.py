@@ -1,0 +1,67 @@
+"""Document filters: each rule's threshold, the reason it gives, and the registry entries."""
+
+import pytest
+
+from lmlab.curation import FILTERS, c4_rules, gopher_quality_filter, gopher_repetition, identify_language
+
+PROSE = ("The committee met on Tuesday to discuss the budget for the coming year, and after a long debate it agreed "
+         "to fund the new library, repair the bridge over the river and hire two more teachers for the school. "
+         "Several residents spoke in favour of the plan, while others asked how the town would pay for it without "
+         "raising taxes again. The vote is next week.")
+
+
+def test_gopher_keeps_ordinary_prose():
+    assert len(PROSE.split()) >= 50 and gopher_quality_filter(PROSE)
+
+
+@pytest.mark.parametrize("text, reason", [
+    ("too few words here", "words"),
+    (" ".join(["a"] * 60), "mean word length"),
+    (" ".join(["incomprehensibilities"] * 60), "mean word length"),
+    ("\n".join(["and then the story went on and on ..."] * 10), "ellipsis"),
+    (PROSE + " " + " ".join(["1234", "--", "5678"] * 40), "letter"),
+])
+def test_gopher_drops_each_rule_with_its_reason(text, reason):
+    decision = FILTERS.build("gopher")(text)
+    assert not decision.keep and reason in decision.reason
+    assert not gopher_quality_filter(text)
+
+
+def test_gopher_thresholds_are_config():
+    assert FILTERS.build({"name": "gopher", "min_words": 3})("too few words here").keep
+
+
+def test_repetition_drops_repeated_lines_and_ngrams_and_keeps_prose():
+    assert gopher_repetition(PROSE)
+    lines = "\n".join(["Home", "About us", "Contact"] * 5 + ["A line of its own."])
+    decision = FILTERS.build("repetition")(lines)
+    assert not decision.keep and "duplicate lines" in decision.reason
+    spam = PROSE + " buy cheap pills now" * 30
+    assert not gopher_repetition(spam)
+
+
+def test_c4_keeps_sentences_and_drops_menus_and_code():
+    page = "Menu\nHome | About\n" + PROSE + "\nThis site uses cookies to improve your experience.\nShort line."
+    kept = c4_rules(page)
+    assert kept == PROSE
+    assert c4_rules("function f() { return 1; }\n" + PROSE) is None
+    assert c4_rules("Lorem ipsum dolor sit amet.\n" + PROSE) is None
+    assert c4_rules("One sentence only.") is None
+
+
+def test_language_identification_and_filter():
+    assert identify_language(PROSE)[0] == "en" and identify_language(PROSE)[1] > 0.9
+    german = "Der Ausschuss traf sich am Dienstag, um über den Haushalt für das kommende Jahr zu beraten."
+    assert identify_language(german)[0] == "de"
+    keep_en = FILTERS.build({"name": "language", "languages": ["en"]})
+    assert keep_en(PROSE).keep
+    decision = keep_en(german)
+    assert not decision.keep and decision.reason.startswith("language: de")
+    assert FILTERS.build({"name": "language", "languages": ["de", "en"], "min_probability": 0.5})(german).keep
+
+
+def test_an_unknown_filter_is_a_registry_error():
+    from lmlab.registry import RegistryError
+
+    with pytest.raises(RegistryError, match="gopher"):
+        FILTERS.build("gopehr")
