@@ -9,6 +9,7 @@ Each writes a PNG and a markdown table beside the runs.
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 from collections import defaultdict
 from pathlib import Path
@@ -61,7 +62,8 @@ def batch(root: Path) -> None:
     for size, run in sorted(runs, key=lambda item: item[0]):
         context = int(run.overrides.get("data.context_length", 128))
         step = next(s for s, loss in run.scalars["val/loss"] if loss <= target) + 1
-        noise = [v for _, v in run.scalars.get("train/grad_noise_scale", [])]
+        # nan where the moving average of |G|^2 is not yet positive: small batches' estimates are the noisiest
+        noise = [v for _, v in run.scalars.get("train/grad_noise_scale", []) if math.isfinite(v)]
         scale = statistics.median(noise[len(noise) // 2:]) if noise else float("nan")
         rows.append((size, step, step * size * context, scale))
         lines.append(f"| {size} | {step} | {step * size * context:,} | {scale:,.0f} |")
