@@ -10,7 +10,8 @@
 # The mup and batch runs, like the sweep's, train $PARALLEL at a time.
 # Env: BUDGETS ("[1e14,3e14,1e15]"), SIZES (5), MB (400), SAMPLE_MB (10), VOCAB (4096), CONTEXT (256),
 #      BATCH (32), PARALLEL (sweep runs side by side, 1; small models leave an H200 idle: try 8),
-#      SMALL=1 (a CPU-sized corpus, budgets and sweeps, to check the pipeline).
+#      SWEEP (more `lmlab scaling sweep` settings, e.g. "spread=3 fit=FITS.json method=joint": sizes placed by an
+#      earlier fit instead of Chinchilla's law), SMALL=1 (a CPU-sized corpus, budgets and sweeps, to check the pipeline).
 # Usage: experiments/scaling-laws/run.sh OUT_DIR [corpus isoflop predict mup batch]
 set -euo pipefail
 D=${1:?usage: run.sh OUT_DIR [corpus isoflop predict mup batch]}
@@ -28,7 +29,7 @@ fi
 MB=${MB:-400}; SAMPLE_MB=${SAMPLE_MB:-10}; VOCAB=${VOCAB:-4096}; BUDGETS=${BUDGETS:-"[1e14,3e14,1e15]"}; SIZES=${SIZES:-5}
 CONTEXT=${CONTEXT:-256}; BATCH=${BATCH:-32}; WIDTHS=${WIDTHS:-128,256,512,1024}; LRS=${LRS:-1e-4,3e-4,1e-3,3e-3,1e-2,3e-2}
 MUP_STEPS=${MUP_STEPS:-500}; BATCHES=${BATCHES:-8,16,32,64,128,256}; BATCH_TOKENS=${BATCH_TOKENS:-20000000}
-PARALLEL=${PARALLEL:-1}
+PARALLEL=${PARALLEL:-1}; SWEEP=${SWEEP:-}
 TOKENIZER=$D/tokenizer
 CORPUS="data=text_files data.paths=[$D/corpus/corpus.jsonl] data.context_length=$CONTEXT tokenizer.path=$TOKENIZER
         cache_dir=$D/cache"  # what the token cache is keyed by
@@ -52,7 +53,7 @@ for part in $PARTS; do
                 hydra.run.dir=$TOKENIZER
             lmlab-tokenize encode $CORPUS ;;
         isoflop)
-            lmlab scaling sweep "budgets=$BUDGETS" n_sizes=$SIZES out=$D/sweep launch=true parallel=$PARALLEL $DATA
+            lmlab scaling sweep "budgets=$BUDGETS" n_sizes=$SIZES out=$D/sweep launch=true parallel=$PARALLEL $SWEEP $DATA
             lmlab scaling collect "$D/sweep" --budgets "$(echo "$BUDGETS" | tr -d '[]')" --out "$D/points.csv"
             lmlab scaling fit "$D/points.csv" --out "$D/fit" ;;
         predict)
@@ -60,7 +61,7 @@ for part in $PARTS; do
             flops=$(python -c "print(f'{10 * $largest:.3g}')")
             lmlab scaling plan "flops=$flops" "fit=$D/fit/fits.json" method=isoflop $DATA | tee "$D/predict-plan.txt"
             cmd=$(grep -m1 '^  lmlab-train ' "$D/predict-plan.txt")
-            $cmd $DATA hydra.run.dir=$D/predict 2>&1 | tail -1
+            $cmd $DATA ckpt_path=auto hydra.run.dir=$D/predict 2>&1 | tail -1  # a second launch continues it
             lmlab scaling collect "$D/predict" --out "$D/predict-points.csv"
             python - "$D/fit/fits.json" "$D/predict-points.csv" "$flops" <<'EOF'
 import csv, json, sys
