@@ -50,6 +50,7 @@ VERBS = {
     "eval": ("lmlab.cli.eval", "evaluation tasks (perplexity, MMLU, GSM8K) on a checkpoint"),
     "lm-eval": ("lmlab.cli.lm_eval", "lm-evaluation-harness's command line with lmlab's model `lmlab`"),
     "scaling": ("lmlab.cli.scaling", "scaling-law fits (joint, IsoFLOP, envelope, Kaplan) of a points table"),
+    "data": ("lmlab.cli.data", "the data stage's tools: train-classifier (a fastText-style quality/toxicity model)"),
 }
 
 

@@ -25,6 +25,8 @@ from pathlib import Path
 
 import numpy as np
 
+from lmlab.curation.hashing import ngram_hashes
+
 _NOT_WORD = re.compile(r"[^\w\s]")
 _SPACE = re.compile(r"\s+")
 
@@ -37,34 +39,10 @@ def normalize(text: str) -> str:
     return _SPACE.sub(" ", _NOT_WORD.sub(" ", text)).strip()
 
 
-_WORD_HASHES: dict[str, int] = {}  # words repeat (Zipf): each is hashed once per process
-_MAX_CACHED_WORDS = 1 << 21
-_NGRAM_MULTIPLIER = np.uint64(0x9E3779B97F4A7C15)  # odd: the n-gram hash is a polynomial in its words' hashes
-
-
-def _word_hash(word: str) -> int:
-    h = _WORD_HASHES.get(word)
-    if h is None:
-        if len(_WORD_HASHES) >= _MAX_CACHED_WORDS:
-            _WORD_HASHES.clear()
-        h = _WORD_HASHES[word] = int.from_bytes(hashlib.blake2b(word.encode(), digest_size=8).digest(), "little")
-    return h
-
-
 def shingles(text: str, n: int) -> np.ndarray:
     """The normalised text's word n-grams as sorted, distinct 64-bit hashes (a text of fewer than n words is
     one n-gram of all of them); the same in every process."""
-    words = normalize(text).split()
-    if not words:
-        return np.empty(0, dtype=np.uint64)
-    h = np.fromiter(map(_word_hash, words), dtype=np.uint64, count=len(words))
-    k = min(n, len(words))
-    count = len(words) - k + 1
-    grams = np.zeros(count, dtype=np.uint64)
-    with np.errstate(over="ignore"):
-        for j in range(k):
-            grams = grams * _NGRAM_MULTIPLIER + h[j:j + count]
-    return np.unique(grams)
+    return np.unique(ngram_hashes(normalize(text).split(), n))
 
 
 class MinHasher:

@@ -7,6 +7,8 @@ keep or drop, the reason, and for a filter that edits the text (C4's line rules)
   share of the characters, the share in duplicated n-grams.
 - `c4`: C4's line and page rules (Raffel et al. 2020).
 - `language`: keeps documents whose language (py3langid) is one of a list, at a minimum probability.
+- `classifier`: keeps documents that a text classifier (lmlab's fastText-style model or a fastText `.bin`, e.g. a
+  quality or toxicity model) labels as one of a list, at a minimum probability.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from lmlab.curation.langid import identify_language
+from lmlab.errors import ConfigError
 from lmlab.registry import Registry
 
 FILTERS = Registry("filter", group="curation/filter", doc="document filters: keep or drop, with the reason")
@@ -224,4 +227,31 @@ class LanguageFilter:
             return Decision(False, f"language: {language} ({probability:.2f}), not one of {','.join(self.cfg.languages)}")
         if probability < self.cfg.min_probability:
             return Decision(False, f"language: {language} at {probability:.2f} (< {self.cfg.min_probability:g})")
+        return Decision.kept()
+
+
+@FILTERS.register("classifier")
+class ClassifierFilter:
+    """Keeps documents a text classifier (lmlab's or a fastText .bin) labels as one of `keep`."""
+
+    @dataclass
+    class Config:
+        model: str = ""  # the model file: `lmlab data train-classifier`'s output, or a fastText .bin
+        keep: list[str] = field(default_factory=lambda: ["hq"])  # labels that pass (without __label__)
+        min_probability: float = 0.5
+
+    def __init__(self, cfg: Config):
+        from lmlab.curation.classifier import load_classifier
+
+        if not cfg.model:
+            raise ConfigError("filter 'classifier' needs model=PATH: a model from `lmlab data train-classifier` or "
+                              "a fastText .bin file")
+        self.cfg, self.classifier = cfg, load_classifier(cfg.model)
+
+    def __call__(self, text: str) -> Decision:
+        label, probability = self.classifier.predict(text)
+        if label not in self.cfg.keep:
+            return Decision(False, f"classifier: {label} ({probability:.2f})")
+        if probability < self.cfg.min_probability:
+            return Decision(False, f"classifier: {label} at {probability:.2f} (< {self.cfg.min_probability:g})")
         return Decision.kept()
