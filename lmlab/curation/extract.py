@@ -65,7 +65,7 @@ def iter_warc_html(path: str | Path, stats: WarcStats | None = None) -> Iterator
                     continue
                 content_type = (record.http_headers.get_header("Content-Type") or "") if record.http_headers else ""
                 status = record.http_headers.get_statuscode() if record.http_headers else None
-                if status != "200" or not content_type.split(";")[0].strip().lower() in HTML_TYPES:
+                if status != "200" or content_type.split(";")[0].strip().lower() not in HTML_TYPES:
                     stats.skipped += 1
                     continue
                 stats.html += 1

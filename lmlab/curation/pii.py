@@ -6,8 +6,8 @@ from __future__ import annotations
 import re
 
 EMAIL = re.compile(r"[A-Za-z0-9._%+-]+@(?:[A-Za-z0-9-]+\.)+[A-Za-z]{2,}")
-# (123) 456-7890, 123-456-7890, 123.456.7890, 123 456 7890, 1234567890, +1 123 456 7890: ten digits in US groups
-PHONE = re.compile(r"(?<![\w+])(?:\+?1[\s.-]?)?(?:\(\d{3}\)\s?|\d{3}[\s.-]?)\d{3}[\s.-]?\d{4}(?!\w)")
+# (123) 456-7890, (123)-456-7890, 123-456-7890, 123.456.7890, 123 456 7890, 1234567890, +1 123 456 7890: ten digits in US groups
+PHONE = re.compile(r"(?<![\w+])(?:\+?1[\s.-]?)?(?:\(\d{3}\)[\s.-]?|\d{3}[\s.-]?)\d{3}[\s.-]?\d{4}(?!\w)")
 IPV4 = re.compile(r"(?<![\d.])(?:(?:25[0-5]|2[0-4]\d|1\d\d|[1-9]?\d)\.){3}(?:25[0-5]|2[0-4]\d|1\d\d|[1-9]?\d)(?![\d.]\d)")
 
 EMAIL_TOKEN, PHONE_TOKEN, IP_TOKEN = "|||EMAIL_ADDRESS|||", "|||PHONE_NUMBER|||", "|||IP_ADDRESS|||"

@@ -10,7 +10,7 @@ def test_emails_are_masked_and_counted():
     assert n == 2 and text == "write to |||EMAIL_ADDRESS||| or |||EMAIL_ADDRESS|||, not to @handle"
 
 
-@pytest.mark.parametrize("number", ["(283) 182-3829", "283-182-3829", "283.182.3829", "283 182 3829", "2831823829",
+@pytest.mark.parametrize("number", ["(283) 182-3829", "(283)-182-3829", "+1 (283) 182-3829", "283-182-3829", "283.182.3829", "283 182 3829", "2831823829",
                                     "+1 283 182 3829", "1-283-182-3829"])
 def test_us_phone_formats_are_masked(number):
     text, n = mask_phone_numbers(f"call {number} today")
