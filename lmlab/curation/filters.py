@@ -175,7 +175,7 @@ class C4Rules:
 
     @dataclass
     class Config:
-        min_words_per_line: int = 3  # C4 used 3 in its code (5 in the paper's text)
+        min_words_per_line: int = 3  # as in Dolma's C4 rules
         min_sentences: int = 3
         max_word_length: int = 1000
 
