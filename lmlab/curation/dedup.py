@@ -124,6 +124,16 @@ def _read(paths: Sequence[os.PathLike]) -> list[str]:
     return [Path(p).read_text(encoding="utf-8", errors="replace") for p in paths]
 
 
+def _write_kept(out: Path, paths: Sequence[os.PathLike], texts: Sequence[str], keep: Sequence[bool]) -> list[Path]:
+    """Writes each kept text to `out` under its input file's name; returns the files written."""
+    written = []
+    for path, text, kept in zip(paths, texts, keep):
+        if kept:
+            written.append(out / Path(path).name)
+            written[-1].write_text(text, encoding="utf-8")
+    return written
+
+
 def _output_folder(output_directory: os.PathLike, paths: Sequence[os.PathLike]) -> Path:
     out = Path(output_directory)
     names = [Path(p).name for p in paths]
@@ -140,12 +150,7 @@ def minhash_deduplication(input_files: Sequence[os.PathLike], num_hashes: int, n
     out = _output_folder(output_directory, input_files)
     texts = _read(input_files)
     clusters = near_duplicate_clusters(texts, num_hashes, num_bands, ngrams, jaccard_threshold, seed)
-    written = []
-    for i, (path, text) in enumerate(zip(input_files, texts)):
-        if clusters[i] == i:
-            written.append(out / Path(path).name)
-            written[-1].write_text(text, encoding="utf-8")
-    return written
+    return _write_kept(out, input_files, texts, [cluster == i for i, cluster in enumerate(clusters)])
 
 
 def _line_key(line: str) -> bytes:
@@ -173,11 +178,9 @@ def exact_line_deduplication(input_files: Sequence[os.PathLike], output_director
 def exact_document_deduplication(input_files: Sequence[os.PathLike], output_directory: os.PathLike) -> list[Path]:
     """Writes the files whose exact text no earlier file had; returns them."""
     out = _output_folder(output_directory, input_files)
-    seen, written = set(), []
-    for path, text in zip(input_files, _read(input_files)):
+    texts, seen, first = _read(input_files), set(), []
+    for text in texts:
         key = hashlib.blake2b(text.encode(), digest_size=16).digest()
-        if key not in seen:
-            seen.add(key)
-            written.append(out / Path(path).name)
-            written[-1].write_text(text, encoding="utf-8")
-    return written
+        first.append(key not in seen)
+        seen.add(key)
+    return _write_kept(out, input_files, texts, first)

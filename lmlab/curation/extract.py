@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 HTML_TYPES = ("text/html", "application/xhtml+xml")
@@ -38,7 +38,6 @@ class WarcHtml:
     url: str
     date: str
     html: bytes
-    metadata: dict = field(default_factory=dict)
 
 
 @dataclass

@@ -83,22 +83,29 @@ def gopher_quality_filter(text: str) -> bool:
     return GopherQuality()(text).keep
 
 
-def _ngram_stats(words: list[str], n: int) -> tuple[float, float]:
-    """(characters in the most frequent n-gram's occurrences, characters in words covered by n-grams that occur
-    more than once), each over all words' characters, as Gopher counts them."""
+def _top_ngram_share(words: list[str], n: int) -> float:
+    """Characters in the most frequent n-gram's occurrences (when it occurs more than once), over all words'
+    characters, as Gopher counts them."""
+    total = sum(map(len, words))
+    counts = Counter(tuple(words[i:i + n]) for i in range(len(words) - n + 1))
+    if not counts or not total:
+        return 0.0
+    top, top_count = counts.most_common(1)[0]
+    return sum(map(len, top)) * top_count / total if top_count > 1 else 0.0
+
+
+def _duplicate_ngram_share(words: list[str], n: int) -> float:
+    """Characters in words covered by n-grams that occur more than once, over all words' characters."""
     total = sum(map(len, words))
     grams = [tuple(words[i:i + n]) for i in range(len(words) - n + 1)]
     if not grams or not total:
-        return 0.0, 0.0
+        return 0.0
     counts = Counter(grams)
-    top, top_count = counts.most_common(1)[0]
-    top_chars = sum(map(len, top)) * top_count if top_count > 1 else 0
     covered = [False] * len(words)
     for i, gram in enumerate(grams):
         if counts[gram] > 1:
             covered[i:i + n] = [True] * n
-    duplicated_chars = sum(len(w) for w, c in zip(words, covered) if c)
-    return top_chars / total, duplicated_chars / total
+    return sum(len(w) for w, c in zip(words, covered) if c) / total
 
 
 def _duplicates(parts: list[str]) -> tuple[float, float]:
@@ -146,11 +153,11 @@ class GopherRepetition:
                 return Decision(False, f"repetition: {chars:.0%} of characters in duplicate {kind} (> {max_chars:.0%})")
         words = words_of(text)
         for n, limit in sorted(c.max_top_ngram_chars.items()):
-            top, _ = _ngram_stats(words, n)
+            top = _top_ngram_share(words, n)
             if top > limit:
                 return Decision(False, f"repetition: the top {n}-gram holds {top:.0%} of characters (> {limit:.0%})")
         for n, limit in sorted(c.max_duplicate_ngram_chars.items()):
-            _, duplicated = _ngram_stats(words, n)
+            duplicated = _duplicate_ngram_share(words, n)
             if duplicated > limit:
                 return Decision(False, f"repetition: {duplicated:.0%} of characters in duplicate {n}-grams "
                                        f"(> {limit:.0%})")
@@ -209,6 +216,15 @@ def c4_rules(text: str) -> str | None:
     return decision.text if decision.keep else None
 
 
+def _label_decision(kind: str, label: str, probability: float, allowed: list[str], min_probability: float) -> Decision:
+    """Keep when a model's label is one of `allowed` at `min_probability` or more."""
+    if label not in allowed:
+        return Decision(False, f"{kind}: {label} ({probability:.2f}), not one of {','.join(allowed)}")
+    if probability < min_probability:
+        return Decision(False, f"{kind}: {label} at {probability:.2f} (< {min_probability:g})")
+    return Decision.kept()
+
+
 @FILTERS.register("language")
 class LanguageFilter:
     """Keeps documents in the listed languages (py3langid) at a minimum probability."""
@@ -222,12 +238,7 @@ class LanguageFilter:
         self.cfg = cfg or self.Config()
 
     def __call__(self, text: str) -> Decision:
-        language, probability = identify_language(text)
-        if language not in self.cfg.languages:
-            return Decision(False, f"language: {language} ({probability:.2f}), not one of {','.join(self.cfg.languages)}")
-        if probability < self.cfg.min_probability:
-            return Decision(False, f"language: {language} at {probability:.2f} (< {self.cfg.min_probability:g})")
-        return Decision.kept()
+        return _label_decision("language", *identify_language(text), self.cfg.languages, self.cfg.min_probability)
 
 
 @FILTERS.register("classifier")
@@ -249,9 +260,4 @@ class ClassifierFilter:
         self.cfg, self.classifier = cfg, load_classifier(cfg.model)
 
     def __call__(self, text: str) -> Decision:
-        label, probability = self.classifier.predict(text)
-        if label not in self.cfg.keep:
-            return Decision(False, f"classifier: {label} ({probability:.2f})")
-        if probability < self.cfg.min_probability:
-            return Decision(False, f"classifier: {label} at {probability:.2f} (< {self.cfg.min_probability:g})")
-        return Decision.kept()
+        return _label_decision("classifier", *self.classifier.predict(text), self.cfg.keep, self.cfg.min_probability)
