@@ -3,13 +3,15 @@
 #   corpus    make_corpus.py: source files of the machine's stdlib, packages and /usr/include ($MB MB), a BPE of
 #             $VOCAB tokens trained on its first $SAMPLE_MB MB, and the token cache every run reads
 #   isoflop   lmlab scaling sweep at $BUDGETS ($SIZES sizes each), launched; collect; fit every method
-#   predict   plan the compute-optimal run at 10x the largest budget from the IsoFLOP fit, train it, and
+#   predict   plan the compute-optimal run at 10x the largest budget from the $METHOD fit, train it, and
 #             compare its final val/loss with the prediction
 #   mup       learning-rate sweep at widths 128..1024 under model/init=gpt2 (standard) and mup
 #   batch     batch-size sweep at fixed tokens with the gradient noise scale logged
 # The mup and batch runs, like the sweep's, train $PARALLEL at a time.
 # Env: BUDGETS ("[1e14,3e14,1e15]"), SIZES (5), MB (400), SAMPLE_MB (10), VOCAB (4096), CONTEXT (256),
 #      BATCH (32), PARALLEL (sweep runs side by side, 1; small models leave an H200 idle: try 8),
+#      HEAD_DIM (64; the sweep's and the plan's widths are its multiples: 32 gives small models finer steps),
+#      METHOD (isoflop: the fit whose N* the prediction run trains),
 #      SWEEP (more `lmlab scaling sweep` settings, e.g. "spread=3 fit=FITS.json method=joint": sizes placed by an
 #      earlier fit instead of Chinchilla's law), SMALL=1 (a CPU-sized corpus, budgets and sweeps, to check the pipeline).
 # Usage: experiments/scaling-laws/run.sh OUT_DIR [corpus isoflop predict mup batch]
@@ -29,7 +31,7 @@ fi
 MB=${MB:-400}; SAMPLE_MB=${SAMPLE_MB:-10}; VOCAB=${VOCAB:-4096}; BUDGETS=${BUDGETS:-"[1e14,3e14,1e15]"}; SIZES=${SIZES:-5}
 CONTEXT=${CONTEXT:-256}; BATCH=${BATCH:-32}; WIDTHS=${WIDTHS:-128,256,512,1024}; LRS=${LRS:-1e-4,3e-4,1e-3,3e-3,1e-2,3e-2}
 MUP_STEPS=${MUP_STEPS:-500}; BATCHES=${BATCHES:-8,16,32,64,128,256}; BATCH_TOKENS=${BATCH_TOKENS:-20000000}
-PARALLEL=${PARALLEL:-1}; SWEEP=${SWEEP:-}
+PARALLEL=${PARALLEL:-1}; SWEEP=${SWEEP:-}; HEAD_DIM=${HEAD_DIM:-64}; METHOD=${METHOD:-isoflop}
 TOKENIZER=$D/tokenizer
 CORPUS="data=text_files data.paths=[$D/corpus/corpus.jsonl] data.context_length=$CONTEXT tokenizer.path=$TOKENIZER
         cache_dir=$D/cache"  # what the token cache is keyed by
@@ -53,13 +55,13 @@ for part in $PARTS; do
                 hydra.run.dir=$TOKENIZER
             lmlab-tokenize encode $CORPUS ;;
         isoflop)
-            lmlab scaling sweep "budgets=$BUDGETS" n_sizes=$SIZES out=$D/sweep launch=true parallel=$PARALLEL $SWEEP $DATA
+            lmlab scaling sweep "budgets=$BUDGETS" n_sizes=$SIZES out=$D/sweep launch=true parallel=$PARALLEL head_dim=$HEAD_DIM $SWEEP $DATA
             lmlab scaling collect "$D/sweep" --budgets "$(echo "$BUDGETS" | tr -d '[]')" --out "$D/points.csv"
             lmlab scaling fit "$D/points.csv" --out "$D/fit" ;;
         predict)
             largest=$(echo "$BUDGETS" | tr -d '[]' | tr ',' '\n' | sort -g | tail -1)
             flops=$(python -c "print(f'{10 * $largest:.3g}')")
-            lmlab scaling plan "flops=$flops" "fit=$D/fit/fits.json" method=isoflop $DATA | tee "$D/predict-plan.txt"
+            lmlab scaling plan "flops=$flops" "fit=$D/fit/fits.json" method=$METHOD head_dim=$HEAD_DIM $DATA | tee "$D/predict-plan.txt"
             cmd=$(grep -m1 '^  lmlab-train ' "$D/predict-plan.txt")
             $cmd $DATA ckpt_path=auto hydra.run.dir=$D/predict 2>&1 | tail -1  # a second launch continues it
             lmlab scaling collect "$D/predict" --out "$D/predict-points.csv"

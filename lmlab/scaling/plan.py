@@ -51,11 +51,18 @@ def model_shape(cfg: DictConfig, vocab_size: int, n_target: float, aspect: float
         one, two = counts(d_model, 1), counts(d_model, 2)
         return one.params + (n_layers - 1) * (two.params - one.params)
 
+    def widths_around(n_layers: int) -> list[int]:
+        """The two widths whose models bracket the target at this depth, by bisection: the estimate grows with
+        width, and the token head's vocab x d_model makes a width guess from 12 d^2 alone miss small models."""
+        low, high = 1, max(2, math.ceil(math.sqrt(n_target / (12 * n_layers)) / head_dim) + 1)
+        while high - low > 1:
+            mid = (low + high) // 2
+            low, high = (mid, high) if estimate(mid * head_dim, n_layers) < n_target else (low, mid)
+        return [low * head_dim, high * head_dim]
+
     best, best_score = None, math.inf
     for n_layers in range(1, 129):
-        # about 12 d^2 parameters a layer (attention 4 d^2, a gated FFN 8 d^2): the width that fits the target
-        guess = max(head_dim, head_dim * round(math.sqrt(n_target / (12 * n_layers)) / head_dim))
-        for d_model in {max(head_dim, guess - head_dim), guess, guess + head_dim}:
+        for d_model in widths_around(n_layers):
             ratio = d_model / n_layers
             if aspect / 2 <= ratio <= aspect * 2:
                 score = abs(math.log(estimate(d_model, n_layers) / n_target)) + 0.01 * abs(math.log(ratio / aspect))

@@ -24,6 +24,15 @@ def test_model_shape_matches_the_parameter_target_with_exact_counts():
         model_shape(cfg, 1024, 1e3)
 
 
+def test_model_shape_reaches_the_narrowest_width_when_the_head_dominates():
+    # with a 4,096-token head, d_model 32 has ~1.5e5 parameters, d_model 64 twice that: a width guessed from
+    # 12 d^2 alone would start at 64 and miss the smaller model
+    cfg = compose_config(["model.vocab_size=4096"])
+    narrow = model_shape(cfg, 4096, 1.5e5, head_dim=32)
+    assert narrow.d_model == 32 and narrow.params == pytest.approx(1.5e5, rel=0.1)
+    assert model_shape(cfg, 4096, 3.2e5, head_dim=32).d_model == 64
+
+
 def test_overtraining_reaches_the_same_loss_for_fewer_total_flops():
     c, served = 1e20, 1e12
     best = overtrain(CHINCHILLA, c, served)
