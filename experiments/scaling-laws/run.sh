@@ -32,6 +32,8 @@ MB=${MB:-400}; SAMPLE_MB=${SAMPLE_MB:-10}; VOCAB=${VOCAB:-4096}; BUDGETS=${BUDGE
 CONTEXT=${CONTEXT:-256}; BATCH=${BATCH:-32}; WIDTHS=${WIDTHS:-128,256,512,1024}; LRS=${LRS:-1e-4,3e-4,1e-3,3e-3,1e-2,3e-2}
 MUP_STEPS=${MUP_STEPS:-500}; BATCHES=${BATCHES:-8,16,32,64,128,256}; BATCH_TOKENS=${BATCH_TOKENS:-20000000}
 PARALLEL=${PARALLEL:-1}; SWEEP=${SWEEP:-}; HEAD_DIM=${HEAD_DIM:-64}; METHOD=${METHOD:-isoflop}
+largest=$(echo "$BUDGETS" | tr -d '[]' | tr ',' '\n' | sort -g | tail -1)
+PREDICT_FLOPS=$(python -c "print(f'{10 * $largest:.3g}')")  # the prediction run's budget: 10x the largest
 TOKENIZER=$D/tokenizer
 CORPUS="data=text_files data.paths=[$D/corpus/corpus.jsonl] data.context_length=$CONTEXT tokenizer.path=$TOKENIZER
         cache_dir=$D/cache"  # what the token cache is keyed by
@@ -57,23 +59,21 @@ for part in $PARTS; do
         isoflop)
             lmlab scaling sweep "budgets=$BUDGETS" n_sizes=$SIZES out=$D/sweep launch=true parallel=$PARALLEL head_dim=$HEAD_DIM $SWEEP $DATA
             lmlab scaling collect "$D/sweep" --budgets "$(echo "$BUDGETS" | tr -d '[]')" --out "$D/points.csv"
-            lmlab scaling fit "$D/points.csv" --out "$D/fit" ;;
+            lmlab scaling fit "$D/points.csv" --at "$PREDICT_FLOPS" --out "$D/fit" ;;
         predict)
-            largest=$(echo "$BUDGETS" | tr -d '[]' | tr ',' '\n' | sort -g | tail -1)
-            flops=$(python -c "print(f'{10 * $largest:.3g}')")
-            lmlab scaling plan "flops=$flops" "fit=$D/fit/fits.json" method=$METHOD head_dim=$HEAD_DIM $DATA | tee "$D/predict-plan.txt"
+            lmlab scaling plan "flops=$PREDICT_FLOPS" "fit=$D/fit/fits.json" method=$METHOD head_dim=$HEAD_DIM $DATA | tee "$D/predict-plan.txt"
             cmd=$(grep -m1 '^  lmlab-train ' "$D/predict-plan.txt")
             $cmd $DATA ckpt_path=auto hydra.run.dir=$D/predict 2>&1 | tail -1  # a second launch continues it
             lmlab scaling collect "$D/predict" --out "$D/predict-points.csv"
-            python - "$D/fit/fits.json" "$D/predict-points.csv" "$flops" <<'EOF'
+            python - "$D/fit/fits.json" "$D/predict-points.csv" <<'EOF'
 import csv, json, sys
-fits, rows, flops = json.load(open(sys.argv[1])), list(csv.DictReader(open(sys.argv[2]))), float(sys.argv[3])
-from lmlab.scaling.laws import law_from_json
+fits, rows = json.load(open(sys.argv[1])), list(csv.DictReader(open(sys.argv[2])))
 measured = float(rows[-1]["loss"])
-for name, entry in fits.items():
-    if "law" in entry:
-        predicted = float(law_from_json(entry["law"]).predicted_loss(flops))
-        print(f"{name}: predicted {predicted:.4f}, measured {measured:.4f}, error {100 * (predicted / measured - 1):+.2f}%")
+for name, entry in fits.items():  # every method's prediction at the run's budget, fitted before the run
+    low_high = entry.get("predicted_loss_interval")
+    band = f" [{low_high[0]:.4f}, {low_high[1]:.4f}]" if low_high else ""
+    print(f"{name}: predicted {entry['predicted_loss']:.4f}{band} at {entry['at']:.3g} FLOPs, measured "
+          f"{measured:.4f}, error {100 * (entry['predicted_loss'] / measured - 1):+.2f}%")
 EOF
             ;;
         mup)

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from lmlab.errors import ConfigError
 from lmlab.scaling.laws import (ComputeOptimal, FrontierFit, bootstrap_fits, curves_of, fit_envelope,
-                                fit_isoflop, fit_joint, fit_kaplan, intervals, isoflop_residual_fits, law_from_json,
+                                fit_isoflop, fit_joint, fit_kaplan, intervals, isoflop_residual_fits, law_from_json, loss_interval,
                                 law_to_json)
 from lmlab.scaling.plots import plot_envelope, plot_frontier, plot_isoflop, plot_residuals
 from lmlab.scaling.points import Point, read_points, write_points
@@ -67,18 +67,19 @@ def _with_interval(value: float, interval: tuple[float, float] | None) -> str:
     return f"{value:.3f}" + (f" [{interval[0]:.3f}, {interval[1]:.3f}]" if interval else "")
 
 
-def report(fits: dict, intervals_of: dict, skipped: dict[str, str], at: float) -> str:
-    lines = [f"{'method':<9} {'N* ~ C^a':<24} {'D* ~ C^b':<24} {'N*':>10} {'D*':>10} {'D*/N*':>7} {'loss':>7}"
-             f"   (at C = {at:.3g} FLOPs; 95% bootstrap intervals)"]
+def report(fits: dict, intervals_of: dict, skipped: dict[str, str], at: float, loss_ci: dict) -> str:
+    lines = [f"{'method':<9} {'N* ~ C^a':<24} {'D* ~ C^b':<24} {'N*':>10} {'D*':>10} {'D*/N*':>7} "
+             f"{'loss':<22}   (at C = {at:.3g} FLOPs; 95% bootstrap intervals)"]
     for name, fit in fits.items():
         params, ci = fit.params(), intervals_of.get(name, {})
+        loss = _with_interval(float(fit.predicted_loss(at)), loss_ci.get(name))
         if not isinstance(fit, ComputeOptimal):
             lines.append(f"{name:<9} " + ", ".join(f"{k} {_with_interval(v, ci.get(k))}" for k, v in params.items()
-                                                   if not k.endswith("_c")))
+                                                   if not k.endswith("_c")) + f"; L(C) {loss}")
             continue
         lines.append(f"{name:<9} {_with_interval(params['a'], ci.get('a')):<24} "
                      f"{_with_interval(params['b'], ci.get('b')):<24} {fit.n_opt(at):>10.3g} {fit.d_opt(at):>10.3g} "
-                     f"{fit.tokens_per_parameter(at):>7.1f} {fit.predicted_loss(at):>7.3f}")
+                     f"{fit.tokens_per_parameter(at):>7.1f} {loss:<22}")
     if "joint" in fits:
         p, ci = fits["joint"].params(), intervals_of.get("joint", {})
         lines.append("joint law: L = E + A/N^alpha + B/D^beta with " +
@@ -94,11 +95,16 @@ def cmd_fit(args: argparse.Namespace) -> int:
         raise ConfigError("no fit applies to these points:\n" + "\n".join(f"  {k}: {v}" for k, v in skipped.items()))
     at = args.at or 10 * max(p.flops for p in points)
     ci = {name: intervals(d) for name, d in draws.items()}
-    print(report(fits, ci, skipped, at))
+    loss_ci = {name: loss_interval(d, at) for name, d in draws.items()}
+    text = report(fits, ci, skipped, at, loss_ci)
+    print(text)
     args.out.mkdir(parents=True, exist_ok=True)
-    summary = {name: {"params": fit.params(), "intervals": ci.get(name, {}),
-                      **({"law": law_to_json(fit), "at": at, "n_opt": float(fit.n_opt(at)), "d_opt": float(fit.d_opt(at)),
-                          "predicted_loss": float(fit.predicted_loss(at))} if isinstance(fit, ComputeOptimal) else {})}
+    (args.out / "fit.txt").write_text(text + "\n")
+    # every method's predicted loss at `at` (Kaplan's L(C) too), so a run trained there checks them all
+    summary = {name: {"params": fit.params(), "intervals": ci.get(name, {}), "at": at,
+                      "predicted_loss": float(fit.predicted_loss(at)), "predicted_loss_interval": loss_ci.get(name),
+                      **({"law": law_to_json(fit), "n_opt": float(fit.n_opt(at)), "d_opt": float(fit.d_opt(at))}
+                         if isinstance(fit, ComputeOptimal) else {})}
                for name, fit in fits.items()}
     (args.out / "fits.json").write_text(json.dumps(summary, indent=1))
     if isinstance(fits.get("isoflop"), FrontierFit):
@@ -108,7 +114,7 @@ def cmd_fit(args: argparse.Namespace) -> int:
     plot_envelope(points, optimal, args.out / "envelope.png", at)
     if "joint" in fits:
         plot_residuals(fits["joint"], points, args.out / "residuals.png")
-    print(f"fits.json and plots in {args.out}")
+    print(f"fit.txt, fits.json and plots in {args.out}")
     return 0
 
 

@@ -253,6 +253,10 @@ class KaplanFit:
         return {"alpha_N": self.loss_n.alpha, "N_c": _scale(self.loss_n), "alpha_C": self.loss_c.alpha,
                 "C_c": _scale(self.loss_c)}
 
+    def predicted_loss(self, flops):
+        """L(C) = (C_c / C)^alpha_C: the frontier's loss at a budget, with no floor to flatten it."""
+        return self.loss_c(flops)
+
 
 def _scale(law: PowerLaw) -> float:
     """x_c of L = (x_c / x)^alpha, i.e. A^(1/alpha); inf where a near-flat fit puts it beyond a float."""
@@ -321,6 +325,14 @@ def intervals(fits: Sequence, level: float = 0.95) -> dict[str, tuple[float, flo
                 draws[key].append(value)
     tail = 100 * (1 - level) / 2
     return {key: (float(np.percentile(v, tail)), float(np.percentile(v, 100 - tail))) for key, v in draws.items()}
+
+
+def loss_interval(fits: Sequence, flops: float, level: float = 0.95) -> tuple[float, float] | None:
+    """Percentile interval of the fits' predicted loss at `flops` (None without fits)."""
+    losses = [float(f.predicted_loss(flops)) for f in fits]
+    losses = [v for v in losses if math.isfinite(v)]
+    tail = 100 * (1 - level) / 2
+    return (float(np.percentile(losses, tail)), float(np.percentile(losses, 100 - tail))) if losses else None
 
 
 def bootstrap(fit: Callable[[list[Point]], object], units: Sequence[Sequence[Point]], samples: int = 200,

@@ -24,6 +24,12 @@ def test_fit_writes_every_applicable_fit_with_predictions_and_plots(tmp_path, ca
     assert fits["isoflop"]["n_opt"] == pytest.approx(CHINCHILLA.n_opt(1e20), rel=0.1)
     low, high = fits["isoflop"]["intervals"]["a"]
     assert low <= fits["isoflop"]["params"]["a"] <= high
+    kaplan = fits["kaplan"]["params"]  # Kaplan's L(C) predicts too: (C_c / C)^alpha_C, with its interval
+    assert fits["kaplan"]["predicted_loss"] == pytest.approx((kaplan["C_c"] / 1e20) ** kaplan["alpha_C"], rel=1e-6)
+    for name, entry in fits.items():
+        low, high = entry["predicted_loss_interval"]
+        assert entry["at"] == 1e20 and low <= high, name
+    assert (tmp_path / "fit" / "fit.txt").read_text().startswith("method")
     for png in ("isoflop.png", "frontier.png", "envelope.png", "residuals.png"):
         assert (tmp_path / "fit" / png).stat().st_size > 1000
 
