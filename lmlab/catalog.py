@@ -27,6 +27,9 @@ BUILTIN_MODULES = (
     "lmlab.alignment",
     "lmlab.alignment.tasks",
     "lmlab.curation.filters",
+    "lmlab.curation.corpus_filters",
+    "lmlab.curation.readers",
+    "lmlab.curation.executors",
     "lmlab.training.config",  # the schema of train.yaml
 )
 

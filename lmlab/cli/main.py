@@ -33,7 +33,8 @@ def cmd_list(args: argparse.Namespace) -> int:
 # `lmlab bench NAME ...` runs the `main(argv)` of the module named here.
 BENCHMARKS = {"tokenizer": "lmlab.tokenizers.bench", "moe": "lmlab.nn.moe.bench", "comm": "lmlab.parallel.comm_bench",
               "parallel": "lmlab.parallel.bench", "train": "lmlab.training.bench",
-              "kernels": "lmlab.kernels.bench", "generate": "lmlab.inference.bench"}
+              "kernels": "lmlab.kernels.bench", "generate": "lmlab.inference.bench",
+              "data": "lmlab.curation.bench"}
 
 
 def cmd_bench(args: argparse.Namespace) -> int:

@@ -133,25 +133,36 @@ class TextClassifier:
         return clf
 
 
-class FastTextClassifier:
-    """A fastText `.bin` model through the `fasttext` package (pip install fasttext)."""
+def existing_model(path: str | Path, what: str) -> Path:
+    """The model file's path; a missing file is one clear error saying where models come from."""
+    path = Path(path).expanduser()
+    if not path.is_file():
+        raise ConfigError(f"{what} model file {path} does not exist: {MODEL_SOURCES}")
+    return path
 
-    def __init__(self, path: Path):
+
+MODEL_SOURCES = ("train a classifier with `lmlab data train-classifier`, or give the path of a fastText .bin model "
+                 "(e.g. lid.176.bin for language ID, Dolma's NSFW or hate-speech classifiers)")
+
+
+class FastTextClassifier:
+    """A fastText `.bin` (or `.ftz`) model through the `fasttext` package (pip install fasttext-wheel)."""
+
+    def __init__(self, path: str | Path):
+        path = existing_model(path, "fastText")
         try:
             import fasttext
         except ImportError:
-            raise ConfigError(f"{path} is a fastText model: pip install fasttext to load it") from None
+            raise ConfigError(f"{path} is a fastText model: pip install fasttext-wheel to load it") from None
         self.model = fasttext.load_model(str(path))
 
     def predict(self, text: str) -> tuple[str, float]:
-        labels, probs = self.model.predict(text.replace("\n", " "))
-        return labels[0].removeprefix(LABEL_PREFIX), min(float(probs[0]), 1.0)
+        # the list form: fasttext 0.9's single-text form fails under NumPy 2 (np.array(copy=False))
+        labels, probs = self.model.predict([text.replace("\n", " ")])
+        return labels[0][0].removeprefix(LABEL_PREFIX), min(float(probs[0][0]), 1.0)
 
 
 def load_classifier(path: str | Path) -> TextClassifier | FastTextClassifier:
-    """lmlab's saved classifier, or a fastText `.bin` file; a missing file is one clear error."""
-    path = Path(path).expanduser()
-    if not path.is_file():
-        raise ConfigError(f"classifier model file {path} does not exist: train one with `lmlab data "
-                          "train-classifier`, or give the path of a fastText .bin model")
-    return FastTextClassifier(path) if path.suffix == ".bin" else TextClassifier.load(path)
+    """lmlab's saved classifier, or a fastText `.bin`/`.ftz` file; a missing file is one clear error."""
+    path = existing_model(path, "classifier")
+    return FastTextClassifier(path) if path.suffix in (".bin", ".ftz") else TextClassifier.load(path)

@@ -19,7 +19,7 @@ import hashlib
 import os
 import re
 import unicodedata
-from collections import Counter, defaultdict
+from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -65,19 +65,29 @@ class MinHasher:
         return mixed.min(axis=0).astype(np.uint32)
 
 
+ALL_PAIRS_UP_TO = 64  # a larger LSH bucket (many copies of one page) pairs each member with its first, not all pairs
+
+
 def lsh_candidates(signatures: np.ndarray, num_bands: int) -> set[tuple[int, int]]:
-    """Pairs (i < j) of rows that agree on all of at least one band's rows."""
+    """Pairs (i < j) of rows that agree on all of at least one band's rows. Within a bucket every pair is a
+    candidate, except in buckets of more than ALL_PAIRS_UP_TO rows, whose members pair with the first only
+    (linear, not quadratic, in the copies of a page repeated thousands of times)."""
     n, num_hashes = signatures.shape
     if num_bands < 1 or num_hashes % num_bands:
         raise ValueError(f"num_bands ({num_bands}) must divide num_hashes ({num_hashes})")
     rows = num_hashes // num_bands
     pairs = set()
     for band in range(num_bands):
-        buckets = defaultdict(list)
-        for i, key in enumerate(signatures[:, band * rows:(band + 1) * rows]):
-            buckets[key.tobytes()].append(i)
-        for members in buckets.values():
-            pairs.update((members[x], members[y]) for x in range(len(members)) for y in range(x + 1, len(members)))
+        keys = np.ascontiguousarray(signatures[:, band * rows:(band + 1) * rows]).view(np.dtype((np.void, 4 * rows)))
+        _, bucket, sizes = np.unique(keys.ravel(), return_inverse=True, return_counts=True)
+        shared = np.flatnonzero(sizes[bucket] > 1)
+        shared = shared[np.argsort(bucket[shared], kind="stable")]  # grouped by bucket, in row order inside one
+        for members in np.split(shared, np.flatnonzero(np.diff(bucket[shared])) + 1):
+            members = members.tolist()
+            if len(members) > ALL_PAIRS_UP_TO:
+                pairs.update((members[0], m) for m in members[1:])
+            else:
+                pairs.update((members[x], members[y]) for x in range(len(members)) for y in range(x + 1, len(members)))
     return pairs
 
 
@@ -153,7 +163,7 @@ def minhash_deduplication(input_files: Sequence[os.PathLike], num_hashes: int, n
     return _write_kept(out, input_files, texts, [cluster == i for i, cluster in enumerate(clusters)])
 
 
-def _line_key(line: str) -> bytes:
+def line_key(line: str) -> bytes:
     """A line's identity without its line ending (a file's last line may lack one)."""
     return hashlib.blake2b(line.rstrip("\r\n").encode(), digest_size=12).digest()
 
@@ -165,12 +175,12 @@ def exact_line_deduplication(input_files: Sequence[os.PathLike], output_director
     counts: Counter[bytes] = Counter()
     for path in input_files:
         with open(path, encoding="utf-8", errors="replace") as f:
-            counts.update(_line_key(line) for line in f)
+            counts.update(line_key(line) for line in f)
     written = []
     for path in input_files:
         target = out / Path(path).name
         with open(path, encoding="utf-8", errors="replace") as f, open(target, "w", encoding="utf-8") as dst:
-            dst.writelines(line for line in f if counts[_line_key(line)] == 1)
+            dst.writelines(line for line in f if counts[line_key(line)] == 1)
         written.append(target)
     return written
 

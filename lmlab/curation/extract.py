@@ -1,4 +1,9 @@
-"""Text from HTML bytes (resiliparse, as DCLM and the course do), and HTML responses out of WARC files (warcio)."""
+"""Text from HTML bytes, and HTML responses out of WARC files (warcio).
+
+Extractors are a registry (`lmlab list extractor`): `resiliparse` (the default, as DCLM and the course extract:
+detect the encoding, then `extract_plain_text`) and `trafilatura` (main-content extraction, slower). Each maps
+HTML bytes to text, or to None when the bytes do not decode or hold no text.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +11,11 @@ import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+
+from lmlab.errors import ConfigError
+from lmlab.registry import Registry
+
+EXTRACTORS = Registry("extractor", group="curation/extractor", doc="HTML to plain text: bytes in, text or None out")
 
 HTML_TYPES = ("text/html", "application/xhtml+xml")
 
@@ -27,10 +37,59 @@ def decode_html(html_bytes: bytes) -> str | None:
 
 def extract_text_from_html_bytes(html_bytes: bytes) -> str | None:
     """The page's plain text (resiliparse's `extract_plain_text`), or None when the bytes do not decode."""
-    from resiliparse.extract.html2text import extract_plain_text
+    return ResiliparseExtractor()(html_bytes)
 
-    text = decode_html(html_bytes)
-    return None if text is None else extract_plain_text(text)
+
+@EXTRACTORS.register("resiliparse")
+class ResiliparseExtractor:
+    """resiliparse's `extract_plain_text` after decoding (UTF-8, else the detected encoding): fast, keeps all text."""
+
+    @dataclass
+    class Config:
+        main_content: bool = False  # resiliparse's heuristics that drop navigation, headers and footers
+        preserve_formatting: bool = True  # line breaks between blocks: line-level filters and dedup need them
+        alt_texts: bool = True
+        list_bullets: bool = True
+
+    def __init__(self, cfg: Config | None = None):
+        self.cfg = cfg or self.Config()
+
+    def __call__(self, html_bytes: bytes) -> str | None:
+        from resiliparse.extract.html2text import extract_plain_text
+
+        text = decode_html(html_bytes)
+        c = self.cfg
+        return None if text is None else extract_plain_text(
+            text, main_content=c.main_content, preserve_formatting=c.preserve_formatting, alt_texts=c.alt_texts,
+            list_bullets=c.list_bullets)
+
+
+@EXTRACTORS.register("trafilatura")
+class TrafilaturaExtractor:
+    """trafilatura's main-content extraction (boilerplate removed, with fallbacks); about 10x slower."""
+
+    @dataclass
+    class Config:
+        favor_precision: bool = False
+        favor_recall: bool = False
+        include_tables: bool = True
+        include_comments: bool = False
+
+    def __init__(self, cfg: Config | None = None):
+        self.cfg = cfg or self.Config()
+        try:
+            import trafilatura  # noqa: F401
+        except ImportError:
+            raise ConfigError("extractor 'trafilatura' needs `pip install trafilatura lxml_html_clean`") from None
+
+    def __call__(self, html_bytes: bytes) -> str | None:
+        import trafilatura
+
+        text = decode_html(html_bytes)
+        c = self.cfg
+        return None if text is None else trafilatura.extract(
+            text, favor_precision=c.favor_precision, favor_recall=c.favor_recall, include_tables=c.include_tables,
+            include_comments=c.include_comments)
 
 
 @dataclass

@@ -7,8 +7,11 @@ keep or drop, the reason, and for a filter that edits the text (C4's line rules)
   share of the characters, the share in duplicated n-grams.
 - `c4`: C4's line and page rules (Raffel et al. 2020).
 - `language`: keeps documents whose language (py3langid) is one of a list, at a minimum probability.
+- `pii`: masks e-mail addresses, phone numbers and IPv4 addresses (keeps every document, edited).
 - `classifier`: keeps documents that a text classifier (lmlab's fastText-style model or a fastText `.bin`, e.g. a
   quality or toxicity model) labels as one of a list, at a minimum probability.
+
+The corpus-level filters (`exact_dedup`, `line_dedup`, `minhash`) are entries too: lmlab.curation.corpus_filters.
 """
 
 from __future__ import annotations
@@ -16,8 +19,10 @@ from __future__ import annotations
 import re
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import Any
 
-from lmlab.curation.langid import identify_language
+from lmlab.curation.langid import LANGUAGE_IDS
+from lmlab.curation.pii import mask_emails, mask_ips, mask_phone_numbers
 from lmlab.errors import ConfigError
 from lmlab.registry import Registry
 
@@ -29,12 +34,17 @@ KEEP_REASON = "kept"
 @dataclass(frozen=True)
 class Decision:
     keep: bool
-    reason: str  # why it was dropped ("kept" when it was not)
+    reason: str  # why it was dropped, with the measured value ("kept" when it was not)
     text: str | None = None  # the text kept, for a filter that edits it
+    rule: str = KEEP_REASON  # the rule that dropped it, a short stable name: what a pipeline's statistics count
 
     @classmethod
     def kept(cls, text: str | None = None) -> Decision:
         return cls(True, KEEP_REASON, text)
+
+    @classmethod
+    def dropped(cls, rule: str, reason: str) -> Decision:
+        return cls(False, reason, rule=rule)
 
 
 def words_of(text: str) -> list[str]:
@@ -63,18 +73,18 @@ class GopherQuality:
     def __call__(self, text: str) -> Decision:
         c, words = self.cfg, words_of(text)
         if not c.min_words <= len(words) <= c.max_words:
-            return Decision(False, f"gopher: {len(words)} words, outside {c.min_words}..{c.max_words}")
+            return Decision.dropped("word_count", f"gopher: {len(words)} words, outside {c.min_words}..{c.max_words}")
         mean_length = sum(map(len, words)) / len(words)
         if not c.min_mean_word_length <= mean_length <= c.max_mean_word_length:
-            return Decision(False, f"gopher: mean word length {mean_length:.1f}, outside "
+            return Decision.dropped("mean_word_length", f"gopher: mean word length {mean_length:.1f}, outside "
                                    f"{c.min_mean_word_length:g}..{c.max_mean_word_length:g}")
         lines = [line for line in text.splitlines() if line.strip()]
         ellipsis = sum(line.rstrip().endswith(("...", "\u2026")) for line in lines) / max(len(lines), 1)
         if ellipsis > c.max_ellipsis_lines:
-            return Decision(False, f"gopher: {ellipsis:.0%} of lines end in an ellipsis (> {c.max_ellipsis_lines:.0%})")
+            return Decision.dropped("ellipsis_lines", f"gopher: {ellipsis:.0%} of lines end in an ellipsis (> {c.max_ellipsis_lines:.0%})")
         alphabetic = sum(any(ch.isalpha() for ch in word) for word in words) / len(words)
         if alphabetic < c.min_alphabetic_words:
-            return Decision(False, f"gopher: {alphabetic:.0%} of words have a letter (< {c.min_alphabetic_words:.0%})")
+            return Decision.dropped("alphabetic_words", f"gopher: {alphabetic:.0%} of words have a letter (< {c.min_alphabetic_words:.0%})")
         return Decision.kept()
 
 
@@ -148,18 +158,18 @@ class GopherRepetition:
                                                    c.max_duplicate_paragraph_chars)):
             share, chars = _duplicates(parts)
             if share > max_share:
-                return Decision(False, f"repetition: {share:.0%} duplicate {kind} (> {max_share:.0%})")
+                return Decision.dropped(f"duplicate_{kind}", f"repetition: {share:.0%} duplicate {kind} (> {max_share:.0%})")
             if chars > max_chars:
-                return Decision(False, f"repetition: {chars:.0%} of characters in duplicate {kind} (> {max_chars:.0%})")
+                return Decision.dropped(f"duplicate_{kind}_chars", f"repetition: {chars:.0%} of characters in duplicate {kind} (> {max_chars:.0%})")
         words = words_of(text)
         for n, limit in sorted(c.max_top_ngram_chars.items()):
             top = _top_ngram_share(words, n)
             if top > limit:
-                return Decision(False, f"repetition: the top {n}-gram holds {top:.0%} of characters (> {limit:.0%})")
+                return Decision.dropped(f"top_{n}gram", f"repetition: the top {n}-gram holds {top:.0%} of characters (> {limit:.0%})")
         for n, limit in sorted(c.max_duplicate_ngram_chars.items()):
             duplicated = _duplicate_ngram_share(words, n)
             if duplicated > limit:
-                return Decision(False, f"repetition: {duplicated:.0%} of characters in duplicate {n}-grams "
+                return Decision.dropped(f"duplicate_{n}grams", f"repetition: {duplicated:.0%} of characters in duplicate {n}-grams "
                                        f"(> {limit:.0%})")
         return Decision.kept()
 
@@ -193,9 +203,9 @@ class C4Rules:
         c = self.cfg
         lowered = text.lower()
         if "lorem ipsum" in lowered:
-            return Decision(False, "c4: lorem ipsum")
+            return Decision.dropped("lorem_ipsum", "c4: lorem ipsum")
         if "{" in text:
-            return Decision(False, "c4: a curly bracket (code)")
+            return Decision.dropped("curly_bracket", "c4: a curly bracket (code)")
         kept = []
         for line in (line.strip() for line in text.splitlines()):
             low = line.lower()
@@ -206,7 +216,7 @@ class C4Rules:
             kept.append(line)
         sentences = len(re.findall(r"[.!?](?:\s|$)", "\n".join(kept)))
         if sentences < c.min_sentences:
-            return Decision(False, f"c4: {sentences} sentences in kept lines (< {c.min_sentences})")
+            return Decision.dropped("few_sentences", f"c4: {sentences} sentences in kept lines (< {c.min_sentences})")
         return Decision.kept("\n".join(kept))
 
 
@@ -219,26 +229,29 @@ def c4_rules(text: str) -> str | None:
 def _label_decision(kind: str, label: str, probability: float, allowed: list[str], min_probability: float) -> Decision:
     """Keep when a model's label is one of `allowed` at `min_probability` or more."""
     if label not in allowed:
-        return Decision(False, f"{kind}: {label} ({probability:.2f}), not one of {','.join(allowed)}")
+        return Decision.dropped("label", f"{kind}: {label} ({probability:.2f}), not one of {','.join(allowed)}")
     if probability < min_probability:
-        return Decision(False, f"{kind}: {label} at {probability:.2f} (< {min_probability:g})")
+        return Decision.dropped("low_probability", f"{kind}: {label} at {probability:.2f} (< {min_probability:g})")
     return Decision.kept()
 
 
 @FILTERS.register("language")
 class LanguageFilter:
-    """Keeps documents in the listed languages (py3langid) at a minimum probability."""
+    """Keeps documents in the listed languages at a minimum probability (py3langid, or fastText's lid.176)."""
 
     @dataclass
     class Config:
         languages: list[str] = field(default_factory=lambda: ["en"])
         min_probability: float = 0.65
+        # an entry of `lmlab list langid`: its name, or {name: fasttext, model: lid.176.bin}
+        identifier: Any = "py3langid"
 
     def __init__(self, cfg: Config | None = None):
         self.cfg = cfg or self.Config()
+        self.identify = LANGUAGE_IDS.build(self.cfg.identifier)
 
     def __call__(self, text: str) -> Decision:
-        return _label_decision("language", *identify_language(text), self.cfg.languages, self.cfg.min_probability)
+        return _label_decision("language", *self.identify(text), self.cfg.languages, self.cfg.min_probability)
 
 
 @FILTERS.register("classifier")
@@ -261,3 +274,25 @@ class ClassifierFilter:
 
     def __call__(self, text: str) -> Decision:
         return _label_decision("classifier", *self.classifier.predict(text), self.cfg.keep, self.cfg.min_probability)
+
+
+@FILTERS.register("pii")
+class PiiMask:
+    """Masks e-mail addresses, US phone numbers and IPv4 addresses (|||EMAIL_ADDRESS||| ...); keeps every document."""
+
+    @dataclass
+    class Config:
+        emails: bool = True
+        phone_numbers: bool = True
+        ips: bool = True
+
+    def __init__(self, cfg: Config | None = None):
+        c = cfg or self.Config()
+        # e-mail first: an address's digits are not a phone number's
+        self.masks = [mask for on, mask in ((c.emails, mask_emails), (c.phone_numbers, mask_phone_numbers),
+                                            (c.ips, mask_ips)) if on]
+
+    def __call__(self, text: str) -> Decision:
+        for mask in self.masks:
+            text, _ = mask(text)
+        return Decision.kept(text)

@@ -1,18 +1,59 @@
-"""Language identification: py3langid (its model ships inside the package, so it works offline)."""
+"""Language identification, a registry (`lmlab list langid`): each entry answers (language code, probability).
+
+- `py3langid` (the default): its model ships inside the package, so it works offline.
+- `fasttext`: fastText's lid.176 (`lid.176.bin` or `.ftz`, downloaded by the user) through the `fasttext` package,
+  given by path.
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import lru_cache
+
+from lmlab.errors import ConfigError
+from lmlab.registry import Registry
+
+LANGUAGE_IDS = Registry("langid", group="curation/langid", doc="language identifiers: (language code, probability)")
 
 
 @lru_cache(maxsize=1)
-def _identifier():
+def _py3langid():
     from py3langid.langid import MODEL_DIR, MODEL_FILE, LanguageIdentifier
 
     return LanguageIdentifier.from_modelpath(MODEL_DIR / MODEL_FILE, norm_probs=True)
 
 
 def identify_language(text: str) -> tuple[str, float]:
-    """(ISO 639-1 code, probability in [0, 1]) of the text's main language; newlines are read as spaces."""
-    language, probability = _identifier().classify(text.replace("\n", " "))
+    """(ISO 639-1 code, probability in [0, 1]) of the text's main language (py3langid); newlines read as spaces."""
+    language, probability = _py3langid().classify(text.replace("\n", " "))
     return language, float(probability)
+
+
+@LANGUAGE_IDS.register("py3langid")
+class Py3LangId:
+    """py3langid's naive Bayes model over byte n-grams (97 languages), shipped inside the package."""
+
+    def __init__(self, cfg: object = None):
+        pass
+
+    def __call__(self, text: str) -> tuple[str, float]:
+        return identify_language(text)
+
+
+@LANGUAGE_IDS.register("fasttext")
+class FastTextLangId:
+    """fastText's lid.176 model (176 languages) from the file at `model`; needs `pip install fasttext-wheel`."""
+
+    @dataclass
+    class Config:
+        model: str = ""  # lid.176.bin or lid.176.ftz
+
+    def __init__(self, cfg: Config):
+        from lmlab.curation.classifier import FastTextClassifier
+
+        if not cfg.model:
+            raise ConfigError("langid 'fasttext' needs model=PATH: fastText's lid.176.bin or lid.176.ftz")
+        self.model = FastTextClassifier(cfg.model)
+
+    def __call__(self, text: str) -> tuple[str, float]:
+        return self.model.predict(text)

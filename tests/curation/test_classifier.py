@@ -60,3 +60,28 @@ def test_a_line_without_a_label_is_named(tmp_path):
     bad.write_text("__label__hq fine text\nno label here\n")
     with pytest.raises(ConfigError, match="bad.txt:2"):
         read_labelled(bad)
+
+
+def _fasttext_model(tmp_path):
+    """A real fastText .bin (the `fasttext` package's own training), labelled like lid.176: __label__en, __label__de."""
+    fasttext = pytest.importorskip("fasttext")
+    train = tmp_path / "lid.txt"
+    train.write_text("\n".join(["__label__en the cat sat on the mat and the dog ran in the park"] * 30 +
+                               ["__label__de der Hund lief über die Straße und die Katze schlief"] * 30) + "\n")
+    path = tmp_path / "lid.bin"
+    fasttext.train_supervised(str(train), epoch=10, verbose=0).save_model(str(path))
+    return path
+
+
+def test_fasttext_bin_models_load_as_classifier_and_language_identifier(tmp_path):
+    from lmlab.curation.langid import LANGUAGE_IDS
+
+    path = _fasttext_model(tmp_path)
+    assert load_classifier(path).predict("the dog ran in the park")[0] == "en"
+    lid = LANGUAGE_IDS.build({"name": "fasttext", "model": str(path)})
+    assert lid("die Katze schlief")[0] == "de" and 0 < lid("die Katze schlief")[1] <= 1
+    keep_german = FILTERS.build({"name": "language", "languages": ["de"], "min_probability": 0.5,
+                                 "identifier": {"name": "fasttext", "model": str(path)}})
+    assert keep_german("der Hund lief über die Straße").keep and not keep_german("the cat sat on the mat").keep
+    with pytest.raises(ConfigError, match="does not exist"):
+        LANGUAGE_IDS.build({"name": "fasttext", "model": str(tmp_path / "lid.176.bin")})
