@@ -11,6 +11,7 @@ and the tests compose through `compose_config` too. Keys under `hydra.` are left
 from __future__ import annotations
 
 import re
+from typing import Any
 
 from hydra import compose, initialize_config_dir
 from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
@@ -85,6 +86,8 @@ def check_in_schema(cfg: DictConfig, key: str) -> None:
             node = node._get_node(int(part))
         elif isinstance(node, DictConfig):
             fields = schema_fields(node)
+            if fields is None and path and node._metadata.object_type is dict and node._metadata.ref_type is not Any:
+                return  # a field typed as a dict (data.sources: dict[str, Any]): its keys are the user's to name
             if (fields is None and path) or (fields is not None and part not in fields):
                 raise ConfigError(unknown_key_message(key, node, ".".join(path)))
             node = node._get_node(part)

@@ -2,7 +2,8 @@
 
     lmlab bench data /usr/share/debian-reference /usr/share/doc/python3/html --json data-bench.json
 
-On the same HTML pages (files, folders or globs of .html files), one process each:
+On the same HTML pages (files, folders or globs of .html files, up to `--max-page-mb` each, in a seeded shuffled
+order), one process each:
 - extraction + language ID + Gopher, MB of HTML per second: lmlab (resiliparse, py3langid, Gopher's rules), lmlab
   with trafilatura as its extractor, and datatrove's Trafilatura extractor and GopherQualityFilter. datatrove's
   language filter loads fastText's lid.176 from the Hugging Face hub, which an offline machine cannot, so its
@@ -18,7 +19,9 @@ MinHash hashes).
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
+import random
 import sys
 import tempfile
 from pathlib import Path
@@ -32,14 +35,17 @@ from lmlab.errors import ConfigError
 from lmlab.timing import interleaved_medians
 
 DOC_CHARS = 1000
+PARTS = ("resiliparse", "trafilatura", "minhash")
 NUM_HASHES, BUCKETS, NGRAMS = 100, 20, 5
 
 
-def html_pages(patterns: list[str], limit: int) -> list[bytes]:
-    pages = [p.read_bytes() for p in input_files(patterns) if p.suffix in (".html", ".htm")][:limit]
-    if not pages:
-        raise ConfigError(f"no .html file under {patterns}")
-    return pages
+def html_pages(patterns: list[str], limit: int, max_bytes: float) -> list[bytes]:
+    """Up to `limit` pages of at most `max_bytes`, in an order shuffled by a fixed seed (so a prefix mixes sources)."""
+    paths = [p for p in input_files(patterns) if p.suffix in (".html", ".htm") and p.stat().st_size <= max_bytes]
+    if not paths:
+        raise ConfigError(f"no .html file of at most {max_bytes / 1e6:g} MB under {patterns}")
+    random.Random(0).shuffle(paths)
+    return [p.read_bytes() for p in paths[:limit]]
 
 
 def one_kb_documents(texts: list[str], count: int) -> list[str]:
@@ -105,18 +111,20 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="lmlab bench data", description=__doc__.split("\n\n")[0])
     parser.add_argument("paths", nargs="+", help="HTML files, folders or glob patterns")
     parser.add_argument("--pages", type=int, default=3000, help="pages for the resiliparse rows")
-    parser.add_argument("--trafilatura-pages", type=int, default=500, help="pages for the trafilatura rows (slower)")
+    parser.add_argument("--trafilatura-pages", type=int, default=300, help="pages for the trafilatura rows (slower)")
+    parser.add_argument("--max-page-mb", type=float, default=1.0,
+                        help="leave out larger pages (a book on one page is no web page; trafilatura slows on them)")
     parser.add_argument("--docs", type=int, default=4000, help="1 KB documents for MinHash")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS), help="which comparisons to run")
     parser.add_argument("--json", type=Path, help="write the results here")
     args = parser.parse_args(argv)
-    try:
-        import datatrove  # noqa: F401
-        pages = html_pages(args.paths, args.pages)
-    except ImportError:
+    if importlib.util.find_spec("datatrove") is None:
         print("lmlab bench data: error: the comparison needs datatrove: pip install datatrove spacy 'xxhash<4'",
               file=sys.stderr)
         return 2
+    try:
+        pages = html_pages(args.paths, args.pages, args.max_page_mb * 1e6)
     except ConfigError as err:
         print(f"lmlab bench data: error: {err}", file=sys.stderr)
         return 2
@@ -128,24 +136,29 @@ def main(argv: list[str]) -> int:
           f"{len(docs)} documents of ~1 KB for MinHash; medians of {args.repeats}", file=sys.stderr)
 
     results = {}
-    fast = interleaved_medians({"lmlab resiliparse + py3langid + gopher": lmlab_pass(pages, "resiliparse")},
-                               args.repeats)
-    results.update({name: {"MB/s": mb / s} for name, s in fast.items()})
-    slow = interleaved_medians({"lmlab trafilatura + py3langid + gopher": lmlab_pass(few, "trafilatura"),
-                                "datatrove trafilatura + gopher (no language ID)": datatrove_pass(few)}, args.repeats)
-    results.update({name: {"MB/s": few_mb / s} for name, s in slow.items()})
-    with tempfile.TemporaryDirectory() as scratch:
-        hashing = interleaved_medians({"lmlab minhash": lmlab_minhash(docs),
-                                       "datatrove minhash": datatrove_minhash(docs, Path(scratch))}, args.repeats)
-    results.update({name: {"docs/s": len(docs) / s} for name, s in hashing.items()})
+    if "resiliparse" in args.parts:
+        fast = interleaved_medians({"lmlab resiliparse + py3langid + gopher": lmlab_pass(pages, "resiliparse")},
+                                   args.repeats)
+        results.update({name: {"MB/s": mb / s} for name, s in fast.items()})
+    if "trafilatura" in args.parts:
+        slow = interleaved_medians({"lmlab trafilatura + py3langid + gopher": lmlab_pass(few, "trafilatura"),
+                                    "datatrove trafilatura + gopher (no language ID)": datatrove_pass(few)},
+                                   args.repeats)
+        results.update({name: {"MB/s": few_mb / s} for name, s in slow.items()})
+    if "minhash" in args.parts:
+        with tempfile.TemporaryDirectory() as scratch:
+            hashing = interleaved_medians({"lmlab minhash": lmlab_minhash(docs),
+                                           "datatrove minhash": datatrove_minhash(docs, Path(scratch))}, args.repeats)
+        results.update({name: {"docs/s": len(docs) / s} for name, s in hashing.items()})
 
     print("| pipeline (one core) | MB of HTML/s | 1 KB docs/s |\n|---|---:|---:|")
     for name, r in results.items():
-        print(f"| {name} | {r.get('MB/s', float('nan')):.2f} | {r.get('docs/s', float('nan')):,.0f} |")
-    trafilatura = [r["MB/s"] for n, r in results.items() if "trafilatura" in n]
-    minhash = [r["docs/s"] for n, r in results.items() if "minhash" in n]
-    print(f"lmlab / datatrove: extraction with trafilatura {trafilatura[0] / trafilatura[1]:.2f}x; "
-          f"MinHash {minhash[0] / minhash[1]:.2f}x")
+        mb_s, docs_s = r.get("MB/s"), r.get("docs/s")
+        print(f"| {name} | {f'{mb_s:.2f}' if mb_s else ''} | {f'{docs_s:,.0f}' if docs_s else ''} |")
+    for kind, unit in (("trafilatura", "MB/s"), ("minhash", "docs/s")):
+        pair = [r[unit] for name, r in results.items() if kind in name]
+        if len(pair) == 2:
+            print(f"lmlab / datatrove, {kind}: {pair[0] / pair[1]:.2f}x")
     if args.json:
         args.json.write_text(json.dumps({"pages": len(pages), "html_mb": mb, "docs": len(docs), "results": results},
                                         indent=1))

@@ -35,7 +35,9 @@ def normalize(text: str) -> str:
     """Lower case, NFD with the combining accents dropped, punctuation removed, whitespace collapsed."""
     text = text.lower()
     if not text.isascii():  # most text needs no decomposition; skipping it saves most of the time
-        text = "".join(ch for ch in unicodedata.normalize("NFD", text) if not unicodedata.combining(ch))
+        decomposed = unicodedata.normalize("NFD", text)
+        if len(decomposed) != len(text):  # something decomposed into a base and its marks: drop the marks
+            text = "".join(ch for ch in decomposed if not unicodedata.combining(ch))
     return _SPACE.sub(" ", _NOT_WORD.sub(" ", text)).strip()
 
 

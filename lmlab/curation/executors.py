@@ -11,6 +11,7 @@ fn is a module-level function, so both can ship it to another process by referen
 
 from __future__ import annotations
 
+import importlib.util
 import multiprocessing
 import os
 from collections.abc import Callable, Sequence
@@ -74,10 +75,8 @@ class RayExecutor:
 
     def __init__(self, cfg: Config | None = None):
         self.cfg = cfg or self.Config()
-        try:
-            import ray  # noqa: F401
-        except ImportError:
-            raise ConfigError("executor=ray needs Ray: pip install 'lmlab[ray]'") from None
+        if importlib.util.find_spec("ray") is None:
+            raise ConfigError("executor=ray needs Ray: pip install 'lmlab[ray]'")
 
     def _ray(self):
         import ray

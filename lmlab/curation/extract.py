@@ -7,6 +7,7 @@ HTML bytes to text, or to None when the bytes do not decode or hold no text.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -77,10 +78,8 @@ class TrafilaturaExtractor:
 
     def __init__(self, cfg: Config | None = None):
         self.cfg = cfg or self.Config()
-        try:
-            import trafilatura  # noqa: F401
-        except ImportError:
-            raise ConfigError("extractor 'trafilatura' needs `pip install trafilatura lxml_html_clean`") from None
+        if importlib.util.find_spec("trafilatura") is None:
+            raise ConfigError("extractor 'trafilatura' needs `pip install trafilatura lxml_html_clean`")
 
     def __call__(self, html_bytes: bytes) -> str | None:
         import trafilatura

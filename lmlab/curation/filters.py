@@ -47,6 +47,10 @@ class Decision:
         return cls(False, reason, rule=rule)
 
 
+# a whitespace-separated word with at least one letter, counted by the regex engine rather than a loop per character
+_WORD_WITH_LETTER = re.compile(r"\S*[^\W\d_]\S*")
+
+
 def words_of(text: str) -> list[str]:
     return text.split()
 
@@ -82,7 +86,7 @@ class GopherQuality:
         ellipsis = sum(line.rstrip().endswith(("...", "\u2026")) for line in lines) / max(len(lines), 1)
         if ellipsis > c.max_ellipsis_lines:
             return Decision.dropped("ellipsis_lines", f"gopher: {ellipsis:.0%} of lines end in an ellipsis (> {c.max_ellipsis_lines:.0%})")
-        alphabetic = sum(any(ch.isalpha() for ch in word) for word in words) / len(words)
+        alphabetic = len(_WORD_WITH_LETTER.findall(text)) / len(words)
         if alphabetic < c.min_alphabetic_words:
             return Decision.dropped("alphabetic_words", f"gopher: {alphabetic:.0%} of words have a letter (< {c.min_alphabetic_words:.0%})")
         return Decision.kept()

@@ -25,7 +25,10 @@ def ngram_hashes(words: list[str], n: int) -> np.ndarray:
     """The hashes of the words' n-grams, in order (one n-gram of all the words when there are fewer than n)."""
     if not words:
         return np.empty(0, dtype=np.uint64)
-    h = np.fromiter(map(word_hash, words), dtype=np.uint64, count=len(words))
+    hashes = list(map(_WORD_HASHES.get, words))  # cached words at C speed; the new ones below
+    if None in hashes:
+        hashes = [word_hash(w) if h is None else h for w, h in zip(words, hashes)]
+    h = np.array(hashes, dtype=np.uint64)
     k = min(n, len(words))
     count = len(words) - k + 1
     grams = np.zeros(count, dtype=np.uint64)

@@ -65,3 +65,24 @@ def test_an_unknown_filter_is_a_registry_error():
 
     with pytest.raises(RegistryError, match="gopher"):
         FILTERS.build("gopehr")
+
+
+def test_long_texts_are_identified_on_three_windows():
+    from lmlab.curation.langid import sample_windows
+
+    text = "a" * 5000 + "MIDDLE" + "z" * 5000
+    sample = sample_windows(text, 3000)
+    assert len(sample) <= 3002 and sample.startswith("a" * 1000) and sample.endswith("z" * 1000)
+    assert "MIDDLE" in sample and sample_windows("short", 3000) == "short" and sample_windows(text, 0) == text
+    german = "Der Fluss lief an der alten Mühle vorbei, wo die Kinder spielten und die Bauern ihr Korn verkauften. "
+    assert identify_language(PROSE * 40)[0] == "en" and identify_language(german * 60)[0] == "de"
+
+
+def test_gopher_counts_words_with_any_letter_unicode_included():
+    from lmlab.curation.filters import GopherQuality
+
+    letters = ["word", "x1", "é", "ünïcode", "日本語", "(see"] * 13  # 78 words with a letter
+    kept = " ".join(letters + ["123", "--", "42%"] * 6)  # 78 of 96: 81%
+    dropped = " ".join(letters + ["123", "--", "42%"] * 8)  # 78 of 102: 76%
+    assert GopherQuality()(kept).keep
+    assert GopherQuality()(dropped).rule == "alphabetic_words"
