@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import importlib.util
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from lmlab.errors import ConfigError
 from lmlab.registry import Registry
@@ -106,30 +107,43 @@ class WarcStats:
     corrupt: int = 0  # truncated or unreadable records (the rest of the file is skipped)
 
 
-def iter_warc_html(path: str | Path, stats: WarcStats | None = None) -> Iterator[WarcHtml]:
-    """The HTML responses of a WARC file (gzipped or not), with their URL and date. A truncated or corrupt record
-    ends the file's reading: it is counted in `stats.corrupt`, and what came before it is kept."""
+def iter_warc_records(path: str | Path, select: Callable, stats: WarcStats) -> Iterator[tuple[Any, bytes]]:
+    """(record, payload) of the records of a WARC/WET file (gzipped or not) that `select(record)` accepts, the
+    payload read inside the guard: a truncated or corrupt record ends the file's reading, counted in
+    `stats.corrupt`, and what came before it is kept."""
     from warcio.archiveiterator import ArchiveIterator
     from warcio.exceptions import ArchiveLoadFailed
 
-    stats = stats if stats is not None else WarcStats()
     with open(path, "rb") as stream:
         records = ArchiveIterator(stream)
         try:
             for record in records:
                 stats.records += 1
-                if record.rec_type != "response":
-                    continue
-                content_type = (record.http_headers.get_header("Content-Type") or "") if record.http_headers else ""
-                status = record.http_headers.get_statuscode() if record.http_headers else None
-                if status != "200" or content_type.split(";")[0].strip().lower() not in HTML_TYPES:
-                    stats.skipped += 1
-                    continue
-                stats.html += 1
-                yield WarcHtml(record.rec_headers.get_header("WARC-Target-URI") or "",
-                               record.rec_headers.get_header("WARC-Date") or "", record.content_stream().read())
+                if select(record):
+                    yield record, record.content_stream().read()
         except (ArchiveLoadFailed, OSError, EOFError, ValueError):
             stats.corrupt += 1
             return
         if records.offset < os.fstat(stream.fileno()).st_size:  # warcio stops quietly at a cut-off gzip member
             stats.corrupt += 1
+
+
+def iter_warc_html(path: str | Path, stats: WarcStats | None = None) -> Iterator[WarcHtml]:
+    """The HTML responses (HTTP 200) of a WARC file, with their URL and date; damage counted as
+    `iter_warc_records` does."""
+    stats = stats if stats is not None else WarcStats()
+
+    def html_response(record) -> bool:
+        if record.rec_type != "response":
+            return False
+        content_type = (record.http_headers.get_header("Content-Type") or "") if record.http_headers else ""
+        status = record.http_headers.get_statuscode() if record.http_headers else None
+        if status != "200" or content_type.split(";")[0].strip().lower() not in HTML_TYPES:
+            stats.skipped += 1
+            return False
+        stats.html += 1
+        return True
+
+    for record, payload in iter_warc_records(path, html_response, stats):
+        yield WarcHtml(record.rec_headers.get_header("WARC-Target-URI") or "",
+                       record.rec_headers.get_header("WARC-Date") or "", payload)

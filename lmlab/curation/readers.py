@@ -1,6 +1,7 @@
 """Readers: the documents of one input file, a registry (`lmlab list reader`).
 
-- `warc`: the HTML responses of a WARC/WET file (gzipped or not), their text from an extractor, URL and date kept;
+- `warc`: the HTML responses of a WARC file (gzipped or not), their text from an extractor, URL and date kept;
+- `wet`: the text records (`conversion`) of a WET file, as Common Crawl extracts them, URL and date kept;
 - `jsonl`: one document a line (`.jsonl` or `.jsonl.gz`), its text under `text_key`;
 - `parquet`: one document a row (pyarrow, read in batches);
 - `text`: a plain text file is one document.
@@ -19,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from lmlab.curation.document import Document, StageStats
-from lmlab.curation.extract import EXTRACTORS, WarcStats, iter_warc_html
+from lmlab.curation.extract import EXTRACTORS, WarcStats, iter_warc_html, iter_warc_records
 from lmlab.errors import ConfigError
 from lmlab.registry import Registry
 
@@ -57,6 +58,32 @@ class WarcReader:
         # records that hold no page count as read and dropped: requests, metadata, other content types
         stats.docs_in += warc.skipped + warc.corrupt
         stats.drop("not_html", warc.skipped)
+        stats.drop("corrupt_record", warc.corrupt)
+
+
+@READERS.register("wet")
+class WetReader:
+    """The `conversion` records of a WET file: text Common Crawl already extracted, decoded as UTF-8."""
+
+    def __init__(self, cfg: object = None):
+        pass
+
+    def read(self, path: Path, stats: StageStats) -> Iterator[Document]:
+        warc = WarcStats()
+        for index, (record, payload) in enumerate(iter_warc_records(path, lambda r: r.rec_type == "conversion", warc)):
+            stats.docs_in += 1
+            stats.bytes_in += len(payload)
+            try:
+                text = payload.decode("utf-8")
+            except UnicodeDecodeError:
+                stats.drop("undecodable")
+                continue
+            if not text.strip():
+                stats.drop("empty")
+                continue
+            yield Document(_id(path, index), text, {"url": record.rec_headers.get_header("WARC-Target-URI") or "",
+                                                    "date": record.rec_headers.get_header("WARC-Date") or ""})
+        stats.docs_in += warc.corrupt
         stats.drop("corrupt_record", warc.corrupt)
 
 

@@ -11,7 +11,7 @@ from lmlab.curation.executors import LocalExecutor
 from lmlab.curation.pipeline import PipelineConfig, Run
 from lmlab.errors import ConfigError
 from lmlab.registry import RegistryError
-from tests.curation.warcs import warc_bytes
+from tests.curation.warcs import warc_bytes, wet_bytes
 
 WORDS = ("the river ran past the old mill where children played and farmers sold their grain while the sun set "
          "over hills that had seen many seasons come and go in the quiet valley of green fields").split()
@@ -162,6 +162,19 @@ def test_web_pipeline_reads_warc_and_writes_shards_stats_and_funnel(tmp_path, ca
     docs = output(out)
     assert sorted(d["url"] for d in docs) == [f"https://example.org/{i}" for i in range(4)]
     assert (out / "funnel.png").stat().st_size > 0 and "| minhash |" in capsys.readouterr().out
+
+
+def test_wet_reader_takes_the_text_records_and_counts_bad_ones(tmp_path):
+    text = prose(random.Random(3), 120)
+    path = tmp_path / "a.warc.wet.gz"
+    path.write_bytes(wet_bytes([("https://example.org/a", text.encode()), ("https://example.org/b", b"\xff\xfe bad"),
+                                ("https://example.org/c", b"  \n")]))
+    r = Run(PipelineConfig(reader="wet", stages=["gopher"]), [path], tmp_path / "out")
+    r.claim(overwrite=False)
+    stats = r.execute(LocalExecutor(LocalExecutor.Config(workers=1)))
+    assert stats["read"].docs_in == 3 and stats["read"].dropped == {"undecodable": 1, "empty": 1}
+    assert output(tmp_path / "out") == [{"id": "a.warc.wet.gz/0", "text": text, "url": "https://example.org/a",
+                                         "date": output(tmp_path / "out")[0]["date"]}]
 
 
 def test_ray_executor_gives_the_local_output(tmp_path):
