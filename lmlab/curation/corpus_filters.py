@@ -13,7 +13,6 @@ does not depend on the executor or the number of workers.
 
 from __future__ import annotations
 
-import hashlib
 from abc import ABC, abstractmethod
 from collections import Counter, defaultdict
 from dataclasses import dataclass
@@ -23,7 +22,8 @@ from typing import Any
 import numpy as np
 
 from lmlab.atomic import atomic_write
-from lmlab.curation.dedup import MinHasher, UnionFind, jaccard, line_key, lsh_candidates, shingles
+from lmlab.curation.dedup import (MinHasher, UnionFind, document_key, first_occurrences, jaccard, line_key,
+                                  lsh_candidates, shingles)
 from lmlab.curation.document import Document
 from lmlab.curation.filters import FILTERS, Decision
 from lmlab.errors import ConfigError
@@ -43,17 +43,6 @@ class CorpusFilter(ABC):
     def apply(self, docs: list[Document], decision: Any) -> list[Decision]: ...
 
 
-def _first_occurrences(keys_by_shard: list[list[bytes]]) -> list[np.ndarray]:
-    seen, keep = set(), []
-    for keys in keys_by_shard:
-        mask = np.zeros(len(keys), dtype=bool)
-        for i, key in enumerate(keys):
-            mask[i] = key not in seen
-            seen.add(key)
-        keep.append(mask)
-    return keep
-
-
 def _keep_or(rule: str, reason: str, mask: np.ndarray) -> list[Decision]:
     return [Decision.kept() if kept else Decision.dropped(rule, reason) for kept in mask]
 
@@ -63,10 +52,10 @@ class ExactDocumentDedup(CorpusFilter):
     """Exact document deduplication: of documents with the same text (a 128-bit hash), the first is kept."""
 
     def scan(self, docs: list[Document], side: Path) -> list[bytes]:
-        return [hashlib.blake2b(d.text.encode(), digest_size=16).digest() for d in docs]
+        return [document_key(d.text) for d in docs]
 
     def decide(self, summaries: list[list[bytes]], sides: list[Path], executor: Any) -> list[np.ndarray]:
-        return _first_occurrences(summaries)
+        return first_occurrences(summaries)
 
     def apply(self, docs: list[Document], decision: np.ndarray) -> list[Decision]:
         return _keep_or("duplicate", "exact_dedup: the same text as an earlier document", decision)

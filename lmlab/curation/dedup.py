@@ -187,12 +187,25 @@ def exact_line_deduplication(input_files: Sequence[os.PathLike], output_director
     return written
 
 
+def document_key(text: str) -> bytes:
+    """A document's identity for exact deduplication: a 128-bit hash of its text."""
+    return hashlib.blake2b(text.encode(), digest_size=16).digest()
+
+
+def first_occurrences(keys_by_shard: Sequence[Sequence[bytes]]) -> list[np.ndarray]:
+    """Per shard, which keys no earlier one had, in (shard, position) order."""
+    seen, keep = set(), []
+    for keys in keys_by_shard:
+        mask = np.zeros(len(keys), dtype=bool)
+        for i, key in enumerate(keys):
+            mask[i] = key not in seen
+            seen.add(key)
+        keep.append(mask)
+    return keep
+
+
 def exact_document_deduplication(input_files: Sequence[os.PathLike], output_directory: os.PathLike) -> list[Path]:
     """Writes the files whose exact text no earlier file had; returns them."""
     out = _output_folder(output_directory, input_files)
-    texts, seen, first = _read(input_files), set(), []
-    for text in texts:
-        key = hashlib.blake2b(text.encode(), digest_size=16).digest()
-        first.append(key not in seen)
-        seen.add(key)
-    return _write_kept(out, input_files, texts, first)
+    texts = _read(input_files)
+    return _write_kept(out, input_files, texts, first_occurrences([[document_key(t) for t in texts]])[0])

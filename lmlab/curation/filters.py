@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lmlab.curation.langid import LANGUAGE_IDS
-from lmlab.curation.pii import mask_emails, mask_ips, mask_phone_numbers
+from lmlab.curation.pii import MASKS
 from lmlab.errors import ConfigError
 from lmlab.registry import Registry
 
@@ -292,9 +292,8 @@ class PiiMask:
 
     def __init__(self, cfg: Config | None = None):
         c = cfg or self.Config()
-        # e-mail first: an address's digits are not a phone number's
-        self.masks = [mask for on, mask in ((c.emails, mask_emails), (c.phone_numbers, mask_phone_numbers),
-                                            (c.ips, mask_ips)) if on]
+        chosen = {"email": c.emails, "phone": c.phone_numbers, "ip": c.ips}
+        self.masks = [mask for kind, mask in MASKS.items() if chosen[kind]]
 
     def __call__(self, text: str) -> Decision:
         for mask in self.masks:

@@ -125,14 +125,15 @@ def run_shard(task: ShardTask) -> None:
         read = stats[READ_STAGE] = StageStats()
         reader = build(READERS, task.reader)
         docs = [doc for path in task.inputs for doc in reader.read(Path(path), read)]
-        read.docs_out, read.bytes_out = len(docs), sum(len(d.text.encode()) for d in docs)
+        read.docs_out, read.bytes_out = len(docs), _bytes(docs)
+        size = read.bytes_out
     else:
         docs = list(_read_jsonl(Path(task.inputs[0])))
-        docs = _run(task.labels[seg.apply], docs, build(FILTERS, task.stages[seg.apply]).apply(docs, task.decision),
-                    stats)
+        docs, size = _run(task.labels[seg.apply], docs, _bytes(docs),
+                          build(FILTERS, task.stages[seg.apply]).apply(docs, task.decision), stats)
     for i in seg.stages:
         stage = build(FILTERS, task.stages[i])
-        docs = _run(task.labels[i], docs, [stage(d.text) for d in docs], stats)
+        docs, size = _run(task.labels[i], docs, size, [stage(d.text) for d in docs], stats)
     if seg.scan is not None:
         work = Path(task.work)
         work.mkdir(parents=True, exist_ok=True)
@@ -142,8 +143,15 @@ def run_shard(task: ShardTask) -> None:
     atomic_write_text(task.marker, json.dumps({k: v.to_dict() for k, v in stats.items()}))
 
 
-def _run(label: str, docs: list[Document], decisions: list, stats: dict[str, StageStats]) -> list[Document]:
-    s = stats[label] = StageStats(docs_in=len(docs), bytes_in=sum(len(d.text.encode()) for d in docs))
+def _bytes(docs: list[Document]) -> int:
+    return sum(len(d.text.encode()) for d in docs)
+
+
+def _run(label: str, docs: list[Document], size: int, decisions: list,
+         stats: dict[str, StageStats]) -> tuple[list[Document], int]:
+    """The documents a stage's decisions keep (edited where it edits), counted into its stats, and their bytes;
+    `size` is the input's bytes, the previous stage's output already measured."""
+    s = stats[label] = StageStats(docs_in=len(docs), bytes_in=size)
     kept = []
     for doc, decision in zip(docs, decisions):
         if not decision.keep:
@@ -153,8 +161,8 @@ def _run(label: str, docs: list[Document], decisions: list, stats: dict[str, Sta
             s.edited += 1
             doc = Document(doc.id, decision.text, doc.metadata)
         kept.append(doc)
-    s.docs_out, s.bytes_out = len(kept), sum(len(d.text.encode()) for d in kept)
-    return kept
+    s.docs_out, s.bytes_out = len(kept), _bytes(kept)
+    return kept, s.bytes_out
 
 
 def _read_jsonl(path: Path):

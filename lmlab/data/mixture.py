@@ -35,8 +35,6 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from omegaconf import OmegaConf
-
 from lmlab.data.sources import SOURCES, DataConfig, DataSourceError, TextSource
 from lmlab.registry import Registry
 
@@ -142,8 +140,8 @@ class Mixture(TextSource):
         if cfg.budget < 0:
             raise DataSourceError(f"data.budget must be >= 0 (0: the sources' total), got {cfg.budget}")
         self.cfg = cfg
-        self.sources = {name: SOURCES.build(_plain(source)) for name, source in cfg.sources.items()}
-        self.mixing = MIXING.build(_plain(cfg.mixing))
+        self.sources = {name: SOURCES.build(source) for name, source in cfg.sources.items()}
+        self.mixing = MIXING.build(cfg.mixing)
         self.epochs: dict[str, float] = {}  # filled when the documents are made
 
     def documents(self) -> Iterator[str]:
@@ -167,10 +165,11 @@ class Mixture(TextSource):
             held = new
         cuts = {n: _split_point(d, held[n]) for n, d in docs.items()}
         train = {n: d[:cuts[n]] for n, d in docs.items()}
-        takes = self.mixing({n: float(sum(map(len, d))) for n, d in train.items()}, budget)
+        train_sizes = {n: float(sum(map(len, d))) for n, d in train.items()}
+        takes = self.mixing(train_sizes, budget)
         rng, stream, held_out = random.Random(self.cfg.seed), [], []
         for name, d in train.items():
-            self.epochs[name] = takes[name] / sum(map(len, d))
+            self.epochs[name] = takes[name] / train_sizes[name]
             stream += _take(d, takes[name], rng)
             held_out += docs[name][cuts[name]:]
         rng.shuffle(stream)
@@ -180,13 +179,9 @@ class Mixture(TextSource):
         yield from held_out
 
     def fingerprint(self) -> str:
-        key = [{n: s.fingerprint() for n, s in self.sources.items()}, _plain(self.cfg.mixing), self.cfg.budget,
+        key = [{n: s.fingerprint() for n, s in self.sources.items()}, self.cfg.mixing, self.cfg.budget,
                self.cfg.seed, self.cfg.val_fraction]
-        return "mixture-" + hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:16]
-
-
-def _plain(cfg: Any) -> Any:
-    return OmegaConf.to_container(cfg, resolve=True) if OmegaConf.is_config(cfg) else cfg
+        return "mixture-" + hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def _split_point(docs: list[str], chars: float) -> int:
@@ -196,7 +191,7 @@ def _split_point(docs: list[str], chars: float) -> int:
         if seen >= chars:
             return i + 1
         seen += len(docs[i])
-    return 1 if seen >= chars or len(docs) > 1 else len(docs)
+    return 1
 
 
 def _take(docs: list[str], chars: float, rng: random.Random) -> list[str]:

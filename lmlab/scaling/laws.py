@@ -316,6 +316,11 @@ def isoflop_residual_fits(fit: FrontierFit, points: Sequence[Point], samples: in
     return fits
 
 
+def _percentile_interval(values: Sequence[float], level: float) -> tuple[float, float]:
+    tail = 100 * (1 - level) / 2
+    return float(np.percentile(values, tail)), float(np.percentile(values, 100 - tail))
+
+
 def intervals(fits: Sequence, level: float = 0.95) -> dict[str, tuple[float, float]]:
     """Percentile intervals of each of the fits' `params()` (non-finite values left out)."""
     draws: dict[str, list[float]] = defaultdict(list)
@@ -323,16 +328,13 @@ def intervals(fits: Sequence, level: float = 0.95) -> dict[str, tuple[float, flo
         for key, value in f.params().items():
             if math.isfinite(value):
                 draws[key].append(value)
-    tail = 100 * (1 - level) / 2
-    return {key: (float(np.percentile(v, tail)), float(np.percentile(v, 100 - tail))) for key, v in draws.items()}
+    return {key: _percentile_interval(v, level) for key, v in draws.items()}
 
 
 def loss_interval(fits: Sequence, flops: float, level: float = 0.95) -> tuple[float, float] | None:
-    """Percentile interval of the fits' predicted loss at `flops` (None without fits)."""
-    losses = [float(f.predicted_loss(flops)) for f in fits]
-    losses = [v for v in losses if math.isfinite(v)]
-    tail = 100 * (1 - level) / 2
-    return (float(np.percentile(losses, tail)), float(np.percentile(losses, 100 - tail))) if losses else None
+    """Percentile interval of the fits' predicted loss at `flops` (non-finite values left out; None without any)."""
+    losses = [v for v in (float(f.predicted_loss(flops)) for f in fits) if math.isfinite(v)]
+    return _percentile_interval(losses, level) if losses else None
 
 
 def bootstrap(fit: Callable[[list[Point]], object], units: Sequence[Sequence[Point]], samples: int = 200,
