@@ -23,6 +23,7 @@ BUILTIN_MODULES = (
     "lmlab.training.loggers",
     "lmlab.inference.quant",
     "lmlab.inference.samplers",
+    "lmlab.serving.scheduler",
     "lmlab.eval.tasks",
     "lmlab.alignment",
     "lmlab.alignment.tasks",

@@ -41,6 +41,7 @@ from lmlab.inference.engine import Engine
 from lmlab.inference.generate import Generation, GenerationError, prepare_prompts
 from lmlab.inference.quant import QUANTS, quantize
 from lmlab.inference.samplers import SAMPLERS
+from lmlab.inference.text_stream import TextStream
 from lmlab.inference.speculative import check_draft, speculative_generate
 from lmlab.jsonl import json_lines
 from lmlab.nn.transformer import Transformer
@@ -261,33 +262,27 @@ def calibration_batches(tokens, context_length: int, what: str) -> list[torch.Te
 
 # -- streaming ------------------------------------------------------------------------------------
 class StreamPrinter:
-    """Prints one sequence's text as its tokens arrive: each step decodes the whole completion so far and
-    prints what is new, so a character whose UTF-8 bytes span tokens prints whole. Held back: a trailing
-    incomplete character (decoded as U+FFFD) and text that may be the start of a stop string."""
+    """Prints one sequence's text as its tokens arrive (lmlab.inference.text_stream holds back what may
+    still change: a partial character, the start of a stop string)."""
 
     def __init__(self, tokenizer: Tokenizer, stop_ids: list[int], stops: list[str], out=None):
-        self.tokenizer, self.stop_ids, self.stops = tokenizer, set(stop_ids), stops
+        self.text = TextStream(tokenizer, stops)
+        self.stop_ids = set(stop_ids)
         self.out = out or sys.stdout
-        self.tokens: list[int] = []
-        self.printed = ""
 
     def __call__(self, new: list[int | None]) -> None:
         token = new[0]
-        if token is None or token in self.stop_ids:
-            return
-        self.tokens.append(token)
-        text = self.tokenizer.decode(self.tokens)
-        ends = [text.find(s) for s in self.stops if s in text]
-        text = text[:min(ends)] if ends else text.rstrip("\ufffd")
-        held = max((k for s in self.stops for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
-        self.show(text[:len(text) - held])
+        if token is not None and token not in self.stop_ids:
+            self.write(self.text.push(token))
 
     def show(self, text: str) -> None:
-        """Print `text` from where the printed part ends (the final text: all that was held back)."""
-        if len(text) > len(self.printed) and text.startswith(self.printed):
-            self.out.write(text[len(self.printed):])
+        """Print the rest of the final text (all that was held back)."""
+        self.write(self.text.finish(text))
+
+    def write(self, delta: str) -> None:
+        if delta:
+            self.out.write(delta)
             self.out.flush()
-            self.printed = text
 
 
 def stats_line(generation: Generation) -> str:

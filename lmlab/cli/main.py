@@ -48,6 +48,7 @@ VERBS = {
     "upcycle": ("lmlab.cli.upcycle", "dense checkpoint -> MoE checkpoint whose experts copy the FFN"),
     "export-hf": ("lmlab.cli.export_hf", "checkpoint -> Hugging Face Llama model folder"),
     "generate": ("lmlab.cli.generate", "text from a checkpoint or Hugging Face Llama folder, streamed"),
+    "serve": ("lmlab.cli.serve", "an OpenAI-compatible HTTP server over a checkpoint (continuous batching)"),
     "eval": ("lmlab.cli.eval", "evaluation tasks (perplexity, MMLU, GSM8K) on a checkpoint"),
     "lm-eval": ("lmlab.cli.lm_eval", "lm-evaluation-harness's command line with lmlab's model `lmlab`"),
     "scaling": ("lmlab.cli.scaling", "scaling-law fits (joint, IsoFLOP, envelope, Kaplan) of a points table"),

@@ -46,10 +46,14 @@ def cache_for(attention_cls: type) -> Callable[[CacheFactory], CacheFactory]:
     return decorator
 
 
+def registered_for(table: dict[type, CacheFactory], attn: torch.nn.Module) -> CacheFactory | None:
+    """The factory registered for the attention's class or its nearest base class, or None."""
+    return next((table[cls] for cls in type(attn).__mro__ if cls in table), None)
+
+
 def factory_for(attn: torch.nn.Module) -> CacheFactory:
-    for cls in type(attn).__mro__:
-        if cls in CACHE_FACTORIES:
-            return CACHE_FACTORIES[cls]
+    if (factory := registered_for(CACHE_FACTORIES, attn)) is not None:
+        return factory
     raise ConfigError(f"attention {type(attn).__name__} has no KV cache, so it cannot generate; register one with "
                       "@lmlab.inference.cache.cache_for")
 
@@ -126,7 +130,8 @@ class LayerCache:
         raise NotImplementedError
 
 
-def _mha_attend(attn: MultiHeadAttention, q, k, v, mask: torch.Tensor) -> torch.Tensor:
+def mha_attend(attn: MultiHeadAttention, q, k, v, mask: torch.Tensor) -> torch.Tensor:
+    """Attention of q over cached keys and values under `mask` (SDPA, or soft-capped), then o_proj."""
     if attn.softcap is not None:
         out = softcapped_attention(q, k, v, mask, attn.softcap, attn.score_scale)
     else:
@@ -135,13 +140,18 @@ def _mha_attend(attn: MultiHeadAttention, q, k, v, mask: torch.Tensor) -> torch.
     return attn.o_proj(rearrange(out, "b h s d -> b s (h d)"))
 
 
+def plain_softmax(attn: MultiHeadAttention, position: PositionEncoding) -> bool:
+    """Whether the layer's attention is what the decode kernels compute: softmax with no soft-capping and
+    no position bias."""
+    return attn.softcap is None and type(position).attn_bias is PositionEncoding.attn_bias
+
+
 def _kernel_applies(attn: MultiHeadAttention, position: PositionEncoding, q: torch.Tensor, keys: torch.Tensor) -> bool:
-    """The decode-attention kernel computes plain softmax attention without a position bias, for a few
-    new tokens (decode, speculative verification; prefill keeps SDPA)."""
+    """The decode-attention kernel runs a few new tokens (decode, speculative verification; prefill
+    keeps SDPA)."""
     from lmlab.kernels.decode_attention_triton import unsupported  # here: Triton is optional, and only set kernels need it
 
-    no_bias = type(position).attn_bias is PositionEncoding.attn_bias
-    return attn.softcap is None and no_bias and unsupported(q, keys) is None
+    return plain_softmax(attn, position) and unsupported(q, keys) is None
 
 
 class KVCache(LayerCache):
@@ -164,7 +174,7 @@ class KVCache(LayerCache):
             out = kernel(q, keys, values, self.state.slots, self.state.start, attn.score_scale, attn.window)
             return attn.o_proj(rearrange(out, "b h s d -> b s (h d)"))
         mask = score_mask(self.state, self.key_slots, attn.window, position, attn.softcap is not None, q.dtype)
-        return _mha_attend(attn, q, keys, values, mask)
+        return mha_attend(attn, q, keys, values, mask)
 
 
 class SlidingKVCache(LayerCache):
@@ -196,7 +206,7 @@ class SlidingKVCache(LayerCache):
         # Entries at or past this forward's first slot were rolled back (speculative decoding): hide them.
         key_slots = torch.cat([self.ring_slots.masked_fill(self.ring_slots >= slots[0], -1), slots])
         mask = score_mask(self.state, key_slots, attn.window, position, attn.softcap is not None, q.dtype)
-        out = _mha_attend(attn, q, keys, values, mask)
+        out = mha_attend(attn, q, keys, values, mask)
         newest = slice(-self.size, None)
         index = slots[newest] % self.size
         self.tensors["k"].index_copy_(2, index, k[:, :, newest])

@@ -1,0 +1,329 @@
+"""The OpenAI-compatible HTTP API (FastAPI): what `lmlab serve` runs.
+
+    POST /v1/completions        prompt (text, texts, token ids), max_tokens, temperature, top_p, n, stop, seed,
+                                frequency/presence penalties, stream (server-sent events); vLLM's top_k, min_p,
+                                repetition_penalty, ignore_eos
+    POST /v1/chat/completions   messages rendered with the server's chat template; the same settings
+    GET  /v1/models, /health, /metrics (Prometheus)
+
+Errors are OpenAI's JSON ({"error": {"message", "type", "param", "code"}}) with a 4xx status: 400 for a
+malformed body or a request the model cannot run, 404 for an unknown model, 429 when the waiting queue
+is full. A client that disconnects, streaming or not, has its request cancelled and its blocks freed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any, Literal
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from lmlab.alignment.chat import Turn
+from lmlab.alignment.tokens import encode
+from lmlab.errors import ConfigError
+from lmlab.serving.async_engine import AsyncEngine, QueueFull, RequestStream
+from lmlab.serving.engine import SamplingParams
+from lmlab.serving.metrics import ServerMetrics
+
+DISCONNECT_POLL_S = 0.1  # how often a non-streaming request checks that its client is still there
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", code: str | None = None,
+                 param: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.kind, self.code, self.param = status, message, kind, code, param
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(status_code=self.status, content={"error": {
+            "message": self.message, "type": self.kind, "param": self.param, "code": self.code}})
+
+
+class SamplingFields(BaseModel):
+    """OpenAI's sampling settings, and vLLM's extensions."""
+
+    model_config = ConfigDict(extra="ignore")  # clients send fields lmlab does not use (user, logit_bias: null)
+
+    model: str
+    n: int = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] = Field(default_factory=list)
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    stream: bool = False
+    stream_options: dict[str, Any] | None = None
+    logprobs: Any = None
+
+    def sampler(self) -> dict[str, Any]:
+        """The `sampler` registry entry these settings select: one truncation at most, greedy at temperature 0."""
+        temperature = 1.0 if self.temperature is None else self.temperature
+        shared = {"temperature": temperature, "frequency_penalty": self.frequency_penalty,
+                  "presence_penalty": self.presence_penalty, "repetition_penalty": self.repetition_penalty,
+                  "seed": self.seed}
+        truncations = {"top_k": {"top_k": self.top_k} if self.top_k not in (None, -1, 0) else None,
+                       "top_p": {"p": self.top_p} if self.top_p not in (None, 1.0) else None,
+                       "min_p": {"min_p": self.min_p} if self.min_p not in (None, 0.0) else None}
+        chosen = {name: fields for name, fields in truncations.items() if fields is not None}
+        if temperature == 0:
+            return {"name": "greedy", **shared}
+        if len(chosen) > 1:
+            raise APIError(400, f"set one of top_k, top_p and min_p, not {' and '.join(chosen)}: lmlab's samplers "
+                                "apply one truncation")
+        name, fields = next(iter(chosen.items()), ("temperature", {}))
+        return {"name": name, **shared, **fields}
+
+    def params(self, max_tokens: int, extra_stops: list[str] = ()) -> SamplingParams:
+        if self.logprobs not in (None, False, 0):
+            raise APIError(400, "logprobs are not supported by lmlab's server", param="logprobs")
+        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        return SamplingParams(max_tokens=max_tokens, sampler=self.sampler(), n=self.n,
+                              stop=[*stops, *extra_stops], stop_token_ids=self.stop_token_ids,
+                              ignore_eos=self.ignore_eos, include_stop_str_in_output=self.include_stop_str_in_output)
+
+
+class CompletionRequest(SamplingFields):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16
+    echo: bool = False
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    role: Literal["system", "user", "assistant", "developer"]
+    content: str | list[dict[str, Any]] | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, list):  # content parts: lmlab's models read only the text ones
+            if any(part.get("type") != "text" for part in self.content):
+                raise APIError(400, "only text content parts are supported", param="messages")
+            return "".join(part.get("text", "") for part in self.content)
+        return self.content or ""
+
+
+class ChatRequest(SamplingFields):
+    messages: list[ChatMessage]
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+
+
+def build_app(engine: AsyncEngine, model_name: str, tokenizer, chat_template, max_seq_len: int) -> FastAPI:
+    """The API over a started `AsyncEngine`. chat_template: a `chat_template` registry entry, built."""
+    app = FastAPI(title="lmlab", description="OpenAI-compatible completions from an lmlab model")
+    metrics = ServerMetrics(engine, model_name)
+    created = int(time.time())
+
+    @app.exception_handler(APIError)
+    async def api_error(_: Request, err: APIError):
+        return err.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_body(_: Request, err: RequestValidationError):
+        first = err.errors()[0] if err.errors() else {}
+        where = ".".join(str(p) for p in first.get("loc", ()) if p != "body" and not isinstance(p, int))
+        return APIError(400, f"invalid request body: {where + ': ' if where else ''}{first.get('msg', err)}",
+                        param=where or None).response()
+
+    @app.get("/health")
+    async def health():
+        if engine.error is not None:
+            raise APIError(503, f"the serving engine stopped: {engine.error}", kind="server_error")
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
+                                            "owned_by": "lmlab", "max_model_len": max_seq_len}]}
+
+    @app.get("/metrics")
+    async def prometheus():
+        return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    def check_model(body: SamplingFields) -> None:
+        if body.model != model_name:
+            raise APIError(404, f"the model `{body.model}` does not exist; this server serves `{model_name}`",
+                           code="model_not_found", param="model")
+
+    def submit(prompt: list[int], params: SamplingParams) -> RequestStream:
+        try:
+            return engine.submit(prompt, params)
+        except QueueFull as err:
+            raise APIError(429, str(err), kind="rate_limit_error") from None
+        except ConfigError as err:
+            raise APIError(400, str(err)) from None
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        check_model(body)
+        if body.echo:
+            raise APIError(400, "echo is not supported by lmlab's server", param="echo")
+        prompts = _prompt_ids(body.prompt, tokenizer)
+        params = body.params(body.max_tokens if body.max_tokens is not None else 16)
+        streams = [submit(p, params) for p in prompts]
+        reply = _Reply("cmpl", "text_completion", model_name, body.n, sum(map(len, prompts)))
+        if body.stream:
+            return _sse(reply.completion_chunks(streams, _usage_wanted(body)), streams, engine)
+        choices = await _collect(streams, request, engine)
+        return reply.final([{"index": i, "text": text, "logprobs": None, "finish_reason": reason}
+                            for i, (text, reason, _) in enumerate(choices)], choices)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatRequest, request: Request):
+        check_model(body)
+        if not body.messages:
+            raise APIError(400, "messages is empty", param="messages")
+        turns = [Turn("system" if m.role == "developer" else m.role, m.text()) for m in body.messages]
+        try:
+            text = chat_template.render(turns, add_generation_prompt=True)
+        except ConfigError as err:
+            raise APIError(400, str(err), param="messages") from None
+        prompt = encode(tokenizer, text, special_tokens=True)
+        limit = body.max_completion_tokens or body.max_tokens or max(max_seq_len - len(prompt), 1)
+        params = body.params(limit, extra_stops=[chat_template.stop])
+        streams = [submit(prompt, params)]
+        reply = _Reply("chatcmpl", "chat.completion", model_name, body.n, len(prompt))
+        if body.stream:
+            return _sse(reply.chat_chunks(streams[0], _usage_wanted(body)), streams, engine)
+        choices = await _collect(streams, request, engine)
+        return reply.final([{"index": i, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                             "finish_reason": reason} for i, (text, reason, _) in enumerate(choices)], choices)
+
+    return app
+
+
+def _prompt_ids(prompt, tokenizer) -> list[list[int]]:
+    """A completion request's prompts as token ids: text, texts, one list of ids, or lists of ids."""
+    if isinstance(prompt, str):
+        prompt = [prompt]
+    if not prompt:
+        raise APIError(400, "the prompt is empty", param="prompt")
+    if all(isinstance(p, int) for p in prompt):
+        return [list(prompt)]
+    return [encode(tokenizer, p, special_tokens=True) if isinstance(p, str) else list(p) for p in prompt]
+
+
+def _usage_wanted(body: SamplingFields) -> bool:
+    return bool(body.stream_options and body.stream_options.get("include_usage"))
+
+
+def _finish_reason(reason: str | None) -> str | None:
+    """OpenAI's finish reasons: stop and length (a cancelled or failed sequence reports stop)."""
+    return None if reason is None else ("length" if reason == "length" else "stop")
+
+
+class _Reply:
+    """The response objects of one API call: its id, and choices numbered prompt by prompt, n each."""
+
+    def __init__(self, prefix: str, kind: str, model: str, n: int, prompt_tokens: int):
+        self.id, self.kind, self.model, self.n = f"{prefix}-{uuid.uuid4().hex}", kind, model, n
+        self.created, self.prompt_tokens = int(time.time()), prompt_tokens
+
+    def envelope(self, kind: str) -> dict[str, Any]:
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
+
+    def usage(self, completion_tokens: int) -> dict[str, int]:
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion_tokens,
+                "total_tokens": self.prompt_tokens + completion_tokens}
+
+    def final(self, choices: list[dict], results: list[tuple[str, str, int]]) -> dict[str, Any]:
+        return {**self.envelope(self.kind), "choices": choices, "usage": self.usage(sum(r[2] for r in results))}
+
+    async def completion_chunks(self, streams: list[RequestStream], usage: bool) -> AsyncIterator[dict]:
+        tokens = 0
+        async for offset, event in _merged(streams, self.n):
+            tokens += event.token is not None
+            if event.text or event.finish_reason is not None:
+                yield {**self.envelope("text_completion"), "choices": [{
+                    "index": offset + event.index, "text": event.text, "logprobs": None,
+                    "finish_reason": _finish_reason(event.finish_reason)}]}
+        if usage:
+            yield {**self.envelope("text_completion"), "choices": [], "usage": self.usage(tokens)}
+
+    async def chat_chunks(self, stream: RequestStream, usage: bool) -> AsyncIterator[dict]:
+        kind, tokens = "chat.completion.chunk", 0
+        for i in range(self.n):  # the role comes first, as OpenAI's streams send it
+            yield {**self.envelope(kind), "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
+                                                       "logprobs": None, "finish_reason": None}]}
+        async for event in stream:
+            tokens += event.token is not None
+            if event.text:
+                yield {**self.envelope(kind), "choices": [{"index": event.index, "delta": {"content": event.text},
+                                                           "logprobs": None, "finish_reason": None}]}
+            if event.finish_reason is not None:
+                yield {**self.envelope(kind), "choices": [{"index": event.index, "delta": {}, "logprobs": None,
+                                                           "finish_reason": _finish_reason(event.finish_reason)}]}
+        if usage:
+            yield {**self.envelope(kind), "choices": [], "usage": self.usage(tokens)}
+
+
+async def _merged(streams: list[RequestStream], n: int) -> AsyncIterator[tuple[int, Any]]:
+    """Events of several requests as they come: (the first choice index of its request, event)."""
+    pending = {asyncio.ensure_future(anext(s, None)): (k, s) for k, s in enumerate(streams)}
+    try:
+        while pending:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for future in done:
+                k, stream = pending.pop(future)
+                event = future.result()
+                if event is not None:
+                    yield k * n, event
+                    pending[asyncio.ensure_future(anext(stream, None))] = (k, stream)
+    finally:
+        for future in pending:
+            future.cancel()
+
+
+def _sse(chunks: AsyncIterator[dict], streams: list[RequestStream], engine: AsyncEngine) -> StreamingResponse:
+    async def body():
+        try:
+            async for chunk in chunks:
+                yield f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
+            yield "data: [DONE]\n\n"
+        finally:  # the client went away (the server cancels this generator), or every request finished
+            for stream in streams:
+                if not stream.done:
+                    engine.abort(stream.request_id)
+
+    return StreamingResponse(body(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
+async def _collect(streams: list[RequestStream], request: Request, engine: AsyncEngine) -> list[tuple[str, str, int]]:
+    """(text, finish reason, tokens) of every choice, in order; cancels everything if the client disconnects."""
+    async def gather(stream: RequestStream):
+        texts, reasons, tokens = [""] * stream.n, [""] * stream.n, [0] * stream.n
+        async for event in stream:
+            texts[event.index] += event.text
+            tokens[event.index] += event.token is not None
+            if event.finish_reason is not None:
+                if event.finish_reason == "error":
+                    raise APIError(500, f"generation failed: {event.error}", kind="server_error")
+                reasons[event.index] = _finish_reason(event.finish_reason)
+        return list(zip(texts, reasons, tokens))
+
+    work = asyncio.ensure_future(asyncio.gather(*(gather(s) for s in streams)))
+    try:
+        while not work.done():
+            await asyncio.wait([work], timeout=DISCONNECT_POLL_S)
+            if not work.done() and await request.is_disconnected():
+                work.cancel()
+                break
+        return [choice for per_request in await work for choice in per_request]
+    finally:
+        for stream in streams:
+            if not stream.done:
+                engine.abort(stream.request_id)
