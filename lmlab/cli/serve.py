@@ -96,7 +96,6 @@ def build_server(cfg: ServeConfig):
                          max_waiting=cfg.max_waiting).start()
     name = cfg.model_name or default_model_name(cfg.ckpt)
     app = build_app(engine, name, source.tokenizer, template, source.max_seq_len)
-    app.add_event_handler("shutdown", engine.stop)
     blocks = engine.engine.blocks
     log.info("serving %s (%s, %s) with %d KV blocks of %d tokens (%.2f GiB)", name, device, dtype, blocks.usable,
              blocks.block_size, blocks.num_blocks * engine.engine.runner.kv_bytes_per_block() / 2**30)

@@ -77,7 +77,8 @@ class AsyncEngine:
     def stop(self) -> None:
         self._stop.set()
         self._wake.set()
-        self._thread.join(timeout=10)
+        if self._thread.is_alive():
+            self._thread.join(timeout=10)
 
     # -- the event loop's side ----------------------------------------------------------------------
     def submit(self, prompt: list[int], params: SamplingParams, request_id: str | None = None) -> RequestStream:
@@ -96,7 +97,10 @@ class AsyncEngine:
                 stream.first_token_s = time.perf_counter() - stream.submitted
                 for observe in self.ttft_observers:
                     observe(stream.first_token_s)
-            loop.call_soon_threadsafe(stream.queue.put_nowait, event)
+            try:
+                loop.call_soon_threadsafe(stream.queue.put_nowait, event)
+            except RuntimeError:  # the submitting event loop has closed: nobody is left to read the event
+                pass
 
         self._inbox.put(("add", (prompt, params, stream.request_id, deliver)))
         self._wake.set()

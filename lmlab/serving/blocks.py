@@ -59,6 +59,7 @@ class BlockManager:
         self.block_of: dict[int, int] = {}  # chain hash -> block
         self.hash_of: dict[int, int] = {}  # block -> chain hash
         self.hits = self.queries = 0  # prefix-cache lookups of full prompt blocks, and how many found a block
+        self.copies = 0  # copy-on-write copies of shared blocks
 
     # -- counts -----------------------------------------------------------------------------------
     @property
@@ -138,6 +139,7 @@ class BlockManager:
         for i in shared:
             private = self.allocate()
             copies.append((table.blocks[i], private))
+            self.copies += 1
             self.release(table.blocks[i])
             table.blocks[i] = private
             del table.hashes[i:]  # a written copy is no longer the registered block

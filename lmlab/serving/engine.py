@@ -296,7 +296,8 @@ class ServingEngine:
     def stats(self) -> dict[str, float]:
         return {"waiting": len(self.scheduler.waiting), "running": len(self.scheduler.running),
                 "kv_blocks_used": self.blocks.num_used(), "kv_blocks_total": self.blocks.usable,
-                "prefix_cache_queries": self.blocks.queries, "prefix_cache_hits": self.blocks.hits, **self.totals}
+                "prefix_cache_queries": self.blocks.queries, "prefix_cache_hits": self.blocks.hits,
+                "copy_on_write": self.blocks.copies, **self.totals}
 
 
 def default_num_blocks(model: Transformer, cfg: ServingConfig, max_num_seqs: int) -> int:

@@ -14,6 +14,7 @@ is full. A client that disconnects, streaming or not, has its request cancelled 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 import uuid
@@ -124,7 +125,13 @@ class ChatRequest(SamplingFields):
 
 def build_app(engine: AsyncEngine, model_name: str, tokenizer, chat_template, max_seq_len: int) -> FastAPI:
     """The API over a started `AsyncEngine`. chat_template: a `chat_template` registry entry, built."""
-    app = FastAPI(title="lmlab", description="OpenAI-compatible completions from an lmlab model")
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI):
+        yield
+        engine.stop()  # the server shuts down: the engine thread ends with it
+
+    app = FastAPI(title="lmlab", description="OpenAI-compatible completions from an lmlab model", lifespan=lifespan)
+    app.state.engine = engine
     metrics = ServerMetrics(engine, model_name)
     created = int(time.time())
 

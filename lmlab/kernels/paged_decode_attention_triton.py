@@ -1,0 +1,208 @@
+"""Decode attention over a paged KV cache in Triton (PagedAttention read by flash-decoding).
+
+`paged_decode_attention(q, k_pool, v_pool, block_tables, context_lens, scale=None, window=None)` attends
+one new query per sequence, q (batch, heads, head_dim), over keys and values kept in pools of blocks,
+(num_blocks, block_size, kv_heads, head_dim). Sequence b's token at position p lives in block
+block_tables[b, p // block_size] at offset p % block_size; it has context_lens[b] keys, and its query,
+at position context_lens[b] - 1, sees every one of them (with a window, only those with
+context_lens[b] - 1 - p < window). Block-table entries outside the keys a sequence sees (past its last
+block, or wholly before its window) are never read, so they may hold anything.
+
+Like lmlab.kernels.decode_attention_triton: one program per (sequence, kv head, split) loads the group's
+query heads (GQA: each key and value is read once per kv head), walks only the keys its sequence sees,
+looking each key's block up in the table, and when the batch gives too few programs to fill the GPU,
+splits the key range across programs whose partial results (output and log-sum-exp) a second small
+kernel combines. Softmax runs in base 2 with log2(e) folded into the scale. The split count comes from
+shapes only (the table's capacity), never from context_lens, so a CUDA graph replays with new lengths.
+
+The launch is a torch.library custom op, so torch.compile treats it as one opaque call and a CUDA graph
+captures it. With TRITON_INTERPRET=1 it runs on CPU tensors through Triton's interpreter.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+SUPPORTED_HEAD_DIMS = (16, 32, 64, 128)
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+MAX_GROUP = 64  # query heads per kv head, one tile of rows
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+_LOG2E = math.log2(math.e)
+# Reasonable defaults, not tuned: keys per loop step are whole blocks (or part of one large block), and
+# key ranges are split until the grid has PROGRAMS_PER_SM programs per SM, but no split gets fewer than
+# KEYS_PER_SPLIT positions of the table's capacity (the split rule of the slot-addressed kernel).
+MIN_BLOCK_N, MAX_BLOCK_N, NUM_WARPS, NUM_STAGES = 32, 64, 2, 2
+PROGRAMS_PER_SM, KEYS_PER_SPLIT = 2, 32
+
+
+@triton.jit
+def _paged_decode_kernel(Q, K, V, Tables, Lens, Out, PartOut, PartLse,
+                         sq_b, sq_h, sk_n, sk_t, sk_h, sv_n, sv_t, sv_h, st_b, st_n,
+                         n_kv_heads, n_heads, qk_scale, window, n_split,
+                         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr,
+                         SPLIT: tl.constexpr, PREC: tl.constexpr):
+    bh = tl.program_id(0)
+    split = tl.program_id(1)
+    b = bh // n_kv_heads
+    kv_head = bh % n_kv_heads
+    rows = tl.arange(0, BLOCK_M)  # row r: query head kv_head * GROUP + r
+    row_ok = rows < GROUP
+    head = kv_head * GROUP + rows
+    dims = tl.arange(0, HEAD_DIM)
+    q = tl.load(Q + b * sq_b + head[:, None] * sq_h + dims[None, :], mask=row_ok[:, None], other=0.0)
+
+    hi = tl.load(Lens + b)  # keys at positions [lo, hi); the query is at hi - 1
+    lo = 0
+    if HAS_WINDOW:
+        lo = tl.maximum(hi - window, 0)
+    lo_step = lo // BLOCK_N * BLOCK_N  # steps and splits start on block boundaries
+    per_split = tl.cdiv(tl.cdiv(hi - lo_step, BLOCK_N), n_split) * BLOCK_N
+    k_lo = lo_step + split * per_split
+    k_hi = tl.minimum(hi, k_lo + per_split)
+
+    m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+    l_i = tl.zeros((BLOCK_M,), tl.float32)
+    acc = tl.zeros((BLOCK_M, HEAD_DIM), tl.float32)
+    table = Tables + b * st_b
+    for k0 in range(k_lo, k_hi, BLOCK_N):
+        keys = k0 + tl.arange(0, BLOCK_N)
+        seen = (keys >= lo) & (keys < k_hi)  # also guards the table: entries outside are never read
+        block = tl.load(table + (keys // BLOCK_SIZE) * st_n, mask=seen, other=0).to(tl.int64)
+        offset = keys % BLOCK_SIZE
+        k = tl.load(K + block[:, None] * sk_n + offset[:, None] * sk_t + kv_head * sk_h + dims[None, :],
+                    mask=seen[:, None], other=0.0)
+        v = tl.load(V + block[:, None] * sv_n + offset[:, None] * sv_t + kv_head * sv_h + dims[None, :],
+                    mask=seen[:, None], other=0.0)
+        scores = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
+        scores = tl.where(seen[None, :], scores, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing seen yet stays empty
+        alpha = tl.math.exp2(m_i - m_safe)
+        p = tl.math.exp2(scores - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PREC)
+        m_i = m_new
+
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    row = b * n_heads + head  # row of the (batch, heads) output
+    if SPLIT:
+        lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.math.log2(l_i))
+        tl.store(PartLse + row * n_split + split, lse, mask=row_ok)
+        tl.store(PartOut + (row * n_split + split)[:, None] * HEAD_DIM + dims[None, :], out, mask=row_ok[:, None])
+    else:
+        tl.store(Out + row[:, None] * HEAD_DIM + dims[None, :], out.to(Out.dtype.element_ty), mask=row_ok[:, None])
+
+
+@triton.jit
+def _combine_kernel(PartOut, PartLse, Out, n_split, HEAD_DIM: tl.constexpr, BLOCK_SPLIT: tl.constexpr):
+    row = tl.program_id(0)
+    splits = tl.arange(0, BLOCK_SPLIT)
+    dims = tl.arange(0, HEAD_DIM)
+    lse = tl.load(PartLse + row * n_split + splits, mask=splits < n_split, other=float("-inf"))
+    top = tl.max(lse, 0)
+    weight = tl.math.exp2(lse - tl.where(top == float("-inf"), 0.0, top))  # a row with no keys: all zero
+    weight = weight / tl.maximum(tl.sum(weight, 0), 1e-30)
+    part = tl.load(PartOut + (row * n_split + splits)[:, None] * HEAD_DIM + dims[None, :],
+                   mask=(splits < n_split)[:, None], other=0.0)
+    tl.store(Out + row * HEAD_DIM + dims, tl.sum(weight[:, None] * part, 0).to(Out.dtype.element_ty))
+
+
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    return 4 if _INTERPRET else torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def n_splits(programs: int, capacity: int, device: torch.device) -> int:
+    """Key-range splits per (sequence, kv head): enough programs for PROGRAMS_PER_SM per SM, but no
+    split shorter than KEYS_PER_SPLIT positions of the block table's capacity."""
+    wanted = math.ceil(PROGRAMS_PER_SM * _sm_count(device) / programs)
+    return max(1, min(wanted, capacity // KEYS_PER_SPLIT))
+
+
+@torch.library.custom_op("lmlab::paged_decode_attention", mutates_args=())
+def _paged_decode_op(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, block_tables: torch.Tensor,
+                     context_lens: torch.Tensor, scale: float, window: int) -> torch.Tensor:
+    """window 0: none. Returns a contiguous (batch, heads, head_dim) tensor in q's dtype."""
+    batch, n_heads, head_dim = q.shape
+    block_size, n_kv_heads = k_pool.shape[1], k_pool.shape[2]
+    group = n_heads // n_kv_heads
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    split = n_splits(batch * n_kv_heads, block_tables.shape[1] * block_size, q.device)
+    part_out = part_lse = out  # unused without a split
+    if split > 1:
+        part_out = torch.empty((batch, n_heads, split, head_dim), dtype=torch.float32, device=q.device)
+        part_lse = torch.empty((batch, n_heads, split), dtype=torch.float32, device=q.device)
+    _paged_decode_kernel[(batch * n_kv_heads, split)](
+        q, k_pool, v_pool, block_tables, context_lens, out, part_out, part_lse,
+        q.stride(0), q.stride(1), *k_pool.stride()[:3], *v_pool.stride()[:3], *block_tables.stride(),
+        n_kv_heads, n_heads, scale * _LOG2E, window, split,
+        GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_M=max(16, triton.next_power_of_2(group)),
+        BLOCK_N=min(max(block_size, MIN_BLOCK_N), MAX_BLOCK_N), HAS_WINDOW=window > 0, SPLIT=split > 1,
+        PREC="ieee" if q.dtype == torch.float32 else "tf32", num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+    if split > 1:
+        _combine_kernel[(batch * n_heads,)](part_out, part_lse, out, split, HEAD_DIM=head_dim,
+                                           BLOCK_SPLIT=triton.next_power_of_2(split))
+    return out
+
+
+@_paged_decode_op.register_fake
+def _(q, k_pool, v_pool, block_tables, context_lens, scale, window):
+    return torch.empty(q.shape, dtype=q.dtype, device=q.device)
+
+
+def unsupported(q: torch.Tensor, k_pool: torch.Tensor) -> str | None:
+    """Why a query q (batch, heads, head_dim) over a pool (num_blocks, block_size, kv_heads, head_dim)
+    cannot run here (None: it can)."""
+    if not _INTERPRET and not q.is_cuda:
+        return "q must be a CUDA tensor"
+    if q.dim() != 3 or k_pool.dim() != 4:
+        return f"q of shape {tuple(q.shape)} and a pool of shape {tuple(k_pool.shape)} (want (batch, heads, " \
+               "head_dim) and (num_blocks, block_size, kv_heads, head_dim))"
+    if q.dtype not in SUPPORTED_DTYPES or k_pool.dtype != q.dtype:
+        return f"dtype {q.dtype} with a {k_pool.dtype} pool (supported: float16, bfloat16, float32 pools of q's dtype)"
+    if q.shape[-1] not in SUPPORTED_HEAD_DIMS or k_pool.shape[-1] != q.shape[-1]:
+        return f"head_dim={q.shape[-1]} with a pool of head_dim {k_pool.shape[-1]} " \
+               f"(supported: one of {', '.join(map(str, SUPPORTED_HEAD_DIMS))} for both)"
+    block_size = k_pool.shape[1]
+    if block_size < 1 or block_size & (block_size - 1):
+        return f"block_size={block_size} is not a power of two"
+    if q.shape[1] % k_pool.shape[2]:
+        return f"{q.shape[1]} query heads are not divisible by {k_pool.shape[2]} kv heads"
+    if q.shape[1] // k_pool.shape[2] > MAX_GROUP:
+        return f"{q.shape[1] // k_pool.shape[2]} query heads per kv head > {MAX_GROUP}"
+    return None
+
+
+def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, block_tables: torch.Tensor,
+                           context_lens: torch.Tensor, scale: float | None = None,
+                           window: int | None = None) -> torch.Tensor:
+    """Attention of q (batch, heads, head_dim), one query per sequence at position context_lens - 1, over
+    the keys and values its block table points to; see the module docstring. Returns (batch, heads,
+    head_dim) in q's dtype."""
+    problem = unsupported(q, k_pool)
+    if problem:
+        raise ValueError(f"paged_decode_attention: {problem}")
+    if v_pool.shape != k_pool.shape or v_pool.dtype != k_pool.dtype:
+        raise ValueError(f"paged_decode_attention: v_pool {tuple(v_pool.shape)} {v_pool.dtype} differs from "
+                         f"k_pool {tuple(k_pool.shape)} {k_pool.dtype}")
+    batch = q.shape[0]
+    if block_tables.dim() != 2 or block_tables.shape[0] != batch or context_lens.shape != (batch,):
+        raise ValueError(f"paged_decode_attention: block_tables {tuple(block_tables.shape)} and context_lens "
+                         f"{tuple(context_lens.shape)} should be ({batch}, max_blocks) and ({batch},)")
+    if block_tables.dtype not in (torch.int32, torch.int64) or context_lens.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"paged_decode_attention: block_tables ({block_tables.dtype}) and context_lens "
+                         f"({context_lens.dtype}) must be int32 (or int64)")
+    if q.stride(-1) != 1 or k_pool.stride(-1) != 1 or v_pool.stride(-1) != 1:
+        raise ValueError("paged_decode_attention: q and the pools need a contiguous head_dim")
+    if window is not None and window < 1:
+        raise ValueError(f"paged_decode_attention: window={window}; it must be >= 1 (None: no window)")
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    return _paged_decode_op(q, k_pool, v_pool, block_tables, context_lens, scale, window or 0)
