@@ -34,7 +34,7 @@ def cmd_list(args: argparse.Namespace) -> int:
 BENCHMARKS = {"tokenizer": "lmlab.tokenizers.bench", "moe": "lmlab.nn.moe.bench", "comm": "lmlab.parallel.comm_bench",
               "parallel": "lmlab.parallel.bench", "train": "lmlab.training.bench",
               "kernels": "lmlab.kernels.bench", "generate": "lmlab.inference.bench",
-              "data": "lmlab.curation.bench"}
+              "data": "lmlab.curation.bench", "paged-attention": "lmlab.serving.attention_bench", "serve": "lmlab.serving.bench"}
 
 
 def cmd_bench(args: argparse.Namespace) -> int:

@@ -20,7 +20,9 @@ time per output token (p50, p99; as the client sees them), and the KV blocks in 
 (peak, mean over steps). The headline: each scheduler's highest rate whose p99 TTFT stays within
 `--ttft-slo`, and continuous over static requests/s at those rates. With `--shared-prefix N` every prompt
 starts with the same N tokens (a system prompt) and each scheduler (default: continuous) runs with prefix
-caching on and off: the KV blocks sharing saves, and its throughput gain (clearest at `inf`).
+caching on and off: the KV blocks sharing saves, and its throughput gain. Sequences admitted in the same
+step as the first to read the prefix compute it themselves (its blocks are registered after that step's
+forward), so at `inf` a whole first batch shares nothing: measure sharing at finite rates.
 """
 
 from __future__ import annotations
@@ -46,7 +48,8 @@ from lmlab.serving.runner import GRAPH_BATCHES
 from lmlab.serving.scheduler import SCHEDULERS
 
 LONG_FRACTION, LONG_SCALE = 0.2, 3.0  # a fifth of the prompts are documents three times the mean prompt
-SHORT_SCALE = (1 - LONG_FRACTION * LONG_SCALE) / (1 - LONG_FRACTION)  # the chat turns, so the mixture's mean is --prompt-mean
+# the chat turns' scale, which makes the mixture's mean --prompt-mean
+SHORT_SCALE = (1 - LONG_FRACTION * LONG_SCALE) / (1 - LONG_FRACTION)
 PROMPT_SIGMA, OUTPUT_SIGMA = 0.8, 0.6  # log-normal spreads
 WARMUP_REQUESTS = 4  # without CUDA graphs: enough to run the prefill and decode paths once
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -281,7 +284,8 @@ def format_row(row: dict) -> str:
     return (f"{row['scheduler']:<11} {'on' if row['prefix_caching'] else 'off':>6} {rate_text(row['rate']):>6} "
             f"{row['completed']:>5} {row['requests_per_s']:>7.2f} {row['output_tokens_per_s']:>10,.0f} "
             f"{ms(row['ttft_p50_s']):>11} {ms(row['ttft_p99_s']):>8} {ms(row['tpot_p50_s']):>11} "
-            f"{ms(row['tpot_p99_s']):>7} {row['kv_blocks_peak']:>8} {row['kv_blocks_mean']:>8.1f} {row['preemptions']:>7}")
+            f"{ms(row['tpot_p99_s']):>7} {row['kv_blocks_peak']:>8} {row['kv_blocks_mean']:>8.1f} "
+            f"{row['preemptions']:>7}")
 
 
 def within_slo(rows: list[dict], slo: float) -> dict[str, dict | None]:
@@ -360,10 +364,12 @@ def plot(rows: list[dict], path: Path, title: str, slo: float, prefix_mode: bool
 # -- the command ----------------------------------------------------------------------------------
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="lmlab bench serve", description=__doc__.splitlines()[0])
-    parser.add_argument("overrides", nargs="*", help=f"lmlab-train model overrides (default: {' '.join(DEFAULT_OVERRIDES)})")
+    parser.add_argument("overrides", nargs="*",
+                        help=f"lmlab-train model overrides (default: {' '.join(DEFAULT_OVERRIDES)})")
     parser.add_argument("--ckpt", default=None, help="a checkpoint's weights instead of a random model")
-    parser.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"], help="auto: cuda when there is one")
-    parser.add_argument("--dtype", default="auto", choices=["auto", *DTYPES], help="auto: bfloat16 on CUDA, else float32")
+    parser.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"], help="auto: cuda if any")
+    parser.add_argument("--dtype", default="auto", choices=["auto", *DTYPES],
+                        help="auto: bfloat16 on CUDA, else float32")
     parser.add_argument("--schedulers", nargs="+", default=None, metavar="NAME",
                         help="default: continuous static (with --shared-prefix: continuous)")
     parser.add_argument("--rates", nargs="+", type=float, default=[1, 2, 4, 8, math.inf], metavar="RATE",
@@ -437,8 +443,8 @@ def main(argv: list[str]) -> int:
         print(format_row(rows[-1]), flush=True)
 
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    result = {"rows": rows, "device": device_name, "torch": torch.__version__, "dtype": str(dtype), "overrides": overrides,
-              "ckpt": args.ckpt, "parameters": model.num_parameters(),
+    result = {"rows": rows, "device": device_name, "torch": torch.__version__, "dtype": str(dtype),
+              "overrides": overrides, "ckpt": args.ckpt, "parameters": model.num_parameters(),
               "workload": {"source": str(args.prompts) if args.prompts else "sharegpt", "requests": args.requests,
                            "shared_prefix": args.shared_prefix, "mean_prompt_tokens": float(np.mean(prompt_lens)),
                            "mean_output_tokens": float(np.mean(workload.outputs)), "seed": args.seed}}
@@ -447,8 +453,8 @@ def main(argv: list[str]) -> int:
     else:
         result["headline"] = scheduler_headline(rows, args.ttft_slo)
     if args.plot:
-        plot(rows, args.plot, f"{model.num_parameters() / 1e6:.3g}M parameters, {args.requests} requests, {device_name}",
-             args.ttft_slo, prefix_mode)
+        title = f"{model.num_parameters() / 1e6:.3g}M parameters, {args.requests} requests, {device_name}"
+        plot(rows, args.plot, title, args.ttft_slo, prefix_mode)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(result, indent=2))
