@@ -20,9 +20,7 @@ time per output token (p50, p99; as the client sees them), and the KV blocks in 
 (peak, mean over steps). The headline: each scheduler's highest rate whose p99 TTFT stays within
 `--ttft-slo`, and continuous over static requests/s at those rates. With `--shared-prefix N` every prompt
 starts with the same N tokens (a system prompt) and each scheduler (default: continuous) runs with prefix
-caching on and off: the KV blocks sharing saves, and its throughput gain. Sequences admitted in the same
-step as the first to read the prefix compute it themselves (its blocks are registered after that step's
-forward), so at `inf` a whole first batch shares nothing: measure sharing at finite rates.
+caching on and off: the KV blocks sharing saves, and its throughput gain.
 """
 
 from __future__ import annotations

@@ -57,6 +57,7 @@ class BlockManager:
         self.free: deque[int] = deque(range(1, num_blocks))
         self.evictable: OrderedDict[int, None] = OrderedDict()  # freed but registered blocks, oldest first
         self.block_of: dict[int, int] = {}  # chain hash -> block
+        self.pending: dict[int, int] = {}  # chain hash -> block whose keys its sequence is still computing
         self.hash_of: dict[int, int] = {}  # block -> chain hash
         self.hits = self.queries = 0  # prefix-cache lookups of full prompt blocks, and how many found a block
         self.copies = 0  # copy-on-write copies of shared blocks
@@ -105,26 +106,43 @@ class BlockManager:
         self.refs[block] += 1
 
     # -- sequences --------------------------------------------------------------------------------
-    def match_prefix(self, table: BlockTable, tokens: Sequence[int]) -> int:
+    def _keys(self, tokens: Sequence[int], blocks: int, parent: int | None = None, first: int = 0):
+        for i in range(first, blocks):
+            parent = chain_hash(parent, tokens[i * self.block_size:(i + 1) * self.block_size])
+            yield i, parent
+
+    def match_prefix(self, table: BlockTable, tokens: Sequence[int], wait: bool = True) -> int | None:
         """Fill an empty `table` with the registered blocks `tokens` starts with; returns how many tokens
-        they hold. The last token is always left to compute, since its logits are what the prompt is for."""
+        they hold. With `wait`, None (holding nothing) when the prefix goes on into a block that another
+        sequence is still computing: waiting a step for it is cheaper than computing it twice. The last
+        token is always left to compute, since its logits are what the prompt is for."""
         if table.blocks:
             raise ValueError("match_prefix fills an empty block table")
         if not self.prefix_caching:
             return 0
-        parent = None
-        for i in range((len(tokens) - 1) // self.block_size):
-            key = chain_hash(parent, tokens[i * self.block_size:(i + 1) * self.block_size])
+        for _, key in self._keys(tokens, (len(tokens) - 1) // self.block_size):
             self.queries += 1
             block = self.block_of.get(key)
             if block is None:
+                if wait and key in self.pending:
+                    self.free_table(table)
+                    return None
                 break
             self.hits += 1
             self._take(block)
             table.blocks.append(block)
             table.hashes.append(key)
-            parent = key
         return len(table.blocks) * self.block_size
+
+    def reserve(self, table: BlockTable, tokens: Sequence[int]) -> None:
+        """Mark the full blocks of a just-admitted prompt that its sequence will compute, so that prompts
+        admitted after it wait for them (match_prefix) instead of computing them too."""
+        if not self.prefix_caching:
+            return
+        parent = table.hashes[-1] if table.hashes else None
+        for i, key in self._keys(tokens, len(tokens) // self.block_size, parent, len(table.hashes)):
+            if key not in self.block_of:
+                self.pending.setdefault(key, table.blocks[i])
 
     def ensure(self, table: BlockTable, length: int, written_from: int) -> list[tuple[int, int]]:
         """Make room for tokens up to `length` whose keys are written from position `written_from` on:
@@ -150,11 +168,12 @@ class BlockManager:
         """Register the blocks completed by the first `computed` tokens (their keys are now in the pools)."""
         if not self.prefix_caching:
             return
-        for i in range(len(table.hashes), computed // self.block_size):
-            parent = table.hashes[-1] if table.hashes else None
-            key = chain_hash(parent, tokens[i * self.block_size:(i + 1) * self.block_size])
+        parent = table.hashes[-1] if table.hashes else None
+        for i, key in self._keys(tokens, computed // self.block_size, parent, len(table.hashes)):
             table.hashes.append(key)
             block = table.blocks[i]
+            if self.pending.get(key) == block:
+                del self.pending[key]
             if key not in self.block_of and block not in self.hash_of:
                 self.block_of[key], self.hash_of[block] = block, key
 
@@ -165,6 +184,10 @@ class BlockManager:
         return BlockTable(list(table.blocks), list(table.hashes))
 
     def free_table(self, table: BlockTable) -> None:
+        if self.pending:  # blocks it was computing for others: they will not come
+            mine = set(table.blocks)
+            for key in [k for k, block in self.pending.items() if block in mine]:
+                del self.pending[key]
         for block in reversed(table.blocks):  # the tail is freed first, so the head stays findable longer
             self.release(block)
         table.blocks.clear()

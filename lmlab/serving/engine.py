@@ -31,7 +31,7 @@ from lmlab.nn.transformer import Transformer
 from lmlab.registry import Registry
 from lmlab.serving.blocks import BlockManager
 from lmlab.serving.runner import PagedRunner, Row
-from lmlab.serving.scheduler import SCHEDULERS, Plan, Sequence, Work
+from lmlab.serving.scheduler import SCHEDULERS, Sequence, Work
 
 MAX_CPU_KV_BYTES = 2 * 2**30  # the default pool on a CPU: enough blocks for every sequence, up to this
 

@@ -140,9 +140,14 @@ class Scheduler:
     def _admit(self, seq: Sequence) -> bool:
         """Take the blocks of seq's whole prompt (reusing registered ones); False, holding nothing, when
         they do not fit."""
-        seq.computed = self.blocks.match_prefix(seq.table, seq.tokens)
+        # continuous: a sequence whose prefix a running one is computing waits a step for its blocks
+        cached = self.blocks.match_prefix(seq.table, seq.tokens, wait=self.admits_while_running)
+        if cached is None:
+            return False
+        seq.computed = cached
         try:
             self.blocks.ensure(seq.table, len(seq.tokens), seq.computed)
+            self.blocks.reserve(seq.table, seq.tokens)
         except NoFreeBlocks:
             self.blocks.free_table(seq.table)
             seq.computed = 0

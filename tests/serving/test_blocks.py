@@ -77,3 +77,20 @@ def test_no_block_leaks_once_every_table_is_freed():
     for table in tables:
         manager.free_table(table)
     assert manager.num_used() == 0 and all(r == 0 for r in manager.refs)
+
+
+def test_a_prefix_being_computed_makes_a_later_prompt_wait_unless_told_not_to():
+    manager = BlockManager(16, 2)
+    owner = BlockTable()
+    manager.ensure(owner, 5, 0)
+    manager.reserve(owner, [1, 2, 3, 4, 5])  # admitted: blocks [1, 2] and [3, 4] are being computed
+    waiting = BlockTable()
+    assert manager.match_prefix(waiting, [1, 2, 3, 4, 9]) is None and waiting.blocks == []
+    assert manager.match_prefix(BlockTable(), [1, 2, 3, 4, 9], wait=False) == 0
+    manager.register_full(owner, [1, 2, 3, 4, 5], 5)  # computed: now they are shared
+    assert manager.match_prefix(waiting, [1, 2, 3, 4, 9]) == 4 and not manager.pending
+    other = BlockTable()
+    manager.ensure(other, 3, 0)
+    manager.reserve(other, [7, 8, 9])
+    manager.free_table(other)  # preempted or cancelled before computing: nobody waits for it
+    assert manager.match_prefix(BlockTable(), [7, 8, 9]) == 0

@@ -168,3 +168,11 @@ def test_a_pool_too_small_for_one_sequence_is_refused(model):
 def test_unknown_scheduler_is_one_clear_error(model):
     with pytest.raises(ConfigError, match="unknown scheduler"):
         ServingEngine(model, None, ServingConfig(scheduler="round_robin"))
+
+
+def test_prompts_admitted_together_compute_their_shared_prefix_once(model, prompts):
+    system = list(range(40, 72))  # 8 full blocks, shared by four requests that arrive together
+    shared = [system + p for p in prompts[:4]]
+    got, engine = serve(model, shared)
+    assert got == one_by_one(model, shared)
+    assert engine.blocks.hits == 3 * 8 and not engine.blocks.pending
