@@ -30,8 +30,8 @@ from lmlab.timing import median_time
 BYTES_PER_ELEMENT = 4  # the benchmark moves float32
 
 # torch 2.13 renamed the two single-tensor collectives; older supported releases only have the old names.
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 @dataclass(frozen=True)
@@ -53,10 +53,10 @@ COLLECTIVES: dict[str, Collective] = {
                              lambda t: dist.all_reduce(t)),
     "reduce_scatter": Collective(lambda n: (n - 1) / n,
                                  lambda numel, n, device: (_zeros(numel // n, device), _zeros(numel, device)),
-                                 lambda out, inp: _reduce_scatter(out, inp)),
+                                 lambda out, inp: reduce_scatter_single(out, inp)),
     "all_gather": Collective(lambda n: (n - 1) / n,
                              lambda numel, n, device: (_zeros(numel, device), _zeros(numel // n, device)),
-                             lambda out, inp: _all_gather(out, inp)),
+                             lambda out, inp: all_gather_single(out, inp)),
     "broadcast": Collective(lambda n: 1.0,
                             lambda numel, n, device: (_zeros(numel, device),),
                             lambda t: dist.broadcast(t, src=0)),
