@@ -74,16 +74,43 @@ class _Unit:
         self.shard_numel = [k * math.prod(shape[1:]) for k, shape in zip(self.shard_rows, self.shapes)]
         self.compute_dtype = compute_dtype
         self.shards: list[torch.Tensor] = []
-        self.saved_grads: list[torch.Tensor | None] = [None] * len(params)  # shard gradients while whole
+        # A shard gradient from an earlier backward (micro-batches accumulating), set aside while this
+        # backward's whole gradient accumulates: moved when that gradient arrives, not when the unit is
+        # gathered, so an optimizer's zero_grad between forward and backward (Lightning's order) still clears it.
+        self.saved_grads: list[torch.Tensor | None] = [None] * len(params)
+        self.arrived = [False] * len(params)  # this backward's gradient reached parameter i
+        for i, p in enumerate(params):
+            p.register_hook(self._set_aside(i))
         self.whole = False
         self.reduced = False
 
+    def _set_aside(self, i: int):
+        def hook(grad: torch.Tensor) -> None:  # runs just before autograd accumulates `grad` into .grad
+            p = self.params[i]
+            if p.grad is not None and not self.arrived[i]:
+                self.saved_grads[i], p.grad = p.grad, None
+            self.arrived[i] = True
+
+        return hook
+
     def shard(self) -> None:
         """Keep this rank's rows of each (equal on every rank) parameter."""
-        for p, k, shape in zip(self.params, self.shard_rows, self.shapes):
-            rows = self._padded(p.data.reshape(len(p.data) if p.dim() else 1, -1), k)
-            p.data = rows[self.rank * k:(self.rank + 1) * k].reshape(k, *shape[1:]).clone()  # same rank of tensor
+        for i, p in enumerate(self.params):
+            p.data = self.rows_of(i, p.data)
             self.shards.append(p.data)
+
+    def rows_of(self, i: int, whole: torch.Tensor) -> torch.Tensor:
+        """This rank's rows of a tensor shaped like parameter i (the weights, or optimizer state): a shard,
+        with the parameter's number of dimensions so that shape rules (no weight decay on vectors) still hold."""
+        k, shape = self.shard_rows[i], self.shapes[i]
+        rows = self._padded(whole.reshape(self.rows[i], -1), k)
+        return rows[self.rank * k:(self.rank + 1) * k].reshape(k, *shape[1:]).clone()
+
+    def whole_of(self, i: int, shard: torch.Tensor) -> torch.Tensor:
+        """The inverse of rows_of: every rank's rows of a shard-shaped tensor, gathered (a collective)."""
+        gathered = torch.empty(self.world * shard.numel(), dtype=shard.dtype, device=shard.device)
+        all_gather_single(gathered, shard.contiguous().flatten())
+        return gathered.reshape(-1, *self.shapes[i][1:])[:self.rows[i]].reshape(self.shapes[i])
 
     def _padded(self, rows: torch.Tensor, k: int) -> torch.Tensor:
         return F.pad(rows, (0, 0, 0, self.world * k - len(rows)))
@@ -101,18 +128,16 @@ class _Unit:
         for i, (p, shape, rows, numel) in enumerate(zip(self.params, self.shapes, self.rows, self.shard_numel)):
             full = gathered[:, offset:offset + numel].reshape(-1, *shape[1:])[:rows]  # ranks' rows in order
             offset += numel
-            self.saved_grads[i], p.grad = p.grad, None  # the whole gradient of this pass accumulates alone
             p.data = full.reshape(shape)
         self.whole = True
         self.reduced = False
 
     def free(self) -> None:
-        """Back to the shards (and their gradients)."""
+        """Back to the shards."""
         if not self.whole:
             return
-        for i, (p, shard) in enumerate(zip(self.params, self.shards)):
-            p.data, p.grad = shard, self.saved_grads[i]
-            self.saved_grads[i] = None
+        for p, shard in zip(self.params, self.shards):
+            p.data = shard
         self.whole = False
 
     @torch.no_grad()
@@ -120,6 +145,9 @@ class _Unit:
         """Reduce-scatter the whole gradients into averaged shard gradients (added to any saved ones), then free."""
         if self.reduced or not self.whole:
             return
+        for i, p in enumerate(self.params):  # no gradient this time: what .grad holds is an earlier shard's
+            if not self.arrived[i] and p.grad is not None:
+                self.saved_grads[i], p.grad = p.grad, None
         present = torch.tensor([p.grad is not None for p in self.params], dtype=torch.float32,
                                device=self.shards[0].device)
         dist.all_reduce(present)  # agreed first: a gradient missing on some ranks is zero there
@@ -131,13 +159,15 @@ class _Unit:
         mine = torch.empty(sum(self.shard_numel), dtype=torch.float32, device=self.shards[0].device)
         reduce_scatter_single(mine, torch.cat(rows, dim=1).flatten())
         mine.div_(self.world)
-        for i, (shard, grad, anywhere) in enumerate(zip(self.shards, mine.split(self.shard_numel), present.tolist())):
-            if anywhere:
-                grad = grad.view_as(shard).to(shard.dtype)
-                saved = self.saved_grads[i]
-                self.saved_grads[i] = grad if saved is None else saved + grad
+        for p in self.params:
+            p.grad = None  # the whole gradients: reduced now
         self.reduced = True
-        self.free()
+        self.free()  # shards again, before their shard gradients can be assigned
+        for i, (p, shard, grad, anywhere) in enumerate(zip(self.params, self.shards, mine.split(self.shard_numel),
+                                                           present.tolist())):
+            saved, self.saved_grads[i], self.arrived[i] = self.saved_grads[i], None, False
+            grad = grad.view_as(shard).to(shard.dtype) if anywhere else None
+            p.grad = saved if grad is None else grad if saved is None else saved + grad
 
 
 class FSDP(nn.Module):
@@ -170,9 +200,14 @@ class FSDP(nn.Module):
             self.units.append(unit)
         rest = [p for p in module.parameters() if p.requires_grad and p not in owned]
         self.root = _Unit(rest, compute_dtype) if rest else None
-        for unit in [*self.units, *([self.root] if self.root else [])]:
+        self.place: dict[int, tuple[_Unit, int]] = {}  # id(parameter) -> its unit and index there
+        for unit in self.all_units():
             unit.shard()
+            self.place.update({id(p): (unit, i) for i, p in enumerate(unit.params)})
         self.compute_dtype = compute_dtype
+
+    def all_units(self) -> list[_Unit]:
+        return [*self.units, *([self.root] if self.root else [])]
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if self.root is not None:
@@ -208,18 +243,83 @@ class FSDP(nn.Module):
     def finish_gradient_synchronization(self) -> None:
         """Reduce what backward has not (the root; a unit whose input needed no gradient), in the same order
         on every rank; afterwards every parameter is its shard and its `.grad` the averaged shard gradient."""
-        for unit in [*self.units, *([self.root] if self.root else [])]:
+        for unit in self.all_units():
             if unit.whole:
                 unit.reduce_gradients()
 
+    # -- whole tensors: checkpoints and the global gradient norm (collectives: every rank calls them) ------
     @torch.no_grad()
-    def gather_full_params(self) -> dict[str, torch.Tensor]:
-        """The module's state dict with whole tensors (float32 where sharded), on every rank: a collective."""
-        whole = {}
-        for unit in [*self.units, *([self.root] if self.root else [])]:
-            saved, unit.compute_dtype = unit.compute_dtype, None  # the master weights, not compute copies
-            unit.gather()
-            whole.update({id(p): p.detach().clone() for p in unit.params})
-            unit.free()
-            unit.compute_dtype = saved
-        return {name: whole.get(id(t), t.detach()) for name, t in self.module.state_dict(keep_vars=True).items()}
+    def gather_full_params(self, of: nn.Module | None = None) -> dict[str, torch.Tensor]:
+        """The state dict of `of` (default: the wrapped module; or a module inside it, for its names) with
+        whole tensors, float32 where sharded, on every rank."""
+        of = self.module if of is None else of
+        return {name: (self._whole(t) if id(t) in self.place else t.detach())
+                for name, t in of.state_dict(keep_vars=True).items()}
+
+    def _whole(self, p: torch.Tensor) -> torch.Tensor:
+        unit, i = self.place[id(p)]
+        return unit.whole_of(i, unit.shards[i])
+
+    @torch.no_grad()
+    def load_full_state_dict(self, state: dict[str, torch.Tensor], of: nn.Module | None = None,
+                             strict: bool = True) -> None:
+        """Load whole tensors (a gathered or an unsharded state dict): each rank keeps its rows."""
+        of = self.module if of is None else of
+        current = of.state_dict(keep_vars=True)
+        if strict and (missing := current.keys() ^ state.keys()):
+            raise KeyError(f"the state dict and the model disagree on keys: {sorted(missing)[:5]}")
+        for name, t in current.items():
+            if name in state:
+                whole = state[name].to(t.device)
+                if id(t) in self.place:
+                    unit, i = self.place[id(t)]
+                    t.data.copy_(unit.rows_of(i, whole))
+                else:
+                    t.data.copy_(whole)
+
+    @torch.no_grad()
+    def full_optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """The optimizer's state dict with each shard-shaped state tensor made whole: what the same optimizer
+        would hold unsharded (loadable by `load_full_optimizer_state_dict` at another world size)."""
+        state_dict = optimizer.state_dict()
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        for index, state in state_dict["state"].items():
+            p = params[index]
+            if id(p) in self.place:
+                unit, i = self.place[id(p)]
+                state_dict["state"][index] = {k: unit.whole_of(i, v) if _shard_shaped(v, p) else v
+                                              for k, v in state.items()}
+        return state_dict
+
+    @torch.no_grad()
+    def load_full_optimizer_state_dict(self, optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> None:
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        state = {}
+        for index, entry in state_dict["state"].items():
+            p = params[int(index)]
+            place = self.place.get(id(p))
+            state[index] = {k: place[0].rows_of(place[1], v) if place and _whole_shaped(v, place) else v
+                            for k, v in entry.items()}
+        optimizer.load_state_dict({**state_dict, "state": state})
+
+
+def _shard_shaped(value: Any, p: torch.Tensor) -> bool:
+    return isinstance(value, torch.Tensor) and value.shape == p.shape
+
+
+def _whole_shaped(value: Any, place: tuple[_Unit, int]) -> bool:
+    return isinstance(value, torch.Tensor) and value.shape == place[0].shapes[place[1]]
+
+
+@torch.no_grad()
+def clip_sharded_grad_norm_(params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
+    """torch.nn.utils.clip_grad_norm_ over gradients sharded across the ranks: the global norm (a collective)."""
+    grads = [p.grad for p in params if p.grad is not None]
+    device = grads[0].device if grads else torch.device("cpu")
+    square = torch.stack([g.float().pow(2).sum() for g in grads]).sum() if grads else torch.zeros((), device=device)
+    dist.all_reduce(square)
+    norm = square.sqrt()
+    scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+    for g in grads:
+        g.mul_(scale.to(g.dtype))
+    return norm

@@ -1,7 +1,7 @@
 """Parallel strategies (config group `parallel`): how `lmlab-train` spreads a run over devices.
 
 Each entry turns its Config into a Lightning strategy. Lightning's own `ddp` and `fsdp` sit next
-to lmlab's readable `naive_ddp`, `bucketed_ddp` and `zero1`, which run through the same Lightning
+to lmlab's readable `naive_ddp`, `bucketed_ddp`, `zero1` and `zero3`, which run through the same Lightning
 plumbing (processes, ranks, samplers, checkpoints) with lmlab's wrappers doing the communication.
 The model code never changes: a strategy wraps or shards the model it is handed, and the
 LightningModule only asks its strategy, if the strategy offers it, to build the optimizer
@@ -23,6 +23,7 @@ from torch import nn
 from lmlab.errors import ConfigError
 from lmlab.optim import OPTIMIZERS
 from lmlab.parallel.bucketed_ddp import BucketedDDP
+from lmlab.parallel.fsdp import FSDP, clip_sharded_grad_norm_
 from lmlab.parallel.naive_ddp import NaiveDDP
 from lmlab.parallel.zero1 import ZeRO1
 from lmlab.registry import Registry
@@ -44,6 +45,7 @@ class Parallel:
 
     distributed = True
     shards_parameters = False
+    supports_compile = True  # trainer.compile's per-block torch.compile works under this strategy
 
     def __init__(self, cfg: DistributedConfig | None = None):
         self.cfg = cfg
@@ -107,9 +109,66 @@ class WrappedDDPStrategy(DDPStrategy):
         return ZeRO1.from_registry(optim_cfg, model) if self._shard_optimizer else OPTIMIZERS.build(optim_cfg, model)
 
     def teardown(self) -> None:
-        if isinstance(self.model, (NaiveDDP, BucketedDDP)):
+        if isinstance(self.model, (NaiveDDP, BucketedDDP, FSDP)):
             self.model = self.lightning_module
         super().teardown()
+
+
+class OwnFSDPStrategy(WrappedDDPStrategy):
+    """Lightning's DDP plumbing with lmlab's FSDP: checkpoints hold whole weights and whole optimizer state
+    (gathered by every rank, written by rank 0), and the gradient norm is the global one."""
+
+    def __init__(self, compute_dtype: torch.dtype | None, **kwargs):
+        super().__init__(self._shard, shard_optimizer=False, **kwargs)
+        self.compute_dtype = compute_dtype
+        self.sharded: FSDP | None = None  # kept after teardown: the run's last checkpoint is saved after fit
+
+    def _shard(self, model: nn.Module) -> FSDP:
+        self.sharded = FSDP(model, compute_dtype=self.compute_dtype)
+        return self.sharded
+
+    def lightning_module_state_dict(self) -> dict:
+        return self.sharded.gather_full_params(self.lightning_module)
+
+    def load_model_state_dict(self, checkpoint: dict, strict: bool = True) -> None:
+        if self.sharded is None:  # Lightning restores the weights before it wraps the model: they are whole
+            super().load_model_state_dict(checkpoint, strict)
+        else:
+            self.sharded.load_full_state_dict(checkpoint["state_dict"], self.lightning_module, strict)
+
+    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict:
+        return self.sharded.full_optimizer_state_dict(optimizer)
+
+    def load_optimizer_state_dict(self, checkpoint: dict) -> None:
+        for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
+            self.sharded.load_full_optimizer_state_dict(optimizer, state)
+
+    def clip_grad_norm(self, params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
+        return clip_sharded_grad_norm_(params, max_norm)
+
+
+@PARALLEL.register("zero3")
+class ZeroStage3(Parallel):
+    """lmlab's FSDP (ZeRO-3): each block's weights, gradients and optimizer state sharded across the ranks,
+    gathered one block at a time (lmlab/parallel/fsdp.py, written to be read; `fsdp` is PyTorch's FSDP2)."""
+
+    shards_parameters = True
+    supports_compile = False  # its hooks swap each block's weights between shards and whole tensors
+
+    @dataclass
+    class Config(DistributedConfig):
+        compute_dtype: str | None = None  # bfloat16: blocks run on bf16 copies of float32 master shards
+
+    def __init__(self, cfg: Config | None = None):
+        super().__init__(cfg)
+        dtypes = {None: None, "float32": None, "bfloat16": torch.bfloat16, "float16": torch.float16}
+        if cfg is not None and cfg.compute_dtype not in dtypes:
+            raise ConfigError(f"parallel.compute_dtype must be bfloat16, float16 or float32 (or null), "
+                              f"got '{cfg.compute_dtype}'")
+        self.compute_dtype = dtypes[getattr(cfg, "compute_dtype", None)]
+
+    def lightning_strategy(self, world_size: int, cuda: bool) -> Strategy:
+        return OwnFSDPStrategy(self.compute_dtype, process_group_backend=self.backend_for(cuda))
 
 
 @PARALLEL.register("naive_ddp")

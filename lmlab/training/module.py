@@ -142,7 +142,8 @@ class LanguageModelTask(L.LightningModule):
         """Clip to trainer.grad_clip by global norm, log the norm before clipping, and empty the
         gradients of a step the guard rejects, so that the optimizer step changes nothing."""
         params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-        norm = _whole(torch.nn.utils.clip_grad_norm_(params, self.cfg.trainer.grad_clip or math.inf))
+        clip = getattr(self.trainer.strategy, "clip_grad_norm", torch.nn.utils.clip_grad_norm_)  # zero3: global
+        norm = _whole(clip(params, self.cfg.trainer.grad_clip or math.inf))
         self.log("train/grad_norm", norm)
         if self.cfg.trainer.grad_noise_scale:
             self._log_noise_scale(float(norm))

@@ -119,6 +119,9 @@ def check_parallel(cfg: DictConfig, batch_size: int) -> Parallel:
     if not parallel.distributed and world > 1:
         raise ConfigError(f"parallel=single runs one process, but trainer.devices={t.devices} and trainer.num_nodes="
                           f"{t.num_nodes}; pick a data-parallel strategy, e.g. parallel=ddp")
+    if t.compile and not parallel.supports_compile:
+        raise ConfigError(f"trainer.compile=true does not work with parallel={cfg.parallel.name}; set "
+                          "trainer.compile=false")
     cuda = uses_cuda(t.accelerator)
     if t.accelerator in ("gpu", "cuda") and not cuda:
         raise ConfigError(f"trainer.accelerator={t.accelerator} needs CUDA GPUs; this machine has none")

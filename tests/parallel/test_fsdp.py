@@ -21,7 +21,13 @@ def _rank(rank: int, world_size: int, cases: list) -> dict:
         optimizer = RECIPES[recipe](model.module)
         train(model, optimizer, model_name, rank, world_size, sync=model.finish_gradient_synchronization)
         local = sum(p.numel() for p in model.parameters() if p.requires_grad)
-        results[recipe] = (model.gather_full_params(), local, optimizer_state_numel(optimizer))
+        full_state = model.full_optimizer_state_dict(optimizer)
+        fresh = FSDP(build(model_name, rank))  # a checkpoint's whole tensors load back into shards
+        fresh_optimizer = RECIPES[recipe](fresh.module)
+        fresh.load_full_state_dict(model.gather_full_params())
+        fresh.load_full_optimizer_state_dict(fresh_optimizer, full_state)
+        reloaded = (fresh.gather_full_params(), fresh.full_optimizer_state_dict(fresh_optimizer))
+        results[recipe] = (model.gather_full_params(), local, optimizer_state_numel(optimizer), full_state, reloaded)
     return results
 
 
@@ -35,12 +41,18 @@ def test_fsdp_matches_one_process_and_shards_weights_and_state(two_ranks, model_
     want, reference_optimizer = reference(model_name, recipe)
     trainable = sum(p.numel() for p in build(model_name).parameters() if p.requires_grad)
     for rank, result in enumerate(two_ranks):
-        full, local, _ = result[recipe]
+        full, local = result[recipe][:2]
         assert_same_weights(full, want, f"{recipe}, rank {rank} of 2")
         # each rank holds its rows of every weight: half of it, up to the padding of odd row counts
         assert trainable / 2 <= local <= trainable / 2 + 64, (local, trainable)
     states = [result[recipe][2] for result in two_ranks]
     assert sum(states) >= optimizer_state_numel(reference_optimizer) and max(states) < 0.6 * sum(states)
+    # whole optimizer state: the unsharded optimizer's, in format and values; and it round-trips
+    full_state, (reloaded_weights, reloaded_state) = two_ranks[1][recipe][3], two_ranks[1][recipe][4]
+    assert full_state["param_groups"] == reference_optimizer.state_dict()["param_groups"]
+    torch.testing.assert_close(full_state["state"], reference_optimizer.state_dict()["state"])
+    assert_same_weights(reloaded_weights, want, "reloaded")
+    torch.testing.assert_close(reloaded_state["state"], full_state["state"], rtol=0, atol=0)
 
 
 def test_fsdp_in_four_processes():

@@ -21,7 +21,7 @@ def single_run(make_cfg, tiny_overrides, tmp_path):
     return final_state(out)
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "naive_ddp", "bucketed_ddp", "zero1", "fsdp"])
+@pytest.mark.parametrize("strategy", ["ddp", "naive_ddp", "bucketed_ddp", "zero1", "fsdp", "zero3"])
 def test_two_processes_match_one(make_cfg, tiny_overrides, tmp_path, single_run, strategy):
     extra = [f"parallel={strategy}", "trainer.devices=2"]
     if strategy in ("bucketed_ddp", "zero1"):
@@ -41,6 +41,8 @@ def test_two_processes_match_one(make_cfg, tiny_overrides, tmp_path, single_run,
     (["trainer.devices=2"], "parallel=single runs one process"),
     (["parallel=ddp", "parallel.backend=nccl"], "needs CUDA GPUs"),
     (["parallel=zero1", "parallel.bucket_size_mb=0"], "bucket_size_mb must be > 0"),
+    (["parallel=zero3", "trainer.devices=2", "trainer.compile=true"], "does not work with parallel=zero3"),
+    (["parallel=zero3", "parallel.compute_dtype=int8"], "compute_dtype must be"),
 ])
 def test_bad_parallel_settings_fail_before_any_process_starts(make_cfg, tiny_overrides, tmp_path, extra, match):
     with pytest.raises(ConfigError, match=match):
@@ -59,3 +61,22 @@ def test_logged_training_loss_is_the_global_batch_mean_whatever_the_device_count
     assert logged["one"].keys() == logged["two"].keys() and len(logged["one"]) == 4
     for step, loss in logged["one"].items():
         assert abs(logged["two"][step] - loss) < 1e-4, step
+
+
+def test_zero3_checkpoints_hold_whole_tensors_and_resume_exactly(make_cfg, tiny_overrides, tmp_path):
+    """lmlab's FSDP saves whole weights and whole optimizer state (loadable by one process), and a run
+    resumed from its middle checkpoint in 2 processes ends where the uninterrupted run did."""
+    extra = [*tiny_overrides, "parallel=zero3", "trainer.devices=2", "trainer.max_steps=4", "trainer.val_every=4",
+             "trainer.checkpoint_every=2", "sched.warmup_steps=1"]
+    launch(make_cfg(extra), tmp_path / "straight")
+    middle = torch.load(tmp_path / "straight" / "checkpoints" / "step000002.ckpt", weights_only=False)
+    single = torch.load(next((tmp_path / "straight" / "checkpoints").glob("*.ckpt")), weights_only=False)
+    for key, value in middle["state_dict"].items():
+        assert value.shape == single["state_dict"][key].shape
+    moments = middle["optimizer_states"][0]["state"][0]["exp_avg"]
+    assert moments.shape == middle["state_dict"]["model.embed_tokens.weight"].shape  # whole, not a shard
+    launch(make_cfg([*extra, f"ckpt_path={tmp_path / 'straight' / 'checkpoints' / 'step000002.ckpt'}"]),
+           tmp_path / "resumed")
+    straight, resumed = final_state(tmp_path / "straight"), final_state(tmp_path / "resumed")
+    for key, value in straight.items():
+        torch.testing.assert_close(resumed[key], value, rtol=0, atol=0, msg=key)
