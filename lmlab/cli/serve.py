@@ -12,7 +12,6 @@ model_name=). Overrides are checked as in lmlab-train. Needs the `serve` extra (
 
 from __future__ import annotations
 
-import logging
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,9 +26,6 @@ from lmlab.cli.generate import device_and_dtype, open_model
 from lmlab.cli.listing import Section, format_section
 from lmlab.errors import ConfigError
 from lmlab.serving.engine import ServingConfig, ServingEngine
-
-log = logging.getLogger("lmlab.serve")
-
 
 @dataclass
 class ServeConfig:
@@ -97,9 +93,9 @@ def build_server(cfg: ServeConfig):
     name = cfg.model_name or default_model_name(cfg.ckpt)
     app = build_app(engine, name, source.tokenizer, template, source.max_seq_len)
     blocks = engine.engine.blocks
-    log.info("serving %s (%s, %s) with %d KV blocks of %d tokens (%.2f GiB)", name, device, dtype, blocks.usable,
-             blocks.block_size, blocks.num_blocks * engine.engine.runner.kv_bytes_per_block() / 2**30)
-    return app, name
+    summary = (f"model `{name}` ({device}, {str(dtype).removeprefix('torch.')}), {blocks.usable:,} KV blocks of "
+               f"{blocks.block_size} tokens ({blocks.num_blocks * engine.engine.runner.kv_bytes_per_block() / 2**30:.2f} GiB)")
+    return app, name, summary
 
 
 def usage() -> str:
@@ -116,8 +112,7 @@ def main(argv: list[str]) -> int:
         import uvicorn
     except ImportError:
         raise ConfigError("lmlab serve needs FastAPI and uvicorn: pip install 'lmlab[serve]'") from None
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    app, name = build_server(cfg)
-    print(f"lmlab serve: model `{name}` on http://{cfg.host}:{cfg.port}/v1", file=sys.stderr)
+    app, _, summary = build_server(cfg)
+    print(f"lmlab serve: {summary}, on http://{cfg.host}:{cfg.port}/v1", file=sys.stderr)
     uvicorn.run(app, host=cfg.host, port=cfg.port, log_level="info")
     return 0

@@ -41,6 +41,7 @@ from lmlab.atomic import atomic_write_text
 from lmlab.nn.transformer import ModelConfig, Transformer
 from lmlab.optim import AdamW
 from lmlab.parallel.bucketed_ddp import BucketedDDP
+from lmlab.parallel.fsdp import FSDP
 from lmlab.parallel.launch import device_for, run_processes
 from lmlab.parallel.naive_ddp import NaiveDDP
 from lmlab.parallel.zero1 import ZeRO1, optimizer_state_numel
@@ -80,6 +81,11 @@ def _fsdp(model):
     return model, _adamw(model.parameters()), lambda: None
 
 
+def _zero3(model):
+    wrapped = FSDP(model)
+    return wrapped, _adamw(wrapped.parameters()), wrapped.finish_gradient_synchronization
+
+
 STRATEGIES: dict[str, Setup] = {
     "single": _plain,
     "ddp": _torch_ddp,
@@ -87,6 +93,7 @@ STRATEGIES: dict[str, Setup] = {
     "bucketed_ddp": _lmlab_wrapper(BucketedDDP),
     "zero1": _lmlab_wrapper(BucketedDDP, shard=True),
     "fsdp": _fsdp,
+    "zero3": _zero3,
 }
 
 

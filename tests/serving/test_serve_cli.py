@@ -2,6 +2,7 @@
 under the run folder's name; bad command lines fail with one clear line before any model loads."""
 
 import asyncio
+from pathlib import Path
 
 import httpx
 import pytest
@@ -22,8 +23,8 @@ def ckpt(tmp_path_factory) -> str:
 
 
 def test_the_server_answers_what_generate_prints(ckpt):
-    app, name = build_server(parse_config([f"ckpt={ckpt}", "scheduler.max_num_seqs=8", "block_size=8"]))
-    assert name == "run0"  # the run folder holding checkpoints/last.ckpt
+    app, name, summary = build_server(parse_config([f"ckpt={ckpt}", "scheduler.max_num_seqs=8", "block_size=8"]))
+    assert name == Path(ckpt).parent.parent.name and f"model `{name}`" in summary  # the run folder
     model, tokenizer, _ = lmlab.load(ckpt)
     expected = Engine(model).generate([tokenizer.encode("def f(x):")], max_new_tokens=10,
                                       stop_token_ids=[tokenizer.eot_id], tokenizer=tokenizer).texts[0]
