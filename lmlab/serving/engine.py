@@ -16,7 +16,6 @@ first token is sampled, and copy a shared block only when they write into it.
 from __future__ import annotations
 
 import itertools
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -92,8 +91,6 @@ class Request:
         self.stops, self.on_event = stops, on_event
         self.counts: torch.Tensor | None = None  # (n, V) token occurrences, for the penalties
         self.forked = params.n == 1
-        self.arrival = time.perf_counter()
-        self.first_token_at: float | None = None
 
     @property
     def finished(self) -> bool:
@@ -112,8 +109,7 @@ class ServingEngine:
         self.model, self.tokenizer, self.stop_ids = model, tokenizer, set(stop_ids)
         device = model.embed_tokens.weight.device
         self.device, self.max_seq_len = device, model.max_seq_len
-        self.scheduler_entry = scheduler_registry.resolve(cfg.scheduler)
-        scheduler_cfg = self.scheduler_entry[1]
+        _, scheduler_cfg = scheduler_registry.resolve(cfg.scheduler)
         num_blocks = cfg.num_blocks or default_num_blocks(model, cfg, scheduler_cfg.max_num_seqs)
         self.blocks = BlockManager(num_blocks, cfg.block_size, cfg.prefix_caching)
         self.scheduler = scheduler_registry.build(cfg.scheduler, self.blocks)
@@ -247,8 +243,6 @@ class ServingEngine:
         return out
 
     def _append(self, request: Request, seq: Sequence, token: int) -> list[Event]:
-        if request.first_token_at is None:
-            request.first_token_at = time.perf_counter()
         if token in request.params.stop_token_ids or (token in self.stop_ids and not request.params.ignore_eos):
             return self._finish(request, seq, "stop")
         seq.tokens.append(token)
