@@ -15,12 +15,15 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable
+from typing import Any
+
 import torch
 
 from lmlab.errors import ConfigError
 from lmlab.inference import linear_state, mla_cache  # noqa: F401 - their caches register on import
 from lmlab.inference.cache import CacheState, LayerCache, factory_for
-from lmlab.kernels.registry import triton_unavailable
+from lmlab.kernels.registry import optional_triton_kernel
 from lmlab.nn.fused import fuse_projections
 from lmlab.nn.moe import MoELayer
 from lmlab.nn.transformer import Transformer
@@ -58,7 +61,8 @@ class Engine:
         self.device, self.dtype = weight.device, weight.dtype
         self.compile = compile
         self.cuda_graphs = self.device.type == "cuda" and (compile if cuda_graphs is None else cuda_graphs)
-        self.attention_kernel = _decode_attention_kernel(self.device, attention_kernel)
+        self.attention_kernel = optional_triton_kernel(self.device, attention_kernel,
+                                                       "lmlab.kernels.decode_attention_triton", "decode_attention")
         fuse_projections(model)  # q/k/v and gate/up as one matmul each
         if compile:  # one compiled graph per (batch, cache length, tokens per step): allow many
             torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 256)
@@ -179,16 +183,19 @@ class Engine:
         return generate(self, prompts, sampler, max_new_tokens, **kwargs)
 
 
-def _decode_attention_kernel(device: torch.device, wanted: bool | None):
-    """lmlab.kernels.decode_attention_triton's kernel, or None (SDPA): by default on CUDA with Triton."""
-    missing = triton_unavailable() if device.type == "cuda" else "the model is not on a CUDA device"
-    if wanted and missing:
-        raise ConfigError(f"attention_kernel=True, but {missing}")
-    if missing or wanted is False:
-        return None
-    from lmlab.kernels.decode_attention_triton import decode_attention
-
-    return decode_attention
+def capture_cuda_graph(run: Callable[[], Any], warmups: int) -> tuple[torch.cuda.CUDAGraph, Any]:
+    """`run` called `warmups` times on a side stream (compilation, lazy allocations), then captured: the graph,
+    and the outputs its replays write."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(warmups):
+            run()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outputs = run()
+    return graph, outputs
 
 
 class _StaticStep:
@@ -228,14 +235,6 @@ class _StaticStep:
     @torch.inference_mode()
     def _capture(self) -> None:
         self.engine.state.slots = self.slots
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(3):  # compiles on the first call
-                self.run()
-        torch.cuda.current_stream().wait_stream(stream)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            self.outputs = self.run()
+        self.graph, self.outputs = capture_cuda_graph(self.run, warmups=3)  # compiles on the first call
         for cache in self.engine.caches:
             cache.reset()

@@ -33,8 +33,8 @@ SUPPORTED_HEAD_DIMS = (16, 32, 64, 128)
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_QUERY_ROWS = 64  # query heads per kv head x new tokens: decode and speculative verification, not prefill
 
-_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-_LOG2E = math.log2(math.e)
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+LOG2E = math.log2(math.e)
 # Keys per loop step, the launch's warps and pipeline stages, and the split rule: key ranges are split
 # until the grid has PROGRAMS_PER_SM programs per SM, but no split gets fewer than KEYS_PER_SPLIT
 # slots. From a sweep of 162 settings on an H200 (2026-12-01; bf16, 16 heads of 64, a 384-slot cache
@@ -109,13 +109,14 @@ def _decode_kernel(Q, K, V, Slots, Start, Out, PartOut, PartLse,
 
 
 @triton.jit
-def _combine_kernel(PartOut, PartLse, Out, n_split, HEAD_DIM: tl.constexpr, BLOCK_SPLIT: tl.constexpr):
+def combine_splits(PartOut, PartLse, Out, n_split, HEAD_DIM: tl.constexpr, BLOCK_SPLIT: tl.constexpr):
     row = tl.program_id(0)
     splits = tl.arange(0, BLOCK_SPLIT)
     dims = tl.arange(0, HEAD_DIM)
     lse = tl.load(PartLse + row * n_split + splits, mask=splits < n_split, other=float("-inf"))
-    weight = tl.math.exp2(lse - tl.max(lse, 0))
-    weight = weight / tl.sum(weight, 0)
+    top = tl.max(lse, 0)
+    weight = tl.math.exp2(lse - tl.where(top == float("-inf"), 0.0, top))  # a row with no keys: all zero
+    weight = weight / tl.maximum(tl.sum(weight, 0), 1e-30)
     part = tl.load(PartOut + (row * n_split + splits)[:, None] * HEAD_DIM + dims[None, :],
                    mask=(splits < n_split)[:, None], other=0.0)
     tl.store(Out + row * HEAD_DIM + dims, tl.sum(weight[:, None] * part, 0).to(Out.dtype.element_ty))
@@ -123,7 +124,7 @@ def _combine_kernel(PartOut, PartLse, Out, n_split, HEAD_DIM: tl.constexpr, BLOC
 
 @functools.cache
 def _sm_count(device: torch.device) -> int:
-    return 4 if _INTERPRET else torch.cuda.get_device_properties(device).multi_processor_count
+    return 4 if INTERPRET else torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def n_splits(programs: int, cache_len: int, device: torch.device) -> int:
@@ -150,12 +151,12 @@ def _decode_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, sl
         q, k_cache, v_cache, slots, start, out, part_out, part_lse,
         q.stride(0), q.stride(1), q.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        n_kv_heads, n_heads, scale * _LOG2E, window, split,
+        n_kv_heads, n_heads, scale * LOG2E, window, split,
         S=s, GROUP=group, HEAD_DIM=head_dim, BLOCK_M=max(16, triton.next_power_of_2(group * s)),
         BLOCK_N=BLOCK_N, HAS_WINDOW=window > 0, SPLIT=split > 1,
         PREC="ieee" if q.dtype == torch.float32 else "tf32", num_warps=NUM_WARPS, num_stages=NUM_STAGES)
     if split > 1:
-        _combine_kernel[(batch * n_heads * s,)](part_out, part_lse, out, split, HEAD_DIM=head_dim,
+        combine_splits[(batch * n_heads * s,)](part_out, part_lse, out, split, HEAD_DIM=head_dim,
                                                 BLOCK_SPLIT=triton.next_power_of_2(split))
     return out
 
@@ -167,7 +168,7 @@ def _(q, k_cache, v_cache, slots, start, scale, window):
 
 def unsupported(q: torch.Tensor, k_cache: torch.Tensor) -> str | None:
     """Why these shapes cannot run here (None: they can)."""
-    if not _INTERPRET and not q.is_cuda:
+    if not INTERPRET and not q.is_cuda:
         return "q must be a CUDA tensor"
     if q.dtype not in SUPPORTED_DTYPES or k_cache.dtype != q.dtype:
         return f"dtype {q.dtype} with a {k_cache.dtype} cache (supported: float16, bfloat16, float32 caches of q's dtype)"

@@ -21,25 +21,19 @@ captures it. With TRITON_INTERPRET=1 it runs on CPU tensors through Triton's int
 
 from __future__ import annotations
 
-import functools
 import math
-import os
 
 import torch
 import triton
 import triton.language as tl
 
-SUPPORTED_HEAD_DIMS = (16, 32, 64, 128)
-SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-MAX_GROUP = 64  # query heads per kv head, one tile of rows
+# the slot-addressed kernel's split rule (n_splits, over the table's capacity) and its combine kernel
+from lmlab.kernels.decode_attention_triton import (INTERPRET, LOG2E, SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS,
+                                                   combine_splits, n_splits)
 
-_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-_LOG2E = math.log2(math.e)
-# Reasonable defaults, not tuned: keys per loop step are whole blocks (or part of one large block), and
-# key ranges are split until the grid has PROGRAMS_PER_SM programs per SM, but no split gets fewer than
-# KEYS_PER_SPLIT positions of the table's capacity (the split rule of the slot-addressed kernel).
+MAX_GROUP = 64  # query heads per kv head, one tile of rows
+# Reasonable defaults, not tuned: keys per loop step are whole blocks (or part of one large block).
 MIN_BLOCK_N, MAX_BLOCK_N, NUM_WARPS, NUM_STAGES = 32, 64, 2, 2
-PROGRAMS_PER_SM, KEYS_PER_SPLIT = 2, 32
 
 
 @triton.jit
@@ -101,32 +95,6 @@ def _paged_decode_kernel(Q, K, V, Tables, Lens, Out, PartOut, PartLse,
         tl.store(Out + row[:, None] * HEAD_DIM + dims[None, :], out.to(Out.dtype.element_ty), mask=row_ok[:, None])
 
 
-@triton.jit
-def _combine_kernel(PartOut, PartLse, Out, n_split, HEAD_DIM: tl.constexpr, BLOCK_SPLIT: tl.constexpr):
-    row = tl.program_id(0)
-    splits = tl.arange(0, BLOCK_SPLIT)
-    dims = tl.arange(0, HEAD_DIM)
-    lse = tl.load(PartLse + row * n_split + splits, mask=splits < n_split, other=float("-inf"))
-    top = tl.max(lse, 0)
-    weight = tl.math.exp2(lse - tl.where(top == float("-inf"), 0.0, top))  # a row with no keys: all zero
-    weight = weight / tl.maximum(tl.sum(weight, 0), 1e-30)
-    part = tl.load(PartOut + (row * n_split + splits)[:, None] * HEAD_DIM + dims[None, :],
-                   mask=(splits < n_split)[:, None], other=0.0)
-    tl.store(Out + row * HEAD_DIM + dims, tl.sum(weight[:, None] * part, 0).to(Out.dtype.element_ty))
-
-
-@functools.cache
-def _sm_count(device: torch.device) -> int:
-    return 4 if _INTERPRET else torch.cuda.get_device_properties(device).multi_processor_count
-
-
-def n_splits(programs: int, capacity: int, device: torch.device) -> int:
-    """Key-range splits per (sequence, kv head): enough programs for PROGRAMS_PER_SM per SM, but no
-    split shorter than KEYS_PER_SPLIT positions of the block table's capacity."""
-    wanted = math.ceil(PROGRAMS_PER_SM * _sm_count(device) / programs)
-    return max(1, min(wanted, capacity // KEYS_PER_SPLIT))
-
-
 @torch.library.custom_op("lmlab::paged_decode_attention", mutates_args=())
 def _paged_decode_op(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, block_tables: torch.Tensor,
                      context_lens: torch.Tensor, scale: float, window: int) -> torch.Tensor:
@@ -143,12 +111,12 @@ def _paged_decode_op(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
     _paged_decode_kernel[(batch * n_kv_heads, split)](
         q, k_pool, v_pool, block_tables, context_lens, out, part_out, part_lse,
         q.stride(0), q.stride(1), *k_pool.stride()[:3], *v_pool.stride()[:3], *block_tables.stride(),
-        n_kv_heads, n_heads, scale * _LOG2E, window, split,
+        n_kv_heads, n_heads, scale * LOG2E, window, split,
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_M=max(16, triton.next_power_of_2(group)),
         BLOCK_N=min(max(block_size, MIN_BLOCK_N), MAX_BLOCK_N), HAS_WINDOW=window > 0, SPLIT=split > 1,
         PREC="ieee" if q.dtype == torch.float32 else "tf32", num_warps=NUM_WARPS, num_stages=NUM_STAGES)
     if split > 1:
-        _combine_kernel[(batch * n_heads,)](part_out, part_lse, out, split, HEAD_DIM=head_dim,
+        combine_splits[(batch * n_heads,)](part_out, part_lse, out, split, HEAD_DIM=head_dim,
                                            BLOCK_SPLIT=triton.next_power_of_2(split))
     return out
 
@@ -161,7 +129,7 @@ def _(q, k_pool, v_pool, block_tables, context_lens, scale, window):
 def unsupported(q: torch.Tensor, k_pool: torch.Tensor) -> str | None:
     """Why a query q (batch, heads, head_dim) over a pool (num_blocks, block_size, kv_heads, head_dim)
     cannot run here (None: it can)."""
-    if not _INTERPRET and not q.is_cuda:
+    if not INTERPRET and not q.is_cuda:
         return "q must be a CUDA tensor"
     if q.dim() != 3 or k_pool.dim() != 4:
         return f"q of shape {tuple(q.shape)} and a pool of shape {tuple(k_pool.shape)} (want (batch, heads, " \

@@ -152,10 +152,9 @@ class _Unit:
                                device=self.shards[0].device)
         dist.all_reduce(present)  # agreed first: a gradient missing on some ranks is zero there
         rows = []
-        for p, k in zip(self.params, self.shard_rows):
+        for i, (p, k) in enumerate(zip(self.params, self.shard_rows)):
             grad = p.grad if p.grad is not None else torch.zeros_like(p)
-            rows.append(self._padded(grad.float().reshape(len(grad) if grad.dim() else 1, -1), k)
-                        .reshape(self.world, -1))
+            rows.append(self._padded(grad.float().reshape(self.rows[i], -1), k).reshape(self.world, -1))
         mine = torch.empty(sum(self.shard_numel), dtype=torch.float32, device=self.shards[0].device)
         reduce_scatter_single(mine, torch.cat(rows, dim=1).flatten())
         mine.div_(self.world)

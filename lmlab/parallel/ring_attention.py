@@ -136,9 +136,10 @@ class _RingAttention(torch.autograd.Function):
             grad_scores = probs * (torch.einsum("bhqd,bhkd->bhqk", grad_out, block_v.to(dtype)) - delta[..., None])
             grad_q += torch.einsum("bhqk,bhkd->bhqd", grad_scores, block_k.to(dtype)) * scale
             grad_k += torch.einsum("bhqk,bhqd->bhkd", grad_scores, q.to(dtype)) * scale
-            # the block moves on with its gradients so far; the last step's pass brings them home
-            block_k, block_v, grad_k, grad_v = _pass_on([block_k, block_v, grad_k, grad_v], group) \
-                if step < world - 1 else (block_k, block_v, *_pass_on([grad_k, grad_v], group))
+            if step < world - 1:  # the block moves on with its gradients so far
+                block_k, block_v, grad_k, grad_v = _pass_on([block_k, block_v, grad_k, grad_v], group)
+            else:  # one more pass brings each block's gradients home to its owner
+                grad_k, grad_v = _pass_on([grad_k, grad_v], group)
         return grad_q.to(q.dtype), grad_k.to(k.dtype), grad_v.to(v.dtype), None, None, None, None
 
 

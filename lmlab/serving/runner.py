@@ -17,8 +17,8 @@ from dataclasses import dataclass
 import torch
 
 from lmlab.errors import ConfigError
-from lmlab.inference.engine import check_generatable
-from lmlab.kernels.registry import triton_unavailable
+from lmlab.inference.engine import capture_cuda_graph, check_generatable
+from lmlab.kernels.registry import optional_triton_kernel
 from lmlab.nn.fused import fuse_projections
 from lmlab.nn.transformer import Transformer
 from lmlab.serving.blocks import NULL_BLOCK, BlockTable
@@ -54,7 +54,9 @@ class PagedRunner:
         self.batch = PagedBatch(slot_mapping=torch.zeros(1, 1, dtype=torch.long, device=self.device),
                                 block_tables=torch.zeros(1, 1, dtype=torch.int32, device=self.device),
                                 context_lens=torch.ones(1, dtype=torch.int32, device=self.device),
-                                block_size=block_size, attention_kernel=_paged_kernel(self.device, attention_kernel))
+                                block_size=block_size, attention_kernel=optional_triton_kernel(
+                                    self.device, attention_kernel, "lmlab.kernels.paged_decode_attention_triton",
+                                    "paged_decode_attention"))
         self.caches = [paged_factory_for(layer.self_attn)(layer.self_attn, self.batch, num_blocks, block_size,
                                                           self.device, self.dtype) for layer in model.layers]
         on_cuda = self.device.type == "cuda"
@@ -130,17 +132,6 @@ def _fill(current: torch.Tensor, new: torch.Tensor, device) -> torch.Tensor:
     return new.to(device)
 
 
-def _paged_kernel(device: torch.device, wanted: bool | None):
-    missing = triton_unavailable() if device.type == "cuda" else "the model is not on a CUDA device"
-    if wanted and missing:
-        raise ConfigError(f"attention_kernel=True, but {missing}")
-    if missing or wanted is False:
-        return None
-    from lmlab.kernels.paged_decode_attention_triton import paged_decode_attention
-
-    return paged_decode_attention
-
-
 class _DecodeGraph:
     """The one-token step at a padded batch size, on static buffers, captured as a CUDA graph. Its block
     tables are as wide as the longest sequence, so one graph serves every context length."""
@@ -170,15 +161,7 @@ class _DecodeGraph:
 
     @torch.inference_mode()
     def _capture(self) -> None:
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(2):
-                self._run()  # padded rows write only the null block
-        torch.cuda.current_stream().wait_stream(stream)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            self.outputs = self._run()
+        self.graph, self.outputs = capture_cuda_graph(self._run, warmups=2)  # padded rows write the null block
 
     def __call__(self, rows: list[Row]) -> torch.Tensor:
         ids, positions, last = self.runner.load(rows, self.size, 1, self.batch, self.runner.max_blocks_per_seq)

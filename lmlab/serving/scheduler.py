@@ -190,9 +190,6 @@ class Continuous(Scheduler):
     class Config(SchedulerConfig):
         pass
 
-    def __init__(self, blocks: BlockManager, cfg: Config | None = None):
-        super().__init__(blocks, cfg)
-
 
 @SCHEDULERS.register("static")
 class Static(Scheduler):
@@ -203,6 +200,3 @@ class Static(Scheduler):
     @dataclass
     class Config(SchedulerConfig):
         pass
-
-    def __init__(self, blocks: BlockManager, cfg: Config | None = None):
-        super().__init__(blocks, cfg)
