@@ -32,8 +32,12 @@ from lmlab.kernels.decode_attention_triton import (INTERPRET, LOG2E, SUPPORTED_D
                                                    combine_splits, n_splits)
 
 MAX_GROUP = 64  # query heads per kv head, one tile of rows
-# Reasonable defaults, not tuned: keys per loop step are whole blocks (or part of one large block).
-MIN_BLOCK_N, MAX_BLOCK_N, NUM_WARPS, NUM_STAGES = 32, 64, 2, 2
+# Keys per loop step (whole blocks, or part of one large block), warps and pipeline stages: the fastest of
+# 108 settings at batch 32 on an H200 (2026-12-02; bf16, 16 heads of 64, contexts 384 and 2048; 95% of the
+# contiguous kernel's speed at both; 32 keys and 2 warps reached 75% and 71%; storing the pool head-major
+# instead changed these by <= 2%): experiments/serving/h200-2026-12-02-kernel/.
+BLOCK_N, NUM_WARPS, NUM_STAGES = 64, 4, 3
+INT32_OFFSETS_BELOW = 2**31  # pools with fewer elements are addressed with 32-bit offsets (cheaper arithmetic)
 
 
 @triton.jit
@@ -42,7 +46,7 @@ def _paged_decode_kernel(Q, K, V, Tables, Lens, Out, PartOut, PartLse,
                          n_kv_heads, n_heads, qk_scale, window, n_split,
                          GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr,
-                         SPLIT: tl.constexpr, PREC: tl.constexpr):
+                         SPLIT: tl.constexpr, PREC: tl.constexpr, WIDE: tl.constexpr):
     bh = tl.program_id(0)
     split = tl.program_id(1)
     b = bh // n_kv_heads
@@ -69,7 +73,9 @@ def _paged_decode_kernel(Q, K, V, Tables, Lens, Out, PartOut, PartLse,
     for k0 in range(k_lo, k_hi, BLOCK_N):
         keys = k0 + tl.arange(0, BLOCK_N)
         seen = (keys >= lo) & (keys < k_hi)  # also guards the table: entries outside are never read
-        block = tl.load(table + (keys // BLOCK_SIZE) * st_n, mask=seen, other=0).to(tl.int64)
+        block = tl.load(table + (keys // BLOCK_SIZE) * st_n, mask=seen, other=0)
+        if WIDE:
+            block = block.to(tl.int64)
         offset = keys % BLOCK_SIZE
         k = tl.load(K + block[:, None] * sk_n + offset[:, None] * sk_t + kv_head * sk_h + dims[None, :],
                     mask=seen[:, None], other=0.0)
@@ -95,6 +101,11 @@ def _paged_decode_kernel(Q, K, V, Tables, Lens, Out, PartOut, PartLse,
         tl.store(Out + row[:, None] * HEAD_DIM + dims[None, :], out.to(Out.dtype.element_ty), mask=row_ok[:, None])
 
 
+def _elements(pool: torch.Tensor) -> int:
+    """Elements of the pool's storage: a bound on any offset the kernel computes from the pool's start."""
+    return pool.untyped_storage().nbytes() // pool.element_size()
+
+
 @torch.library.custom_op("lmlab::paged_decode_attention", mutates_args=())
 def _paged_decode_op(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, block_tables: torch.Tensor,
                      context_lens: torch.Tensor, scale: float, window: int) -> torch.Tensor:
@@ -113,8 +124,9 @@ def _paged_decode_op(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
         q.stride(0), q.stride(1), *k_pool.stride()[:3], *v_pool.stride()[:3], *block_tables.stride(),
         n_kv_heads, n_heads, scale * LOG2E, window, split,
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_M=max(16, triton.next_power_of_2(group)),
-        BLOCK_N=min(max(block_size, MIN_BLOCK_N), MAX_BLOCK_N), HAS_WINDOW=window > 0, SPLIT=split > 1,
-        PREC="ieee" if q.dtype == torch.float32 else "tf32", num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+        BLOCK_N=BLOCK_N, HAS_WINDOW=window > 0, SPLIT=split > 1,
+        PREC="ieee" if q.dtype == torch.float32 else "tf32", WIDE=max(_elements(k_pool), _elements(v_pool)) >= INT32_OFFSETS_BELOW,
+        num_warps=NUM_WARPS, num_stages=NUM_STAGES)
     if split > 1:
         combine_splits[(batch * n_heads,)](part_out, part_lse, out, split, HEAD_DIM=head_dim,
                                            BLOCK_SPLIT=triton.next_power_of_2(split))

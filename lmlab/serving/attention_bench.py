@@ -17,6 +17,7 @@ import argparse
 import json
 import math
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -29,17 +30,27 @@ BLOCK_SIZE = 16
 CACHE_MULTIPLE = 128  # the inference engine rounds its contiguous caches up to this
 
 
-def case(batch: int, context: int, heads: int, kv_heads: int, head_dim: int, device, dtype=torch.bfloat16) -> dict:
-    """Inputs of both layouts holding the same keys: (q, contiguous k/v, paged pools and tables)."""
-    from lmlab.kernels.decode_attention_triton import decode_attention
-    from lmlab.kernels.paged_decode_attention_triton import paged_decode_attention
+@dataclass
+class DecodeInputs:
+    """One decode step's query and the same keys and values in both layouts."""
 
+    q: torch.Tensor  # (batch, heads, head_dim)
+    k: torch.Tensor  # (batch, kv_heads, cache_len, head_dim): the contiguous caches
+    v: torch.Tensor
+    k_pool: torch.Tensor  # (num_blocks, BLOCK_SIZE, kv_heads, head_dim): blocks scattered through a pool
+    v_pool: torch.Tensor
+    tables: torch.Tensor  # (batch, blocks per sequence) int32
+    lens: torch.Tensor  # (batch,) int32
+
+
+def decode_inputs(batch: int, context: int, heads: int, kv_heads: int, head_dim: int, device,
+                  dtype=torch.bfloat16) -> DecodeInputs:
     g = torch.Generator(device=device).manual_seed(0)
     q = torch.randn(batch, heads, head_dim, device=device, generator=g).to(dtype)
     length = CACHE_MULTIPLE * math.ceil(context / CACHE_MULTIPLE)
     k, v = (torch.randn(batch, kv_heads, length, head_dim, device=device, generator=g).to(dtype) for _ in range(2))
     per_seq = math.ceil(context / BLOCK_SIZE)
-    order = torch.randperm(batch * per_seq, device=device, generator=g)  # blocks scattered through the pool
+    order = torch.randperm(batch * per_seq, device=device, generator=g)
     tables = order.view(batch, per_seq).to(torch.int32)
     pools = []
     for cache in (k, v):
@@ -48,18 +59,27 @@ def case(batch: int, context: int, heads: int, kv_heads: int, head_dim: int, dev
         pool[tables.long().flatten()] = blocks.permute(0, 2, 3, 1, 4).reshape(-1, BLOCK_SIZE, kv_heads, head_dim)
         pools.append(pool)
     lens = torch.full((batch,), context, dtype=torch.int32, device=device)
+    return DecodeInputs(q, k, v, *pools, tables, lens)
+
+
+def case(batch: int, context: int, heads: int, kv_heads: int, head_dim: int, device) -> dict:
+    """The three implementations as calls over the same inputs."""
+    from lmlab.kernels.decode_attention_triton import decode_attention
+    from lmlab.kernels.paged_decode_attention_triton import paged_decode_attention
+
+    x = decode_inputs(batch, context, heads, kv_heads, head_dim, device)
     slots = torch.tensor([context - 1], device=device)
     start = torch.zeros(batch, dtype=torch.long, device=device)
-    key_slots = (tables.long()[:, :, None] * BLOCK_SIZE + torch.arange(BLOCK_SIZE, device=device)).flatten(1)
+    key_slots = (x.tables.long()[:, :, None] * BLOCK_SIZE + torch.arange(BLOCK_SIZE, device=device)).flatten(1)
     visible = (torch.arange(key_slots.shape[1], device=device) < context)[None, None, None]
 
     def gathered():
-        keys, values = (p.flatten(0, 1)[key_slots].transpose(1, 2) for p in pools)
-        return F.scaled_dot_product_attention(q[:, :, None], keys, values, attn_mask=visible,
+        keys, values = (p.flatten(0, 1)[key_slots].transpose(1, 2) for p in (x.k_pool, x.v_pool))
+        return F.scaled_dot_product_attention(x.q[:, :, None], keys, values, attn_mask=visible,
                                               enable_gqa=heads != kv_heads)
 
-    return {"contiguous": lambda: decode_attention(q[:, :, None], k, v, slots, start),
-            "paged": lambda: paged_decode_attention(q, *pools, tables, lens),
+    return {"contiguous": lambda: decode_attention(x.q[:, :, None], x.k, x.v, slots, start),
+            "paged": lambda: paged_decode_attention(x.q, x.k_pool, x.v_pool, x.tables, x.lens),
             "paged_gather_sdpa": gathered}
 
 
