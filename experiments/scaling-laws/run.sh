@@ -11,6 +11,8 @@
 # Env: BUDGETS ("[1e14,3e14,1e15]"), SIZES (5), MB (400), SAMPLE_MB (10), VOCAB (4096), CONTEXT (256),
 #      BATCH (32), PARALLEL (sweep runs side by side, 1; small models leave an H200 idle: try 8),
 #      HEAD_DIM (64; the sweep's and the plan's widths are its multiples: 32 gives small models finer steps),
+#      SHAPE (more shape rules for the sweep and the plan alike, e.g. "aspect=32 aspect_tolerance=1.3": one family of
+#      shapes, depth growing with width),
 #      METHOD (isoflop: the fit whose N* the prediction run trains),
 #      SWEEP (more `lmlab scaling sweep` settings, e.g. "spread=3 fit=FITS.json method=joint": sizes placed by an
 #      earlier fit instead of Chinchilla's law), SMALL=1 (a CPU-sized corpus, budgets and sweeps, to check the pipeline).
@@ -31,7 +33,7 @@ fi
 MB=${MB:-400}; SAMPLE_MB=${SAMPLE_MB:-10}; VOCAB=${VOCAB:-4096}; BUDGETS=${BUDGETS:-"[1e14,3e14,1e15]"}; SIZES=${SIZES:-5}
 CONTEXT=${CONTEXT:-256}; BATCH=${BATCH:-32}; WIDTHS=${WIDTHS:-128,256,512,1024}; LRS=${LRS:-1e-4,3e-4,1e-3,3e-3,1e-2,3e-2}
 MUP_STEPS=${MUP_STEPS:-500}; BATCHES=${BATCHES:-8,16,32,64,128,256}; BATCH_TOKENS=${BATCH_TOKENS:-20000000}
-PARALLEL=${PARALLEL:-1}; SWEEP=${SWEEP:-}; HEAD_DIM=${HEAD_DIM:-64}; METHOD=${METHOD:-isoflop}
+PARALLEL=${PARALLEL:-1}; SWEEP=${SWEEP:-}; SHAPE=${SHAPE:-}; HEAD_DIM=${HEAD_DIM:-64}; METHOD=${METHOD:-isoflop}
 largest=$(echo "$BUDGETS" | tr -d '[]' | tr ',' '\n' | sort -g | tail -1)
 PREDICT_FLOPS=$(python -c "print(f'{10 * $largest:.3g}')")  # the prediction run's budget: 10x the largest
 TOKENIZER=$D/tokenizer
@@ -57,11 +59,11 @@ for part in $PARTS; do
                 hydra.run.dir=$TOKENIZER
             lmlab-tokenize encode $CORPUS ;;
         isoflop)
-            lmlab scaling sweep "budgets=$BUDGETS" n_sizes=$SIZES out=$D/sweep launch=true parallel=$PARALLEL head_dim=$HEAD_DIM $SWEEP $DATA
+            lmlab scaling sweep "budgets=$BUDGETS" n_sizes=$SIZES out=$D/sweep launch=true parallel=$PARALLEL head_dim=$HEAD_DIM $SHAPE $SWEEP $DATA
             lmlab scaling collect "$D/sweep" --budgets "$(echo "$BUDGETS" | tr -d '[]')" --out "$D/points.csv"
             lmlab scaling fit "$D/points.csv" --at "$PREDICT_FLOPS" --out "$D/fit" ;;
         predict)
-            lmlab scaling plan "flops=$PREDICT_FLOPS" "fit=$D/fit/fits.json" method=$METHOD head_dim=$HEAD_DIM $DATA | tee "$D/predict-plan.txt"
+            lmlab scaling plan "flops=$PREDICT_FLOPS" "fit=$D/fit/fits.json" method=$METHOD head_dim=$HEAD_DIM $SHAPE $DATA | tee "$D/predict-plan.txt"
             cmd=$(grep -m1 '^  lmlab-train ' "$D/predict-plan.txt")
             $cmd $DATA ckpt_path=auto hydra.run.dir=$D/predict 2>&1 | tail -1  # a second launch continues it
             lmlab scaling collect "$D/predict" --out "$D/predict-points.csv"

@@ -136,9 +136,10 @@ def _flops_list(text: str) -> list[float]:
         raise argparse.ArgumentTypeError(f"budgets are comma-separated FLOP counts such as 1e17,1e18; got {text!r}")
 
 
-PLAN_KEYS = {"flops": float, "fit": Path, "method": str, "inference_tokens": float, "aspect": float, "head_dim": int}
+SHAPE_KEYS = {"aspect": float, "aspect_tolerance": float, "head_dim": int}  # ShapeRule's fields
+PLAN_KEYS = {"flops": float, "fit": Path, "method": str, "inference_tokens": float, **SHAPE_KEYS}
 SWEEP_KEYS = {"budgets": _flops_list, "n_sizes": int, "mode": str, "spread": float, "out": Path, "launch": bool, "parallel": int,
-              "fit": Path, "method": str, "aspect": float, "head_dim": int, "validations": int}
+              "fit": Path, "method": str, "validations": int, **SHAPE_KEYS}
 TRUE = {"true": True, "false": False, "1": True, "0": False}
 
 
@@ -162,6 +163,12 @@ def _settings(items: list[str], keys: dict, usage: str) -> tuple[dict, list[str]
     return settings, overrides
 
 
+def _shape_rule(settings: dict):
+    from lmlab.scaling.plan import ShapeRule
+
+    return ShapeRule(**{key: settings[key] for key in SHAPE_KEYS if key in settings})
+
+
 def _law_and_config(settings: dict, overrides: list[str]):
     from lmlab.cli.compose import compose_config
     from lmlab.scaling.plan import CHINCHILLA
@@ -181,8 +188,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
                                     "method=joint] [inference_tokens=1e12] [lmlab-train overrides of the model to size]")
     law, source, cfg, vocab = _law_and_config(settings, overrides)
     print(f"law: {source}")
-    print(plan(law, settings["flops"], cfg, vocab, settings.get("inference_tokens", 0.0), settings.get("aspect", 64.0),
-               settings.get("head_dim", 64)))
+    print(plan(law, settings["flops"], cfg, vocab, settings.get("inference_tokens", 0.0), _shape_rule(settings)))
     return 0
 
 
@@ -200,7 +206,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         raise ConfigError(f"mode={mode!r}: the modes are {', '.join(modes)}")
     law, source, cfg, vocab = _law_and_config(settings, overrides)
     jobs = modes[mode](law, settings["budgets"], settings.get("n_sizes", 7), cfg, vocab, settings.get("spread", 4.0),
-                       settings.get("aspect", 64.0), settings.get("head_dim", 64), settings.get("validations", 20))
+                       _shape_rule(settings), settings.get("validations", 20))
     out = (settings.get("out") or Path("outputs/scaling") / mode).resolve()
     out.mkdir(parents=True, exist_ok=True)
     (out / "sweep.sh").write_text(script(jobs, out, overrides, settings.get("parallel", 1)))
@@ -235,7 +241,7 @@ def main(argv: list[str]) -> int:
     p_collect.set_defaults(func=cmd_collect)
     p_plan = sub.add_parser("plan", help="N*, D*, loss and an lmlab config for a compute budget")
     p_plan.add_argument("settings", nargs="*", help="flops=1e20 [fit=FILE method=joint inference_tokens=N aspect=64 "
-                                                    "head_dim=64] and lmlab-train overrides of the model to size")
+                                                    "aspect_tolerance=2 head_dim=64] and lmlab-train overrides of the model to size")
     p_plan.set_defaults(func=cmd_plan)
     p_sweep = sub.add_parser("sweep", help="lmlab-train jobs of an IsoFLOP or WSD sweep (a script; launch=true runs it)")
     p_sweep.add_argument("settings", nargs="*", help="budgets=[1e15,1e16,1e17] [n_sizes=7 mode=isoflop|wsd spread=4 "

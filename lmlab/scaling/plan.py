@@ -35,13 +35,31 @@ class Shape:
                 f"model.attention.n_heads={self.n_heads}"]
 
 
-def model_shape(cfg: DictConfig, vocab_size: int, n_target: float, aspect: float = 64.0,
-                head_dim: int = 64) -> Shape:
+@dataclass(frozen=True)
+class ShapeRule:
+    """Which shapes the planner and the sweeps may give a parameter count: widths in multiples of `head_dim`,
+    and d_model / n_layers within `aspect_tolerance`x of `aspect`. A wide tolerance matches counts more closely; a
+    narrow one keeps a sweep's models one family (depth growing with width), so that a size's loss does not
+    jump where its depth does."""
+
+    aspect: float = 64.0
+    aspect_tolerance: float = 2.0
+    head_dim: int = 64
+
+    def __post_init__(self):
+        if not (self.aspect > 0 and self.aspect_tolerance >= 1 and self.head_dim >= 1):
+            raise ConfigError(f"aspect={self.aspect}, aspect_tolerance={self.aspect_tolerance} and head_dim={self.head_dim}: "
+                              "the aspect ratio must be > 0, its tolerance >= 1 (a factor) and head_dim >= 1")
+
+
+def model_shape(cfg: DictConfig, vocab_size: int, n_target: float, rule: ShapeRule = ShapeRule()) -> Shape:
     """The lmlab model of `cfg`'s architecture whose non-embedding parameters come closest to `n_target`
-    (in log ratio) among widths that are multiples of `head_dim` and depths whose d_model / n_layers lies
-    within 2x of `aspect`; ties go to the aspect ratio nearer `aspect`. Counts grow linearly with depth, so
-    each width's come from models of 1 and 2 layers; the chosen model is built whole for the exact figures."""
+    (in log ratio) among the shapes `rule` allows; ties go to the aspect ratio nearer `rule.aspect`. Counts
+    grow linearly with depth, so each width's come from models of 1 and 2 layers; the chosen model is built
+    whole for the exact figures."""
     from functools import cache
+
+    aspect, head_dim = rule.aspect, rule.head_dim
 
     @cache
     def counts(d_model: int, n_layers: int) -> Shape:
@@ -64,7 +82,7 @@ def model_shape(cfg: DictConfig, vocab_size: int, n_target: float, aspect: float
     for n_layers in range(1, 129):
         for d_model in widths_around(n_layers):
             ratio = d_model / n_layers
-            if aspect / 2 <= ratio <= aspect * 2:
+            if aspect / rule.aspect_tolerance <= ratio <= aspect * rule.aspect_tolerance:
                 score = abs(math.log(estimate(d_model, n_layers) / n_target)) + 0.01 * abs(math.log(ratio / aspect))
                 if score < best_score:
                     best, best_score = (d_model, n_layers), score
@@ -72,7 +90,7 @@ def model_shape(cfg: DictConfig, vocab_size: int, n_target: float, aspect: float
     if shape is None or abs(math.log(shape.params / n_target)) > math.log(2):
         closest = "" if shape is None else f" (the closest has {shape.params:.3g})"
         raise ConfigError(f"no lmlab model of this architecture comes within 2x of {n_target:.3g} parameters with "
-                          f"d_model / n_layers within 2x of aspect={aspect}{closest}: the budget is too small for "
+                          f"d_model / n_layers within {rule.aspect_tolerance:g}x of aspect={aspect:g}{closest}: the budget is too small for "
                           "the smallest model, or too large for 128 layers")
     return shape
 
@@ -115,7 +133,7 @@ def overtrain(law: JointLaw, flops: float, inference_tokens: float, points: int 
 
 
 def plan(law: ComputeOptimal, flops: float, cfg: DictConfig, vocab_size: int, inference_tokens: float = 0.0,
-         aspect: float = 64.0, head_dim: int = 64) -> str:
+         rule: ShapeRule = ShapeRule()) -> str:
     """The planner's report (see the module doc)."""
     if not flops > 0:
         raise ConfigError(f"flops must be a positive FLOP count, got {flops}")
@@ -127,7 +145,7 @@ def plan(law: ComputeOptimal, flops: float, cfg: DictConfig, vocab_size: int, in
     n, d = float(law.n_opt(flops)), float(law.d_opt(flops))
     lines = [f"budget {flops:.3g} FLOPs: N* = {n:.3g} parameters (without the token embedding), D* = {d:.3g} tokens "
              f"({d / n:.1f} per parameter), predicted loss {float(law.predicted_loss(flops)):.4f}"]
-    lines += _config_lines(cfg, vocab_size, n, d, tokens_per_step, aspect, head_dim)
+    lines += _config_lines(cfg, vocab_size, n, d, tokens_per_step, rule)
     if inference_tokens:
         best = overtrain(law, flops, inference_tokens)
         optimal_total = flops + INFERENCE_FLOPS_PER_PARAM * n * inference_tokens
@@ -135,15 +153,15 @@ def plan(law: ComputeOptimal, flops: float, cfg: DictConfig, vocab_size: int, in
                      f"({best.d / best.n:.1f} per parameter) for the same loss; training {best.training_flops:.3g} + "
                      f"inference {best.inference_flops:.3g} = {best.total:.3g} FLOPs against {optimal_total:.3g} for "
                      f"N* ({100 * (best.total / optimal_total - 1):+.1f}%)")
-        lines += _config_lines(cfg, vocab_size, best.n, best.d, tokens_per_step, aspect, head_dim)
+        lines += _config_lines(cfg, vocab_size, best.n, best.d, tokens_per_step, rule)
     return "\n".join(lines)
 
 
-def _config_lines(cfg: DictConfig, vocab_size: int, n: float, d: float, tokens_per_step: int, aspect: float,
-                  head_dim: int) -> list[str]:
+def _config_lines(cfg: DictConfig, vocab_size: int, n: float, d: float, tokens_per_step: int,
+                  rule: ShapeRule) -> list[str]:
     """The lmlab model nearest N parameters and the steps that spend 6ND FLOPs by lmlab's cost model (which
     also counts attention's products, so the run sees somewhat fewer tokens than D)."""
-    shape = model_shape(cfg, vocab_size, n, aspect, head_dim)
+    shape = model_shape(cfg, vocab_size, n, rule)
     steps = max(1, round(6 * n * d / (shape.flops_per_token * tokens_per_step)))
     tokens = steps * tokens_per_step
     return [f"  lmlab model: d_model {shape.d_model}, {shape.n_layers} layers, {shape.n_heads} heads: "

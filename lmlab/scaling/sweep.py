@@ -27,7 +27,7 @@ from omegaconf import DictConfig
 
 from lmlab.errors import ConfigError
 from lmlab.scaling.laws import ComputeOptimal
-from lmlab.scaling.plan import Shape, model_shape
+from lmlab.scaling.plan import Shape, ShapeRule, model_shape
 
 DECAY_FRACTION = 0.2  # of a WSD run's steps, the decay at its end (sched.decay_fraction's default)
 BUDGET_TOLERANCE = 0.05
@@ -53,12 +53,12 @@ def _sizes(law: ComputeOptimal, budget: float, n_sizes: int, spread: float) -> n
     return float(law.n_opt(budget)) * np.logspace(-math.log10(spread), math.log10(spread), n_sizes)
 
 
-def _shapes(cfg: DictConfig, vocab_size: int, targets: Sequence[float], aspect: float, head_dim: int) -> list[Shape]:
+def _shapes(cfg: DictConfig, vocab_size: int, targets: Sequence[float], rule: ShapeRule) -> list[Shape]:
     """Distinct model shapes nearest each target (small targets can round to one shape), by size."""
     shapes = {}
     for n in targets:
         try:
-            shape = model_shape(cfg, vocab_size, n, aspect, head_dim)
+            shape = model_shape(cfg, vocab_size, n, rule)
         except ConfigError:
             continue  # below the smallest model: the budget check below counts what is left
         shapes[(shape.d_model, shape.n_layers)] = shape
@@ -66,12 +66,12 @@ def _shapes(cfg: DictConfig, vocab_size: int, targets: Sequence[float], aspect: 
 
 
 def isoflop_jobs(law: ComputeOptimal, budgets: Sequence[float], n_sizes: int, cfg: DictConfig, vocab_size: int,
-                 spread: float = 4.0, aspect: float = 64.0, head_dim: int = 64,
+                 spread: float = 4.0, rule: ShapeRule = ShapeRule(),
                  validations: int = VALIDATIONS) -> list[Job]:
     tokens_per_step = cfg.data.batch_size * cfg.data.context_length
     jobs = []
     for budget in budgets:
-        shapes = _shapes(cfg, vocab_size, _sizes(law, budget, n_sizes, spread), aspect, head_dim)
+        shapes = _shapes(cfg, vocab_size, _sizes(law, budget, n_sizes, spread), rule)
         fitting = [(s, _steps(s, budget, tokens_per_step)) for s in shapes]
         fitting = [(s, steps) for s, steps in fitting if steps >= MIN_STEPS]
         _check_budget(budget, len(fitting))
@@ -82,13 +82,13 @@ def isoflop_jobs(law: ComputeOptimal, budgets: Sequence[float], n_sizes: int, cf
 
 
 def wsd_jobs(law: ComputeOptimal, budgets: Sequence[float], n_sizes: int, cfg: DictConfig, vocab_size: int,
-             spread: float = 4.0, aspect: float = 64.0, head_dim: int = 64,
+             spread: float = 4.0, rule: ShapeRule = ShapeRule(),
              validations: int = VALIDATIONS) -> list[Job]:
     tokens_per_step = cfg.data.batch_size * cfg.data.context_length
     low, high = min(budgets), max(budgets)
     targets = np.logspace(math.log10(law.n_opt(low) / spread), math.log10(law.n_opt(high) * spread), n_sizes)
     jobs, counts = [], dict.fromkeys(budgets, 0)
-    for shape in _shapes(cfg, vocab_size, targets, aspect, head_dim):
+    for shape in _shapes(cfg, vocab_size, targets, rule):
         plan = sorted((steps, budget) for budget in budgets
                       if (steps := _steps(shape, budget, tokens_per_step)) >= MIN_STEPS)
         if not plan:

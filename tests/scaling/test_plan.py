@@ -10,13 +10,13 @@ from lmlab.cli.compose import compose_config
 from lmlab.cli.main import main
 from lmlab.errors import ConfigError
 from lmlab.scaling.laws import law_from_json, law_to_json
-from lmlab.scaling.plan import CHINCHILLA, model_shape, overtrain
+from lmlab.scaling.plan import CHINCHILLA, ShapeRule, model_shape, overtrain
 from tests.scaling.test_laws import isoflop_points
 
 
 def test_model_shape_matches_the_parameter_target_with_exact_counts():
     cfg = compose_config(["model.vocab_size=1024"])
-    shape = model_shape(cfg, 1024, 2e6, aspect=32)
+    shape = model_shape(cfg, 1024, 2e6, ShapeRule(aspect=32))
     assert shape.params == pytest.approx(2e6, rel=0.1)
     assert 16 <= shape.d_model / shape.n_layers <= 64 and shape.d_model % 64 == 0
     assert shape.n_heads == shape.d_model // 64
@@ -28,9 +28,20 @@ def test_model_shape_reaches_the_narrowest_width_when_the_head_dominates():
     # with a 4,096-token head, d_model 32 has ~1.5e5 parameters, d_model 64 twice that: a width guessed from
     # 12 d^2 alone would start at 64 and miss the smaller model
     cfg = compose_config(["model.vocab_size=4096"])
-    narrow = model_shape(cfg, 4096, 1.5e5, head_dim=32)
+    narrow = model_shape(cfg, 4096, 1.5e5, ShapeRule(head_dim=32))
     assert narrow.d_model == 32 and narrow.params == pytest.approx(1.5e5, rel=0.1)
-    assert model_shape(cfg, 4096, 3.2e5, head_dim=32).d_model == 64
+    assert model_shape(cfg, 4096, 3.2e5, ShapeRule(head_dim=32)).d_model == 64
+
+
+def test_a_narrow_aspect_tolerance_keeps_one_family_of_shapes():
+    cfg = compose_config(["model.vocab_size=4096"])
+    rule = ShapeRule(aspect=32, aspect_tolerance=1.3, head_dim=32)
+    shapes = [model_shape(cfg, 4096, n, rule) for n in (3e5, 1e6, 3e6, 1e7)]
+    assert all(32 / 1.3 <= s.d_model / s.n_layers <= 32 * 1.3 for s in shapes)
+    assert [s.n_layers for s in shapes] == sorted(s.n_layers for s in shapes)  # deeper as they grow
+    assert shapes[-1].n_layers > shapes[0].n_layers
+    with pytest.raises(ConfigError, match="tolerance >= 1"):
+        ShapeRule(aspect_tolerance=0.5)
 
 
 def test_overtraining_reaches_the_same_loss_for_fewer_total_flops():

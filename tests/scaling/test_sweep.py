@@ -13,7 +13,7 @@ from lmlab.cli.compose import compose_config
 from lmlab.cli.info import cost_model
 from lmlab.cli.main import main
 from lmlab.errors import ConfigError
-from lmlab.scaling.plan import CHINCHILLA
+from lmlab.scaling.plan import CHINCHILLA, ShapeRule
 from lmlab.scaling.sweep import isoflop_jobs, wsd_jobs
 from lmlab.training import train
 from tests.conftest import TINY
@@ -33,7 +33,7 @@ def _planned(job) -> float:
 def test_jobs_compose_and_spend_their_budget(make):
     cfg = compose_config(BASE)
     budgets = [3e11, 3e12]
-    jobs = make(CHINCHILLA, budgets, 5, cfg, 320, aspect=32)
+    jobs = make(CHINCHILLA, budgets, 5, cfg, 320, rule=ShapeRule(aspect=32))
     for budget in budgets:
         sizes = {re.search(r"model.d_model=(\d+)", " ".join(j.overrides)).group(1) + str(j.overrides[1])
                  for j in jobs if j.budget == budget}
@@ -45,7 +45,7 @@ def test_jobs_compose_and_spend_their_budget(make):
 
 
 def test_wsd_decays_resume_checkpoints_that_the_stable_run_writes():
-    jobs = wsd_jobs(CHINCHILLA, [3e11, 3e12], 4, compose_config(BASE), 320, aspect=32)
+    jobs = wsd_jobs(CHINCHILLA, [3e11, 3e12], 4, compose_config(BASE), 320, rule=ShapeRule(aspect=32))
     stable = {j.name: dict(o.split("=", 1) for o in j.overrides) for j in jobs if j.after is None}
     for job in (j for j in jobs if j.after):
         o = dict(o.split("=", 1) for o in job.overrides)
@@ -62,7 +62,7 @@ def test_a_wsd_decay_runs_from_the_stable_runs_checkpoint(tmp_path, monkeypatch)
     # budgets a test trains in seconds, too small for a parabola's 3 sizes: this test is about resuming
     monkeypatch.setattr("lmlab.scaling.sweep.MIN_STEPS", 5)
     monkeypatch.setattr("lmlab.scaling.sweep._check_budget", lambda budget, sizes: None)
-    jobs = wsd_jobs(CHINCHILLA, [3e9, 1.2e10], 4, compose_config(BASE), 320, aspect=32)
+    jobs = wsd_jobs(CHINCHILLA, [3e9, 1.2e10], 4, compose_config(BASE), 320, rule=ShapeRule(aspect=32))
     name = min((j for j in jobs if j.after), key=lambda j: j.flops).after  # the smallest model's stable run
     stable = next(j for j in jobs if j.name == name)
     decay = next(j for j in jobs if j.after == name)
@@ -97,7 +97,7 @@ def test_the_script_runs_every_chain_in_order_and_reports_a_failure(tmp_path, pa
 
     from lmlab.scaling.sweep import script
 
-    jobs = wsd_jobs(CHINCHILLA, [3e11, 3e12], 4, compose_config(BASE), 320, aspect=32)
+    jobs = wsd_jobs(CHINCHILLA, [3e11, 3e12], 4, compose_config(BASE), 320, rule=ShapeRule(aspect=32))
     (tmp_path / "bin").mkdir()
     stub = tmp_path / "bin" / "lmlab-train"
     stub.write_text('#!/usr/bin/env bash\nfor a in "$@"; do case $a in hydra.run.dir=*) dir=${a#*=};; esac; done\n'
