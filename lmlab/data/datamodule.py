@@ -10,6 +10,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from lmlab.data.batches import RandomWindows, evenly_spaced_windows
 from lmlab.data.cache import load_or_build
 from lmlab.data.sources import DataConfig, DataSourceError, TextSource
+from lmlab.parallel.strategies import data_parallel_rank
 from lmlab.tokenizers import Tokenizer
 
 
@@ -33,7 +34,7 @@ class LMDataModule(L.LightningDataModule):
     def train_dataloader(self) -> DataLoader:
         # global_step is restored before the loader is made, so a resumed run continues the stream.
         trainer = self.trainer
-        start, rank, world = (trainer.global_step, trainer.global_rank, trainer.world_size) if trainer else (0, 0, 1)
+        start, (rank, world) = (trainer.global_step, data_parallel_rank(trainer)) if trainer else (0, (0, 1))
         windows = RandomWindows(self.train_tokens, self.cfg.batch_size, self.cfg.context_length, self.seed, start,
                                 rank, world, self.micro_batches)
         return DataLoader(windows, batch_size=None)

@@ -142,9 +142,10 @@ class MultiHeadAttention(nn.Module):
         (generation) stores the keys and values."""
         fused = fused_outputs(self, x)  # one matmul for q, k and v where an inference engine fused them
         q, k, v = (fused[name] if fused else getattr(self, name)(x) for name in self.fusable_projections)
-        q = self.q_norm(rearrange(q, "b s (h d) -> b h s d", h=self.n_heads))
-        k = self.k_norm(rearrange(k, "b s (h d) -> b h s d", h=self.n_kv_heads))
-        v = rearrange(v, "b s (h d) -> b h s d", h=self.n_kv_heads)
+        # heads counted from head_dim: under tensor parallelism a rank holds only some of them
+        q = self.q_norm(rearrange(q, "b s (h d) -> b h s d", d=self.head_dim))
+        k = self.k_norm(rearrange(k, "b s (h d) -> b h s d", d=self.head_dim))
+        v = rearrange(v, "b s (h d) -> b h s d", d=self.head_dim)
         q, k = position.rotate(q, k, positions)
         return q, k, v
 

@@ -25,6 +25,7 @@ from lmlab.optim import OPTIMIZERS
 from lmlab.parallel.bucketed_ddp import BucketedDDP
 from lmlab.parallel.fsdp import FSDP, clip_sharded_grad_norm_
 from lmlab.parallel.naive_ddp import NaiveDDP
+from lmlab.parallel.tensor_parallel import apply_tensor_parallel, problems
 from lmlab.parallel.zero1 import ZeRO1
 from lmlab.registry import Registry
 
@@ -37,6 +38,13 @@ BACKENDS = ("gloo", "nccl")
 @dataclass
 class DistributedConfig:
     backend: str | None = None  # None: nccl on GPUs, gloo on CPUs
+
+
+def data_parallel_rank(trainer) -> tuple[int, int]:
+    """(this rank's index among the ranks that train on different rows of the batch, their number): under tensor
+    parallelism, the ranks of one group share rows."""
+    kwargs = getattr(trainer.strategy, "distributed_sampler_kwargs", None) or {}
+    return kwargs.get("rank", 0), kwargs.get("num_replicas", 1)
 
 
 class Parallel:
@@ -58,6 +66,13 @@ class Parallel:
 
     def backend_for(self, accelerator_is_cuda: bool) -> str:
         return self.backend or ("nccl" if accelerator_is_cuda else "gloo")
+
+    def data_parallel_size(self, world_size: int) -> int:
+        """Ranks that train on different slices of the global batch (the others split the model)."""
+        return world_size
+
+    def check(self, cfg, world_size: int) -> None:
+        """Checks of the run's config that must pass before any process starts (beyond the common ones)."""
 
     def lightning_strategy(self, world_size: int, cuda: bool) -> Strategy | str:
         raise NotImplementedError
@@ -219,20 +234,27 @@ class ZeroStage1(BucketedDataParallel):
         pass
 
 
-class FullyShardedStrategy(ModelParallelStrategy):
-    """Lightning's ModelParallelStrategy used for pure data-parallel FSDP2: every block, then the
-    whole model, is `fully_shard`ed over all ranks (ZeRO-3); checkpoints hold full state dicts."""
+class MeshStrategy(ModelParallelStrategy):
+    """Lightning's ModelParallelStrategy on a (data_parallel, tensor_parallel) device mesh: tensor and sequence
+    parallelism within each group of tp ranks (lmlab.parallel.tensor_parallel), then FSDP2 over the dp ranks
+    (every block, then the whole model, `fully_shard`ed: ZeRO-3). Checkpoints hold full state dicts."""
 
-    def __init__(self, world_size: int, backend: str):
-        super().__init__(data_parallel_size=world_size, tensor_parallel_size=1, save_distributed_checkpoint=False,
+    def __init__(self, dp: int, tp: int, backend: str):
+        super().__init__(data_parallel_size=dp, tensor_parallel_size=tp, save_distributed_checkpoint=False,
                          process_group_backend=backend)
 
     def parallelize_model(self, model: nn.Module) -> None:
+        if self.device_mesh["tensor_parallel"].size() > 1:
+            apply_tensor_parallel(model, self.device_mesh["tensor_parallel"])
+        if self.device_mesh["data_parallel"].size() > 1:
+            self._fully_shard(model, self.device_mesh["data_parallel"])
+
+    @staticmethod
+    def _fully_shard(model: nn.Module, mesh) -> None:
         from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
 
         from lmlab.nn.blocks import Block
 
-        mesh = self.device_mesh["data_parallel"]
         for module in model.modules():  # one unit per block: gathered just before it runs, freed after
             if isinstance(module, Block):
                 fully_shard(module, mesh=mesh)
@@ -252,4 +274,51 @@ class FullySharded(Parallel):
         pass
 
     def lightning_strategy(self, world_size: int, cuda: bool) -> Strategy:
-        return FullyShardedStrategy(world_size, self.backend_for(cuda))
+        return MeshStrategy(world_size, 1, self.backend_for(cuda))
+
+
+@PARALLEL.register("nd")
+class MeshParallel(Parallel):
+    """Several kinds of parallelism on one device mesh of dp x tp ranks (dp x tp = the world size): Megatron
+    tensor + sequence parallelism within each group of tp ranks, FSDP2 (ZeRO-3) across the dp groups. Ranks of
+    one tensor-parallel group train on the same rows; data.batch_size splits over the dp groups."""
+
+    shards_parameters = True
+    supports_compile = False  # trainer.compile's per-block compile is not set up for DTensor-split blocks
+
+    @dataclass
+    class Config(DistributedConfig):
+        dp: int = -1  # -1: the world size over tp
+        tp: int = 1
+
+    def __init__(self, cfg: Config | None = None):
+        super().__init__(cfg)
+        self.tp = cfg.tp if cfg else 1
+        self.dp = cfg.dp if cfg else -1
+        if self.tp < 1 or (self.dp < 1 and self.dp != -1):
+            raise ConfigError(f"parallel.dp={self.dp} and parallel.tp={self.tp} must be >= 1 (dp may be -1: the "
+                              "world size over tp)")
+
+    def _sizes(self, world_size: int) -> tuple[int, int]:
+        dp = world_size // self.tp if self.dp == -1 else self.dp
+        if dp * self.tp != world_size:
+            raise ConfigError(f"parallel.dp={self.dp} x parallel.tp={self.tp} must equal the world size {world_size} "
+                              "(trainer.devices x trainer.num_nodes)")
+        return dp, self.tp
+
+    def data_parallel_size(self, world_size: int) -> int:
+        return self._sizes(world_size)[0]
+
+    def check(self, cfg, world_size: int) -> None:
+        from lmlab.nn.transformer import Transformer
+
+        self._sizes(world_size)
+        if self.tp > 1:
+            with torch.device("meta"):  # the model's shape, without its memory
+                model = Transformer(cfg.model, cfg.model.vocab_size or 64 * self.tp)
+            found = problems(model, self.tp)
+            if found:
+                raise ConfigError("parallel.tp: " + "; ".join(found))
+
+    def lightning_strategy(self, world_size: int, cuda: bool) -> Strategy:
+        return MeshStrategy(*self._sizes(world_size), self.backend_for(cuda))

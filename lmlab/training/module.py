@@ -20,6 +20,7 @@ from lmlab.kernels.registry import KERNELS, install_kernels
 from lmlab.nn.transformer import Transformer
 from lmlab.optim import OPTIMIZERS, SCHEDULERS, describe_groups
 from lmlab.optim.schedules import warmup_steps
+from lmlab.parallel.strategies import data_parallel_rank
 from lmlab.tokenizers.base import Tokenizer, pack_tokenizer
 from lmlab.training.checkpoints import CONFIG_KEY, TOKENIZER_KEY
 from lmlab.training.compile import compile_for_training
@@ -134,7 +135,7 @@ class LanguageModelTask(L.LightningModule):
 
             _, data = SOURCES.resolve(self.cfg.data)
             tokens = data.batch_size * data.context_length  # the global batch
-            self._noise = NoiseScale(tokens / (t.accumulate_grad_batches * self.trainer.world_size), tokens)
+            self._noise = NoiseScale(tokens / (t.accumulate_grad_batches * data_parallel_rank(self.trainer)[1]), tokens)
         if math.isfinite(self._small_sq_norm) and math.isfinite(step_norm):
             self.log("train/grad_noise_scale", self._noise.update(self._small_sq_norm, step_norm ** 2))
 

@@ -129,11 +129,14 @@ def check_parallel(cfg: DictConfig, batch_size: int) -> Parallel:
     if t.devices > available:
         what = "GPUs" if cuda else "CPU cores (one per process)"
         raise ConfigError(f"trainer.devices={t.devices} is more than the {available} {what} of this machine")
-    parts = world * t.accumulate_grad_batches
+    parallel.check(cfg, world)
+    data_ranks = parallel.data_parallel_size(world)
+    parts = data_ranks * t.accumulate_grad_batches
     if batch_size % parts:
-        raise ConfigError(f"data.batch_size={batch_size} is not divisible by {parts} (world size {world} = "
-                          f"trainer.devices x trainer.num_nodes, times trainer.accumulate_grad_batches="
-                          f"{t.accumulate_grad_batches}); every micro-batch of every rank gets an equal slice")
+        raise ConfigError(f"data.batch_size={batch_size} is not divisible by {parts} ({data_ranks} data-parallel "
+                          f"ranks of world size {world} = trainer.devices x trainer.num_nodes, times "
+                          f"trainer.accumulate_grad_batches={t.accumulate_grad_batches}); every micro-batch of every "
+                          "rank gets an equal slice")
     return parallel
 
 

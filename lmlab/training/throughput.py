@@ -10,6 +10,7 @@ import time
 import lightning as L
 import torch
 
+from lmlab.parallel.strategies import data_parallel_rank
 from lmlab.training.hardware import peak_flops
 
 
@@ -44,7 +45,7 @@ class Throughput(L.Callback):
         now = self._now(module)
         self._seconds += now - self._last
         self._last = now
-        self._tokens += batch[0].numel() * trainer.world_size
+        self._tokens += batch[0].numel() * data_parallel_rank(trainer)[1]  # ranks of a tensor-parallel group share rows
         step = trainer.global_step
         # With gradient accumulation several batches end at one step: log once, after its optimizer step.
         if step % self.log_every == 0 and step > self._logged_step and self._seconds > 0:

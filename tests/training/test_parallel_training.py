@@ -21,11 +21,13 @@ def single_run(make_cfg, tiny_overrides, tmp_path):
     return final_state(out)
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "naive_ddp", "bucketed_ddp", "zero1", "fsdp", "zero3"])
+SETTINGS = {"bucketed_ddp": ["parallel.bucket_size_mb=0.01"], "zero1": ["parallel.bucket_size_mb=0.01"],  # several buckets
+            "nd": ["parallel.tp=2"]}  # tensor + sequence parallel over both ranks
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "naive_ddp", "bucketed_ddp", "zero1", "fsdp", "zero3", "nd"])
 def test_two_processes_match_one(make_cfg, tiny_overrides, tmp_path, single_run, strategy):
-    extra = [f"parallel={strategy}", "trainer.devices=2"]
-    if strategy in ("bucketed_ddp", "zero1"):
-        extra.append("parallel.bucket_size_mb=0.01")  # several buckets
+    extra = [f"parallel={strategy}", "trainer.devices=2", *SETTINGS.get(strategy, [])]
     out = tmp_path / strategy
     results = launch(make_cfg([*tiny_overrides, *STEPS, *extra]), out)
     assert results["val_loss"] < 6.0
@@ -36,13 +38,17 @@ def test_two_processes_match_one(make_cfg, tiny_overrides, tmp_path, single_run,
 
 
 @pytest.mark.parametrize("extra,match", [
-    (["parallel=ddp", "trainer.devices=2", "data.batch_size=7"], r"data.batch_size=7 is not divisible by 2 \(world size 2"),
+    (["parallel=ddp", "trainer.devices=2", "data.batch_size=7"], r"data.batch_size=7 is not divisible by 2 \(2 data-parallel ranks of world size 2"),
     (["parallel=ddp", "trainer.devices=4096"], "more than the"),
     (["trainer.devices=2"], "parallel=single runs one process"),
     (["parallel=ddp", "parallel.backend=nccl"], "needs CUDA GPUs"),
     (["parallel=zero1", "parallel.bucket_size_mb=0"], "bucket_size_mb must be > 0"),
     (["parallel=zero3", "trainer.devices=2", "trainer.compile=true"], "does not work with parallel=zero3"),
     (["parallel=zero3", "parallel.compute_dtype=int8"], "compute_dtype must be"),
+    (["parallel=nd", "parallel.tp=2", "parallel.dp=2", "trainer.devices=2"], r"dp=2 x parallel.tp=2 must equal the world size 2"),
+    (["parallel=nd", "parallel.tp=2", "trainer.devices=2", "model.attention.n_heads=1"], "n_heads=1 and n_kv_heads=1 must be divisible"),
+    (["parallel=nd", "parallel.tp=2", "trainer.devices=2", "model/position=alibi"], "position=ALiBi"),
+    (["parallel=nd", "parallel.tp=2", "trainer.devices=2", "model/moe=topk"], "MoE layers take expert parallelism"),
 ])
 def test_bad_parallel_settings_fail_before_any_process_starts(make_cfg, tiny_overrides, tmp_path, extra, match):
     with pytest.raises(ConfigError, match=match):

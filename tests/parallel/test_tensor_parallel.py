@@ -1,0 +1,86 @@
+"""Tensor + sequence parallelism in 2 and 4 gloo processes: the split model's logits and gradients equal one
+process's, every split weight holds 1/tp of the whole, and what the plan cannot split is named."""
+
+import pytest
+import torch
+from torch import nn
+
+from lmlab.nn import ModelConfig, Transformer
+from lmlab.parallel import run_processes
+from lmlab.parallel.tensor_parallel import apply_tensor_parallel, problems
+
+VOCAB = 64
+
+
+def _model(**changes) -> Transformer:
+    torch.manual_seed(0)
+    cfg = dict(d_model=32, n_layers=2, max_seq_len=16, norm="rmsnorm", ffn={"name": "swiglu", "d_ff": 64},
+               position="rope", attention={"name": "mha", "n_heads": 4, "n_kv_heads": 4}, block="prenorm",
+               vocab_size=VOCAB, tie_embeddings=True)
+    cfg.update(changes)
+    return Transformer(ModelConfig(**cfg), VOCAB).double()
+
+
+def _batch() -> torch.Tensor:
+    return torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(1))
+
+
+def _loss_and_grads(model: Transformer) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    ids = _batch()
+    logits = model(ids)
+    loss = nn.functional.cross_entropy(logits.flatten(0, 1), ids.roll(-1, 1).flatten())
+    loss.backward()
+    grads = {}
+    for name, p in model.named_parameters():
+        grad = p.grad
+        grads[name] = grad.full_tensor() if hasattr(grad, "full_tensor") else grad
+    return logits.detach(), loss.detach(), grads
+
+
+def _rank(rank: int, world: int, models: list[dict]) -> list[dict]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+
+    mesh, results = init_device_mesh("cpu", (world,)), []
+    for changes in models:
+        model = _model(**changes)
+        apply_tensor_parallel(model, mesh)
+        local = {name: (p.to_local().numel(), p.numel()) for name, p in model.named_parameters()
+                 if isinstance(p, DTensor)}
+        logits, loss, grads = _loss_and_grads(model)
+        tied = model.lm_head.weight is model.embed_tokens.weight
+        results.append({"logits": logits, "loss": loss, "grads": grads, "local": local, "tied": tied})
+    return results
+
+
+@pytest.mark.parametrize("world, models", [
+    (2, [{}, {"attention": {"name": "mha", "n_heads": 4, "n_kv_heads": 2}, "block": "parallel", "ffn": {"name": "gelu"}}]),
+    (4, [{"tie_embeddings": False, "block": "sandwich", "norm": "layernorm"}]),
+])
+def test_split_model_equals_one_process(world, models):
+    ranks = run_processes(_rank, world, args=(models,), timeout=180)
+    for i, changes in enumerate(models):
+        _check_against_one_process(changes, world, [results[i] for results in ranks])
+
+
+def _check_against_one_process(changes: dict, world: int, ranks: list[dict]) -> None:
+    logits, loss, grads = _loss_and_grads(_model(**changes))
+    for rank, got in enumerate(ranks):
+        torch.testing.assert_close(got["logits"], logits, rtol=1e-10, atol=1e-10, msg=f"rank {rank}: logits")
+        torch.testing.assert_close(got["loss"], loss, rtol=1e-10, atol=1e-10)
+        assert got["grads"].keys() == grads.keys()
+        for name, grad in grads.items():
+            torch.testing.assert_close(got["grads"][name], grad, rtol=1e-9, atol=1e-12, msg=f"rank {rank}: {name}")
+        assert got["tied"] == changes.get("tie_embeddings", True)
+        split = {name for name, (local, whole) in got["local"].items() if local * world == whole}
+        assert {"layers.0.self_attn.q_proj.weight", "layers.1.self_attn.o_proj.weight", "embed_tokens.weight"} <= split
+        assert any(name.startswith("layers.0.mlp.") for name in split)
+
+
+def test_what_the_plan_cannot_split_is_named():
+    assert problems(_model(), 2) == []
+    assert any("n_heads=4 and n_kv_heads=1" in p for p in problems(_model(attention={"name": "mha", "n_heads": 4,
+                                                                                     "n_kv_heads": 1}), 2))
+    assert any("qk_norm" in p for p in problems(_model(attention={"name": "mha", "n_heads": 4, "qk_norm": True}), 2))
+    assert any("position=LearnedPosition" in p for p in problems(_model(position="learned"), 2))
+    assert any("hidden size 64" in p for p in problems(_model(), 3))
