@@ -1,4 +1,4 @@
-"""Benchmark: one training step of the same model under each data-parallel strategy, in one run.
+"""Benchmark: one training step of the same model under each parallel strategy, in one run.
 
     python -m lmlab.parallel.bench [--world-size N] [--d-model D] [--n-layers L] [--batch B] [--seq S] [--vocab V]
     lmlab bench parallel ...
@@ -7,7 +7,7 @@ The ~400M-parameter config of `lmlab bench train` (conf/model/llama400m.yaml) on
 `--d-model 1024 --n-layers 24 --n-heads 16 --seq 2048 --vocab 50304 --batch 32`.
 
 Each strategy trains an lmlab Transformer (SwiGLU, RoPE, AdamW) in N fresh processes on the same
-global batch (B sequences, B/N per rank). `single` runs it in one process as N micro-batches of
+global batch (B sequences, B/N per rank; under `tp`, tensor + sequence parallelism, every rank takes all B). `single` runs it in one process as N micro-batches of
 B/N with gradient accumulation: it does the whole batch's work while holding the activations of
 one rank's share, as a one-GPU run of a batch too big for one forward would. Reported per strategy:
 the median step time after warm-up (the slowest rank's), tokens/s per rank, scaling efficiency
@@ -44,6 +44,7 @@ from lmlab.parallel.bucketed_ddp import BucketedDDP
 from lmlab.parallel.fsdp import FSDP
 from lmlab.parallel.launch import device_for, run_processes
 from lmlab.parallel.naive_ddp import NaiveDDP
+from lmlab.parallel.tensor_parallel import apply_tensor_parallel
 from lmlab.parallel.zero1 import ZeRO1, optimizer_state_numel
 
 Setup = Callable[[Transformer], tuple[nn.Module, torch.optim.Optimizer, Callable[[], None]]]
@@ -86,6 +87,14 @@ def _zero3(model):
     return wrapped, _adamw(wrapped.parameters()), wrapped.finish_gradient_synchronization
 
 
+def _tensor_parallel(model):
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    apply_tensor_parallel(model, init_device_mesh(model.lm_head.weight.device.type, (dist.get_world_size(),)))
+    return model, _adamw(model.parameters()), lambda: None
+
+
 STRATEGIES: dict[str, Setup] = {
     "single": _plain,
     "ddp": _torch_ddp,
@@ -94,7 +103,9 @@ STRATEGIES: dict[str, Setup] = {
     "zero1": _lmlab_wrapper(BucketedDDP, shard=True),
     "fsdp": _fsdp,
     "zero3": _zero3,
+    "tp": _tensor_parallel,  # tensor + sequence parallel over all ranks (lmlab.parallel.tensor_parallel)
 }
+WHOLE_BATCH = {"tp"}  # strategies whose ranks all train on every row: they split the model, not the batch
 
 
 def _rss_peak_mb() -> float:
@@ -125,9 +136,9 @@ def _train_steps(device: torch.device, before: float, strategy: str, model_cfg: 
     with device:  # parameters are made on the GPU: a model too big for host memory per rank still builds
         model = Transformer(ModelConfig(**model_cfg), vocab).to(device)
     wrapped, optimizer, synchronize = STRATEGIES[strategy](model)
-    share = batch // world_size
+    share, first = (batch, 0) if strategy in WHOLE_BATCH else (batch // world_size, rank * batch // world_size)
     generator = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, vocab, (batch, seq + 1), generator=generator)[rank * share:(rank + 1) * share].to(device)
+    ids = torch.randint(0, vocab, (batch, seq + 1), generator=generator)[first:first + share].to(device)
     chunks = ids.split(micro_batch)  # one chunk on the ranks of a parallel strategy; N for `single`
     autocast = torch.autocast("cuda", torch.bfloat16, enabled=device.type == "cuda")
     times = []
@@ -158,8 +169,9 @@ def run(strategies: list[str], world_size: int, model_cfg: dict, batch: int, seq
     for name in strategies:
         world = 1 if name == "single" else world_size
         print(f"lmlab bench parallel: {name} on {world} rank(s) ...", file=sys.stderr, flush=True)
+        micro_batch = batch if name in WHOLE_BATCH else batch // world_size
         per_rank = run_processes(_bench_rank, world, backend,
-                                 args=(name, model_cfg, vocab, batch, seq, steps, backend, batch // world_size))
+                                 args=(name, model_cfg, vocab, batch, seq, steps, backend, micro_batch))
         out_of_memory = [r["out_of_memory"] for r in per_rank if "out_of_memory" in r]
         if out_of_memory:
             rows[name] = {"world_size": world, "out_of_memory": out_of_memory[0]}

@@ -1,5 +1,5 @@
-"""`lmlab bench parallel` on a tiny model: one row per strategy; ZeRO-1, FSDP2 and lmlab's FSDP halve the
-optimizer state per rank; a strategy that runs out of memory is a row saying so."""
+"""`lmlab bench parallel` on a tiny model: one row per strategy; ZeRO-1, FSDP2, lmlab's FSDP and tensor
+parallelism halve the optimizer state per rank; a strategy that runs out of memory is a row saying so."""
 
 import json
 
@@ -12,16 +12,18 @@ from lmlab.parallel.bench import main
 def test_bench_parallel_reports_every_strategy(tmp_path, capsys):
     out = tmp_path / "bench.json"
     args = ["--d-model", "32", "--n-layers", "1", "--n-heads", "2", "--seq", "16", "--batch", "4", "--steps", "3",
-            "--strategies", "single", "ddp", "zero1", "fsdp", "zero3", "--json", str(out)]
+            "--strategies", "single", "ddp", "zero1", "fsdp", "zero3", "tp", "--json", str(out)]
     assert main(args) == 0
     text = capsys.readouterr().out
-    assert all(name in text for name in ("single", "ddp", "zero1", "fsdp", "zero3"))
+    assert all(name in text for name in ("single", "ddp", "zero1", "fsdp", "zero3", "tp"))
     rows = json.loads(out.read_text())["strategies"]
     full = rows["single"]["optimizer_state_mb"][0]
     for sharded in ("zero1", "fsdp", "zero3"):
         assert abs(sum(rows[sharded]["optimizer_state_mb"]) - full) < 1e-6
         assert max(rows[sharded]["optimizer_state_mb"]) < 0.7 * full
     assert rows["ddp"]["optimizer_state_mb"] == [full, full]
+    # tensor parallelism splits every matrix and the vocabulary; only the norms' weights are held twice
+    assert max(rows["tp"]["optimizer_state_mb"]) < 0.7 * full
 
 
 TINY = {"d_model": 32, "n_layers": 1, "max_seq_len": 16, "norm": "rmsnorm", "ffn": "swiglu", "position": "rope",
