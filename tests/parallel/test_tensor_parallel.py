@@ -1,5 +1,6 @@
-"""Tensor + sequence parallelism in 2 and 4 gloo processes: the split model's logits and gradients equal one
-process's, every split weight holds 1/tp of the whole, and what the plan cannot split is named."""
+"""Tensor + sequence parallelism in 2 and 4 gloo processes, alone and inside FSDP2 (dp 2 x tp 2): the split
+model's logits and gradients equal one process's, every split weight holds 1/tp of the whole, and what the
+plan cannot split is named."""
 
 import pytest
 import torch
@@ -25,8 +26,8 @@ def _batch() -> torch.Tensor:
     return torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(1))
 
 
-def _loss_and_grads(model: Transformer) -> tuple[torch.Tensor, torch.Tensor, dict]:
-    ids = _batch()
+def _loss_and_grads(model: Transformer, rows: slice = slice(None)) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    ids = _batch()[rows]
     logits = model(ids)
     loss = nn.functional.cross_entropy(logits.flatten(0, 1), ids.roll(-1, 1).flatten())
     loss.backward()
@@ -37,7 +38,7 @@ def _loss_and_grads(model: Transformer) -> tuple[torch.Tensor, torch.Tensor, dic
     return logits.detach(), loss.detach(), grads
 
 
-def _rank(rank: int, world: int, models: list[dict]) -> list[dict]:
+def _rank(rank: int, world: int, models: list[dict]) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
 
@@ -50,17 +51,24 @@ def _rank(rank: int, world: int, models: list[dict]) -> list[dict]:
         logits, loss, grads = _loss_and_grads(model)
         tied = model.lm_head.weight is model.embed_tokens.weight
         results.append({"logits": logits, "loss": loss, "grads": grads, "local": local, "tied": tied})
-    return results
+    return {"models": results, "2d": _grads_2d() if world == 4 else None}
 
 
-@pytest.mark.parametrize("world, models", [
+@pytest.mark.parametrize("world, models", [  # 4: also dp 2 x tp 2 (tensor parallel inside FSDP2)
     (2, [{}, {"attention": {"name": "mha", "n_heads": 4, "n_kv_heads": 2}, "block": "parallel", "ffn": {"name": "gelu"}}]),
     (4, [{"tie_embeddings": False, "block": "sandwich", "norm": "layernorm"}]),
 ])
 def test_split_model_equals_one_process(world, models):
     ranks = run_processes(_rank, world, args=(models,), timeout=180)
     for i, changes in enumerate(models):
-        _check_against_one_process(changes, world, [results[i] for results in ranks])
+        _check_against_one_process(changes, world, [results["models"][i] for results in ranks])
+    if world == 4:  # the same processes also ran dp 2 x tp 2
+        _, _, grads = _loss_and_grads(_model())
+        for rank, results in enumerate(ranks):
+            got = results["2d"]
+            assert got.keys() == grads.keys()
+            for name, grad in grads.items():  # FSDP averages the pairs' gradients: the whole batch's mean loss
+                torch.testing.assert_close(got[name], grad, rtol=1e-9, atol=1e-12, msg=f"rank {rank}: {name}")
 
 
 def _check_against_one_process(changes: dict, world: int, ranks: list[dict]) -> None:
@@ -75,6 +83,22 @@ def _check_against_one_process(changes: dict, world: int, ranks: list[dict]) -> 
         split = {name for name, (local, whole) in got["local"].items() if local * world == whole}
         assert {"layers.0.self_attn.q_proj.weight", "layers.1.self_attn.o_proj.weight", "embed_tokens.weight"} <= split
         assert any(name.startswith("layers.0.mlp.") for name in split)
+
+
+def _grads_2d() -> dict:
+    """dp 2 x tp 2, as parallel=nd lays it out: tensor parallel within a pair, FSDP2 across the pairs, each pair
+    on its half of the batch."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from lmlab.parallel.strategies import MeshStrategy
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("data_parallel", "tensor_parallel"))
+    model = _model()
+    apply_tensor_parallel(model, mesh["tensor_parallel"])
+    MeshStrategy._fully_shard(model, mesh["data_parallel"])
+    dp_rank = mesh["data_parallel"].get_local_rank()
+    _, _, grads = _loss_and_grads(model, slice(dp_rank, dp_rank + 1))
+    return grads
 
 
 def test_what_the_plan_cannot_split_is_named():
