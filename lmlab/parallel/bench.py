@@ -11,8 +11,8 @@ global batch (B sequences, B/N per rank; under `tp`, tensor + sequence paralleli
 B/N with gradient accumulation: it does the whole batch's work while holding the activations of
 one rank's share, as a one-GPU run of a batch too big for one forward would. Reported per strategy:
 the median step time after warm-up (the slowest rank's), tokens/s per rank, scaling efficiency
-(tokens/s per rank over the single process's), and per rank the
-optimizer-state memory and the peak memory of the step (CUDA: max allocated; CPU: the rise of
+(tokens/s per rank over the single process's), and per rank the time one more (profiled) step spends in
+collectives, the optimizer-state memory and the peak memory of the step (CUDA: max allocated; CPU: the rise of
 the process's peak resident set over what it held before the model was built).
 
 A strategy whose ranks run out of memory is reported as such and the others still run, so one
@@ -141,11 +141,8 @@ def _train_steps(device: torch.device, before: float, strategy: str, model_cfg: 
     ids = torch.randint(0, vocab, (batch, seq + 1), generator=generator)[first:first + share].to(device)
     chunks = ids.split(micro_batch)  # one chunk on the ranks of a parallel strategy; N for `single`
     autocast = torch.autocast("cuda", torch.bfloat16, enabled=device.type == "cuda")
-    times = []
-    for step in range(steps):
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        start = time.perf_counter()
+
+    def step():
         for chunk in chunks:
             with autocast:
                 logits = wrapped(chunk[:, :-1])
@@ -155,11 +152,34 @@ def _train_steps(device: torch.device, before: float, strategy: str, model_cfg: 
         optimizer.zero_grad(set_to_none=True)
         if device.type == "cuda":
             torch.cuda.synchronize()
+
+    times = []
+    for _ in range(steps):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        step()
         times.append(time.perf_counter() - start)
+    comm_s = communication_seconds(step, device)
     peak = torch.cuda.max_memory_allocated() / 2**20 if device.type == "cuda" else _rss_peak_mb() - before
     element = next(iter(optimizer.state.values()))["exp_avg"].element_size() if optimizer.state else 4
-    return {"step_s": statistics.median(times[2:]), "peak_mb": peak,
+    return {"step_s": statistics.median(times[2:]), "peak_mb": peak, "comm_ms": comm_s * 1e3,
             "optimizer_state_mb": optimizer_state_numel(optimizer) * element / 2**20}
+
+
+def communication_seconds(step: Callable[[], None], device: torch.device) -> float:
+    """The time one more `step` spends in collectives, from torch.profiler: NCCL kernels on a GPU, gloo's
+    collectives on a CPU. Communication that overlaps compute counts in full, so this bounds what it costs."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    with profile(activities=[ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]) as prof:
+        step()
+    if cuda:
+        return sum(e.device_time for e in prof.events()
+                   if e.device_type == DeviceType.CUDA and e.name.startswith("nccl")) / 1e6
+    return sum(e.cpu_time_total for e in prof.events() if e.name.startswith("gloo:")) / 1e6
 
 
 def run(strategies: list[str], world_size: int, model_cfg: dict, batch: int, seq: int, steps: int,
@@ -178,7 +198,7 @@ def run(strategies: list[str], world_size: int, model_cfg: dict, batch: int, seq
             continue
         step_s = max(r["step_s"] for r in per_rank)
         rows[name] = {"world_size": world, "step_s": step_s, "tokens_per_s_per_rank": batch * seq / world / step_s,
-                      "peak_mb": [r["peak_mb"] for r in per_rank],
+                      "peak_mb": [r["peak_mb"] for r in per_rank], "comm_ms": [r["comm_ms"] for r in per_rank],
                       "optimizer_state_mb": [r["optimizer_state_mb"] for r in per_rank]}
     if "tokens_per_s_per_rank" in rows.get("single", {}):
         for row in rows.values():  # tokens/s per rank against one process's: 1.0 is perfect scaling
@@ -193,16 +213,17 @@ def report(r: dict) -> str:
     lines = [f"{r['backend']}: d_model {m['d_model']}, {m['n_layers']} layers, global batch {r['batch']} x {r['seq']} "
              f"tokens, AdamW; median of {r['steps'] - 2} steps after 2 warm-up steps (slowest rank)",
              f"  {'strategy':<13} {'ranks':>5} {'step ms':>9} {'tok/s/rank':>11} {'scaling':>8} "
-             f"{'peak MB/rank':>16} {'opt state MB/rank':>20}"]
+             f"{'peak MB/rank':>16} {'opt state MB/rank':>20} {'comm ms/rank':>14}"]
     for name, row in r["strategies"].items():
         if "out_of_memory" in row:
             lines.append(f"  {name:<13} {row['world_size']:>5}   out of memory: {row['out_of_memory']}")
             continue
         peak = "/".join(f"{v:.0f}" for v in row["peak_mb"])
         state = "/".join(f"{v:.1f}" for v in row["optimizer_state_mb"])
+        comm = "/".join(f"{v:.1f}" for v in row.get("comm_ms", []))
         scaling = f"{row['scaling_efficiency']:.2f}" if "scaling_efficiency" in row else "-"
         lines.append(f"  {name:<13} {row['world_size']:>5} {row['step_s'] * 1e3:>9.1f} "
-                     f"{row['tokens_per_s_per_rank']:>11,.0f} {scaling:>8} {peak:>16} {state:>20}")
+                     f"{row['tokens_per_s_per_rank']:>11,.0f} {scaling:>8} {peak:>16} {state:>20} {comm:>14}")
     return "\n".join(lines)
 
 

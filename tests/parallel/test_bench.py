@@ -22,6 +22,7 @@ def test_bench_parallel_reports_every_strategy(tmp_path, capsys):
         assert abs(sum(rows[sharded]["optimizer_state_mb"]) - full) < 1e-6
         assert max(rows[sharded]["optimizer_state_mb"]) < 0.7 * full
     assert rows["ddp"]["optimizer_state_mb"] == [full, full]
+    assert rows["single"]["comm_ms"] == [0.0] and all(min(rows[name]["comm_ms"]) > 0 for name in ("ddp", "fsdp", "tp"))
     # tensor parallelism splits every matrix and the vocabulary; only the norms' weights are held twice
     assert max(rows["tp"]["optimizer_state_mb"]) < 0.7 * full
 
@@ -56,7 +57,7 @@ def test_single_runs_the_global_batch_in_micro_batches_of_one_ranks_share(monkey
     plain = bench.STRATEGIES["single"]
     monkeypatch.setitem(bench.STRATEGIES, "single", lambda model: (Recorder(model), *plain(model)[1:]))
     result = bench._bench_rank(0, 1, "single", TINY, 64, 4, 16, 3, "gloo", 2)
-    assert seen == [2, 2] * 3 and result["step_s"] > 0
+    assert seen == [2, 2] * 4 and result["step_s"] > 0  # 3 timed steps, then 1 profiled for its communication
 
 
 def test_strategies_that_ran_out_of_memory_are_rows_and_the_rest_still_run(monkeypatch):
@@ -69,7 +70,7 @@ def test_strategies_that_ran_out_of_memory_are_rows_and_the_rest_still_run(monke
         assert args[-1] == 1  # the micro-batch: the global batch of 2 over 2 ranks
         if args[0] in ("single", "ddp"):
             return [{"out_of_memory": "CUDA out of memory."}] * world
-        return [{"step_s": 2.0, "peak_mb": 70_000.0, "optimizer_state_mb": 32_000.0}] * world
+        return [{"step_s": 2.0, "peak_mb": 70_000.0, "optimizer_state_mb": 32_000.0, "comm_ms": 5.0}] * world
 
     monkeypatch.setattr(bench, "run_processes", fake_run_processes)
     result = bench.run(["single", "ddp", "fsdp"], 2, TINY, batch=2, seq=16, steps=3, vocab=64)
@@ -79,4 +80,4 @@ def test_strategies_that_ran_out_of_memory_are_rows_and_the_rest_still_run(monke
     assert rows["fsdp"]["tokens_per_s_per_rank"] == 2 * 16 / 2 / 2.0 and "scaling_efficiency" not in rows["fsdp"]
     text = bench.report(result)
     assert "single            1   out of memory: CUDA out of memory." in text
-    assert "32000.0/32000.0" in text
+    assert "32000.0/32000.0" in text and "5.0/5.0" in text
