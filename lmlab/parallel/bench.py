@@ -45,6 +45,7 @@ from lmlab.parallel.fsdp import FSDP
 from lmlab.parallel.launch import device_for, run_processes
 from lmlab.parallel.naive_ddp import NaiveDDP
 from lmlab.parallel.tensor_parallel import apply_tensor_parallel
+from lmlab.parallel.vocab_parallel import vocab_parallel_cross_entropy
 from lmlab.parallel.zero1 import ZeRO1, optimizer_state_numel
 
 Setup = Callable[[Transformer], tuple[nn.Module, torch.optim.Optimizer, Callable[[], None]]]
@@ -146,7 +147,7 @@ def _train_steps(device: torch.device, before: float, strategy: str, model_cfg: 
         for chunk in chunks:
             with autocast:
                 logits = wrapped(chunk[:, :-1])
-            (F.cross_entropy(logits.flatten(0, 1).float(), chunk[:, 1:].flatten()) / len(chunks)).backward()
+            (_cross_entropy(model, logits.flatten(0, 1), chunk[:, 1:].flatten()) / len(chunks)).backward()
         synchronize()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -165,6 +166,13 @@ def _train_steps(device: torch.device, before: float, strategy: str, model_cfg: 
     element = next(iter(optimizer.state.values()))["exp_avg"].element_size() if optimizer.state else 4
     return {"step_s": statistics.median(times[2:]), "peak_mb": peak, "comm_ms": comm_s * 1e3,
             "optimizer_state_mb": optimizer_state_numel(optimizer) * element / 2**20}
+
+
+def _cross_entropy(model: Transformer, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    group = getattr(model, "vocab_parallel_group", None)  # tp: each rank holds a slice of the vocabulary
+    if group is None:
+        return F.cross_entropy(logits.float(), targets)
+    return vocab_parallel_cross_entropy(logits, targets, -100, 0.0, False, group=group)[0]
 
 
 def communication_seconds(step: Callable[[], None], device: torch.device) -> float:

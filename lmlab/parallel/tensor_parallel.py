@@ -13,8 +13,9 @@ plain TP, moving no more data, while the norms' activations shrink by tp.
 
 The token embedding is split by vocabulary rows. Each rank looks up the ids in its slice and gives zero for the
 rest, and a reduce-scatter sums the lookups into sequence shards. The output head is split by vocabulary
-columns, and its logits are gathered for the loss. A tied embedding and head share one weight, sharded by
-vocabulary in both uses.
+columns, and its logits stay split: the model returns each rank's slice of the vocabulary, and the loss is
+lmlab.parallel.vocab_parallel's cross-entropy over the group (`model.vocab_parallel_group`). A tied embedding
+and head share one weight, sharded by vocabulary in both uses.
 
 `problems(model, tp)` lists what this plan cannot split: it runs before any process starts
 (`parallel=nd`) and again on the built model.
@@ -72,12 +73,13 @@ def apply_tensor_parallel(model: nn.Module, mesh: DeviceMesh) -> None:
         raise ConfigError("parallel.tp: " + "; ".join(found))
     tied = model.lm_head.weight is model.embed_tokens.weight
     top = {"embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
-           "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())}
+           "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1))}  # logits: a vocabulary slice
     if not isinstance(model.norm, nn.Identity):
         top["norm"] = SequenceParallel(use_local_output=True)
     parallelize_module(model, mesh, top)
     if tied:  # the plan made the head its own copy of the shared weight: share the embedding's again
         model.lm_head.weight = model.embed_tokens.weight
+    model.vocab_parallel_group = mesh.get_group()  # whose ranks hold the other slices of the logits
     for block in model.layers:
         # every module hands on plain tensors (local shards): a norm's output may meet the residual stream
         plan = {name: SequenceParallel(use_local_output=True) for name in block.norm_names}

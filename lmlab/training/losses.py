@@ -7,6 +7,7 @@ minimised, every other key is one of its terms, logged as `train/<key>`.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -47,6 +48,12 @@ class CrossEntropy(nn.Module):
     def use_kernels(self, ops) -> None:
         if ops.cross_entropy is not None:
             self.kernel = ops.cross_entropy
+
+    def use_vocab_parallel(self, group) -> None:
+        """Logits split by vocabulary over `group` (tensor parallelism): the loss all-reduces per row instead."""
+        from lmlab.parallel.vocab_parallel import vocab_parallel_cross_entropy
+
+        self.kernel = partial(vocab_parallel_cross_entropy, group=group)
 
     def forward(self, logits: torch.Tensor, targets: torch.Tensor) -> dict[str, torch.Tensor]:
         cfg = self.cfg

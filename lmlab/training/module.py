@@ -16,6 +16,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch.distributed.tensor import DTensor
 from torch.optim.lr_scheduler import LambdaLR
 
+from lmlab.errors import ConfigError
 from lmlab.kernels.registry import KERNELS, install_kernels
 from lmlab.nn.transformer import Transformer
 from lmlab.optim import OPTIMIZERS, SCHEDULERS, describe_groups
@@ -73,7 +74,7 @@ class LanguageModelTask(L.LightningModule):
             log.info("kernels: %s", note)
         # Validation always reports plain next-token cross-entropy, whatever the training loss adds.
         self.val_loss = torchmetrics.MeanMetric()
-        self.val_ppl = torchmetrics.text.Perplexity()
+        self.token_cross_entropy = lambda logits, targets: F.cross_entropy(logits.float(), targets)  # validation's
         self.last_val_step: int | None = None
         self.guard = step_guard_for(cfg)
         self._micro_terms: list[dict[str, torch.Tensor]] = []  # this optimizer step's micro-batches so far
@@ -178,21 +179,19 @@ class LanguageModelTask(L.LightningModule):
 
     def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
         inputs, targets = batch
-        logits = self.model(inputs).float()
-        self.val_loss.update(F.cross_entropy(logits.flatten(0, 1), targets.flatten()), weight=targets.numel())
-        self.val_ppl.update(logits, targets)
+        logits = self.model(inputs)
+        self.val_loss.update(self.token_cross_entropy(logits.flatten(0, 1), targets.flatten()), weight=targets.numel())
 
     def on_validation_epoch_end(self) -> None:
         loss = self.val_loss.compute()
         bytes_per_token = self.trainer.datamodule.bytes_per_token
         self.log_dict({
             "val/loss": loss,
-            "val/ppl": self.val_ppl.compute(),
+            "val/ppl": loss.exp(),  # of the same mean over tokens
             # Bits per byte of text: comparable across tokenizers, unlike loss per token.
             "val/bpb": loss / math.log(2) / bytes_per_token,
         }, prog_bar=True)
         self.val_loss.reset()
-        self.val_ppl.reset()
         self.last_val_step = self.global_step
 
     def configure_model(self) -> None:
@@ -203,9 +202,22 @@ class LanguageModelTask(L.LightningModule):
         parallelize = getattr(self.trainer.strategy, "parallelize_model", None)
         if parallelize is not None:
             parallelize(self.model)
+        group = getattr(self.model, "vocab_parallel_group", None)
+        if group is not None:  # tensor parallelism left each rank a slice of the vocabulary's logits
+            self._use_vocab_parallel_loss(group)
         if self.cfg.trainer.compile:
             compile_for_training(self.model, self.loss_fn)
         self._configured = True
+
+    def _use_vocab_parallel_loss(self, group) -> None:
+        from lmlab.parallel.vocab_parallel import vocab_parallel_cross_entropy
+
+        if not hasattr(self.loss_fn, "use_vocab_parallel"):
+            raise ConfigError(f"the loss {type(self.loss_fn).__name__} cannot take logits split by vocabulary "
+                              "(parallel.tp > 1); cross_entropy can")
+        self.loss_fn.use_vocab_parallel(group)
+        self.token_cross_entropy = lambda logits, targets: vocab_parallel_cross_entropy(
+            logits, targets, -100, 0.0, False, group=group)[0]
 
     def configure_optimizers(self):
         return optimizer_and_schedule(self, self.cfg, self.model, self.kernel_ops)
