@@ -7,7 +7,8 @@ The ~400M-parameter config of `lmlab bench train` (conf/model/llama400m.yaml) on
 `--d-model 1024 --n-layers 24 --n-heads 16 --seq 2048 --vocab 50304 --batch 32`.
 
 Each strategy trains an lmlab Transformer (SwiGLU, RoPE, AdamW) in N fresh processes on the same
-global batch (B sequences, B/N per rank; under `tp`, tensor + sequence parallelism, every rank takes all B). `single` runs it in one process as N micro-batches of
+global batch (B sequences, B/N per rank; under `tp` (tensor + sequence parallelism) and `pp` (a pipeline
+stage per rank) every rank takes all B; `ep` spreads an MoE model's experts, `--experts N`, over the ranks). `single` runs it in one process as N micro-batches of
 B/N with gradient accumulation: it does the whole batch's work while holding the activations of
 one rank's share, as a one-GPU run of a batch too big for one forward would. Reported per strategy:
 the median step time after warm-up (the slowest rank's), tokens/s per rank, scaling efficiency
@@ -43,7 +44,9 @@ from lmlab.optim import AdamW
 from lmlab.parallel.bucketed_ddp import BucketedDDP
 from lmlab.parallel.fsdp import FSDP
 from lmlab.parallel.launch import device_for, run_processes
+from lmlab.parallel.expert_parallel import shard_experts
 from lmlab.parallel.naive_ddp import NaiveDDP
+from lmlab.parallel.pipeline import build_pipeline, stage_bounds
 from lmlab.parallel.tensor_parallel import apply_tensor_parallel
 from lmlab.parallel.vocab_parallel import vocab_parallel_cross_entropy
 from lmlab.parallel.zero1 import ZeRO1, optimizer_state_numel
@@ -88,6 +91,59 @@ def _zero3(model):
     return wrapped, _adamw(wrapped.parameters()), wrapped.finish_gradient_synchronization
 
 
+def _pipeline(model):
+    """1F1B over consecutive stages, one per rank, one sequence per micro-batch; each rank keeps only its stage."""
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    built = {}
+
+    def train_chunk(chunk):  # the schedule runs every micro-batch's forward and backward itself
+        if "schedule" not in built:  # the micro-batch count is the chunk's rows, known only now
+            built["stages"], built["schedule"] = build_pipeline(
+                model, rank, world, lambda logits, targets: F.cross_entropy(logits.flatten(0, 1).float(),
+                                                                            targets.flatten()), len(chunk))
+        last = {"target": chunk[:, 1:], "losses": []} if rank == world - 1 else {}
+        built["schedule"].step(*([chunk[:, :-1]] if rank == 0 else []), **last)
+
+    keep = {id(p) for start, end in stage_bounds(len(model.layers), world)[rank:rank + 1]
+            for layer in model.layers[start:end] for p in layer.parameters()}
+    keep |= {id(p) for p in (model.embed_tokens if rank == 0 else nn.Identity()).parameters()}
+    keep |= {id(p) for m in ((model.norm, model.lm_head) if rank == world - 1 else ()) for p in m.parameters()}
+    for param in model.parameters():  # other stages' weights: dropped, so memory is this stage's
+        if id(param) not in keep:
+            param.data = param.data.new_empty(0)
+    params = [p for p in model.parameters() if id(p) in keep]
+    return model, _adamw(params), lambda: None, train_chunk
+
+
+def _expert_parallel(model):
+    """Each rank holds 1/world of every MoE layer's experts (all-to-all dispatch); the rest is data parallel:
+    its gradients averaged in one flat all-reduce, the experts' (already summed over every rank's tokens)
+    divided by the world size."""
+    import torch.distributed as dist
+
+    experts = shard_experts(model)
+    if not experts:
+        raise ValueError("strategy ep needs an MoE model: pass --experts")
+    mine = {id(p) for e in experts for p in e.parameters()}
+    world = dist.get_world_size()
+
+    def synchronize():
+        shared = [p.grad for p in model.parameters() if id(p) not in mine and p.grad is not None]
+        flat = torch.cat([g.flatten() for g in shared])
+        dist.all_reduce(flat)
+        flat.div_(world)
+        for g, new in zip(shared, torch._utils._unflatten_dense_tensors(flat, shared)):
+            g.copy_(new)
+        for e in experts:
+            for p in e.parameters():
+                if p.grad is not None:
+                    p.grad.div_(world)
+
+    return model, _adamw(model.parameters()), synchronize
+
+
 def _tensor_parallel(model):
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -105,8 +161,10 @@ STRATEGIES: dict[str, Setup] = {
     "fsdp": _fsdp,
     "zero3": _zero3,
     "tp": _tensor_parallel,  # tensor + sequence parallel over all ranks (lmlab.parallel.tensor_parallel)
+    "pp": _pipeline,  # one pipeline stage per rank, 1F1B (lmlab.parallel.pipeline)
+    "ep": _expert_parallel,  # MoE experts spread over the ranks (lmlab.parallel.expert_parallel); needs --experts
 }
-WHOLE_BATCH = {"tp"}  # strategies whose ranks all train on every row: they split the model, not the batch
+WHOLE_BATCH = {"tp", "pp"}  # strategies whose ranks all train on every row: they split the model, not the batch
 
 
 def _rss_peak_mb() -> float:
@@ -136,18 +194,26 @@ def _train_steps(device: torch.device, before: float, strategy: str, model_cfg: 
                  seq: int, steps: int, rank: int, world_size: int, micro_batch: int) -> dict:
     with device:  # parameters are made on the GPU: a model too big for host memory per rank still builds
         model = Transformer(ModelConfig(**model_cfg), vocab).to(device)
-    wrapped, optimizer, synchronize = STRATEGIES[strategy](model)
+    # a strategy may also return how it trains one chunk (pp: its schedule runs forward and backward)
+    wrapped, optimizer, synchronize, *own_training = STRATEGIES[strategy](model)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()  # the step's peak, not the whole model built before sharding
     share, first = (batch, 0) if strategy in WHOLE_BATCH else (batch // world_size, rank * batch // world_size)
     generator = torch.Generator().manual_seed(1)
     ids = torch.randint(0, vocab, (batch, seq + 1), generator=generator)[first:first + share].to(device)
     chunks = ids.split(micro_batch)  # one chunk on the ranks of a parallel strategy; N for `single`
     autocast = torch.autocast("cuda", torch.bfloat16, enabled=device.type == "cuda")
 
+    def train_chunk(chunk):
+        with autocast:
+            logits = wrapped(chunk[:, :-1])
+        (_cross_entropy(model, logits.flatten(0, 1), chunk[:, 1:].flatten()) / len(chunks)).backward()
+
+    train = own_training[0] if own_training else train_chunk
+
     def step():
         for chunk in chunks:
-            with autocast:
-                logits = wrapped(chunk[:, :-1])
-            (_cross_entropy(model, logits.flatten(0, 1), chunk[:, 1:].flatten()) / len(chunks)).backward()
+            train(chunk)
         synchronize()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -246,13 +312,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seq", type=int, default=256)
     parser.add_argument("--vocab", type=int, default=8192)
     parser.add_argument("--steps", type=int, default=7, help="steps per strategy, the first two are warm-up")
+    parser.add_argument("--experts", type=int, default=0, help="MoE FFNs of this many experts (0: dense; ep needs them)")
+    parser.add_argument("--top-k", type=int, default=2, help="experts per token, with --experts")
     parser.add_argument("--json", type=Path, help="also write the results here")
     args = parser.parse_args(argv)
     if args.world_size < 2 or args.batch % args.world_size or args.steps < 3:
         parser.error("--world-size must be >= 2 and divide --batch, and --steps must be >= 3")
+    if "pp" in args.strategies and args.n_layers < args.world_size:
+        parser.error(f"pp gives each of the {args.world_size} ranks a stage of layers: --n-layers must be >= that")
+    if "ep" in args.strategies and (not args.experts or args.experts % args.world_size):
+        parser.error("ep spreads the experts over the ranks: --experts must be a multiple of --world-size")
     model_cfg = {"d_model": args.d_model, "n_layers": args.n_layers, "max_seq_len": args.seq, "norm": "rmsnorm",
                  "ffn": "swiglu", "position": "rope", "attention": {"name": "mha", "n_heads": args.n_heads},
                  "block": "prenorm"}
+    if args.experts:
+        model_cfg["moe"] = {"name": "topk", "n_experts": args.experts, "k": args.top_k}
     result = run(args.strategies, args.world_size, model_cfg, args.batch, args.seq, args.steps, args.vocab)
     print(report(result))
     if args.json:

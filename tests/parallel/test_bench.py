@@ -11,11 +11,11 @@ from lmlab.parallel.bench import main
 
 def test_bench_parallel_reports_every_strategy(tmp_path, capsys):
     out = tmp_path / "bench.json"
-    args = ["--d-model", "32", "--n-layers", "1", "--n-heads", "2", "--seq", "16", "--batch", "4", "--steps", "3",
-            "--strategies", "single", "ddp", "zero1", "fsdp", "zero3", "tp", "--json", str(out)]
+    args = ["--d-model", "32", "--n-layers", "2", "--n-heads", "2", "--seq", "16", "--batch", "4", "--steps", "3",
+            "--strategies", "single", "ddp", "zero1", "fsdp", "zero3", "tp", "pp", "--json", str(out)]
     assert main(args) == 0
     text = capsys.readouterr().out
-    assert all(name in text for name in ("single", "ddp", "zero1", "fsdp", "zero3", "tp"))
+    assert all(name in text for name in ("single", "ddp", "zero1", "fsdp", "zero3", "tp", "pp"))
     rows = json.loads(out.read_text())["strategies"]
     full = rows["single"]["optimizer_state_mb"][0]
     for sharded in ("zero1", "fsdp", "zero3"):
@@ -25,6 +25,18 @@ def test_bench_parallel_reports_every_strategy(tmp_path, capsys):
     assert rows["single"]["comm_ms"] == [0.0] and all(min(rows[name]["comm_ms"]) > 0 for name in ("ddp", "fsdp", "tp"))
     # tensor parallelism splits every matrix and the vocabulary; only the norms' weights are held twice
     assert max(rows["tp"]["optimizer_state_mb"]) < 0.7 * full
+    # a pipeline stage keeps only its layers: the embedding on the first, the head on the last
+    assert max(rows["pp"]["optimizer_state_mb"]) < 0.7 * full and rows["pp"]["world_size"] == 2
+
+
+def test_bench_parallel_spreads_experts_over_the_ranks(tmp_path):
+    out = tmp_path / "bench.json"
+    args = ["--d-model", "32", "--n-layers", "1", "--n-heads", "2", "--seq", "16", "--batch", "4", "--steps", "3",
+            "--experts", "4", "--top-k", "1", "--vocab", "64", "--strategies", "ddp", "ep", "--json", str(out)]
+    assert main(args) == 0
+    rows = json.loads(out.read_text())["strategies"]
+    assert max(rows["ep"]["optimizer_state_mb"]) < 0.7 * rows["ddp"]["optimizer_state_mb"][0]  # half the experts
+    assert min(rows["ep"]["comm_ms"]) > 0
 
 
 TINY = {"d_model": 32, "n_layers": 1, "max_seq_len": 16, "norm": "rmsnorm", "ffn": "swiglu", "position": "rope",
