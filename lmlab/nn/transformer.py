@@ -138,7 +138,8 @@ class Transformer(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         """Logits of the next token (the main head only: MTP modules are not run). `positions` (batch, seq)
-        marks packed documents, each restarting at 0: a token attends only within its document."""
+        marks packed documents, each restarting at 0: a token attends only within its document. `positions`
+        (seq,) are every row's tokens' places in their sequence (a context-parallel slice's); None: 0..seq-1."""
         return self._head(self.hidden_states(input_ids, positions))
 
     def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
@@ -165,8 +166,11 @@ class Transformer(nn.Module):
             raise ValueError(f"sequence length {seq_len} exceeds model.max_seq_len={self.max_seq_len}")
         if positions is None:
             positions = torch.arange(seq_len, device=input_ids.device)
-        else:
+        elif positions.dim() == 2:
             self._check_documents(input_ids, positions)
+        elif positions.shape != (seq_len,):
+            raise ValueError(f"positions {tuple(positions.shape)}: (seq,) for every row, or (batch, seq) for packed "
+                             f"documents, with seq = {seq_len}")
         self._route_by("layers.", input_ids)
         x = self.position.embed(self.embed_tokens(input_ids), positions)
         for layer in self.layers:

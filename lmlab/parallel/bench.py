@@ -8,7 +8,8 @@ The ~400M-parameter config of `lmlab bench train` (conf/model/llama400m.yaml) on
 
 Each strategy trains an lmlab Transformer (SwiGLU, RoPE, AdamW) in N fresh processes on the same
 global batch (B sequences, B/N per rank; under `tp` (tensor + sequence parallelism) and `pp` (a pipeline
-stage per rank) every rank takes all B; `ep` spreads an MoE model's experts, `--experts N`, over the ranks). `single` runs it in one process as N micro-batches of
+stage per rank) every rank takes all B, and under `cp` (context parallelism) a slice of every sequence;
+`ep` spreads an MoE model's experts, `--experts N`, over the ranks). `single` runs it in one process as N micro-batches of
 B/N with gradient accumulation: it does the whole batch's work while holding the activations of
 one rank's share, as a one-GPU run of a batch too big for one forward would. Reported per strategy:
 the median step time after warm-up (the slowest rank's), tokens/s per rank, scaling efficiency
@@ -44,9 +45,11 @@ from lmlab.optim import AdamW
 from lmlab.parallel.bucketed_ddp import BucketedDDP
 from lmlab.parallel.fsdp import FSDP
 from lmlab.parallel.launch import device_for, run_processes
+from lmlab.parallel.context_parallel import apply_context_parallel, context_positions
 from lmlab.parallel.expert_parallel import shard_experts
 from lmlab.parallel.naive_ddp import NaiveDDP
 from lmlab.parallel.pipeline import build_pipeline, stage_bounds
+from lmlab.parallel.ring_attention import zigzag_shard
 from lmlab.parallel.tensor_parallel import apply_tensor_parallel
 from lmlab.parallel.vocab_parallel import vocab_parallel_cross_entropy
 from lmlab.parallel.zero1 import ZeRO1, optimizer_state_numel
@@ -117,6 +120,34 @@ def _pipeline(model):
     return model, _adamw(params), lambda: None, train_chunk
 
 
+def _average_gradients(params: list[torch.Tensor], world: int) -> None:
+    """Data parallelism's step for `params`: their gradients averaged over the ranks, in one flat all-reduce."""
+    import torch.distributed as dist
+
+    grads = [p.grad for p in params if p.grad is not None]
+    flat = torch.cat([g.flatten() for g in grads])
+    dist.all_reduce(flat)
+    flat.div_(world)
+    for g, new in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
+        g.copy_(new)
+
+
+def _context_parallel(model):
+    """Ring attention over the ranks, each on its zigzag slice of every sequence; gradients averaged."""
+    import torch.distributed as dist
+
+    apply_context_parallel(model)
+    rank, world = dist.get_rank(), dist.get_world_size()
+
+    def train_chunk(chunk):
+        inputs, targets = (zigzag_shard(t, rank, world, dim=1) for t in (chunk[:, :-1], chunk[:, 1:]))
+        with torch.autocast("cuda", torch.bfloat16, enabled=chunk.is_cuda):
+            logits = model(inputs, context_positions(chunk.shape[1] - 1, device=chunk.device))
+        F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten()).backward()
+
+    return model, _adamw(model.parameters()), lambda: _average_gradients(list(model.parameters()), world), train_chunk
+
+
 def _expert_parallel(model):
     """Each rank holds 1/world of every MoE layer's experts (all-to-all dispatch); the rest is data parallel:
     its gradients averaged in one flat all-reduce, the experts' (already summed over every rank's tokens)
@@ -130,12 +161,7 @@ def _expert_parallel(model):
     world = dist.get_world_size()
 
     def synchronize():
-        shared = [p.grad for p in model.parameters() if id(p) not in mine and p.grad is not None]
-        flat = torch.cat([g.flatten() for g in shared])
-        dist.all_reduce(flat)
-        flat.div_(world)
-        for g, new in zip(shared, torch._utils._unflatten_dense_tensors(flat, shared)):
-            g.copy_(new)
+        _average_gradients([p for p in model.parameters() if id(p) not in mine], world)
         for e in experts:
             for p in e.parameters():
                 if p.grad is not None:
@@ -163,8 +189,9 @@ STRATEGIES: dict[str, Setup] = {
     "tp": _tensor_parallel,  # tensor + sequence parallel over all ranks (lmlab.parallel.tensor_parallel)
     "pp": _pipeline,  # one pipeline stage per rank, 1F1B (lmlab.parallel.pipeline)
     "ep": _expert_parallel,  # MoE experts spread over the ranks (lmlab.parallel.expert_parallel); needs --experts
+    "cp": _context_parallel,  # each rank a slice of every sequence, ring attention (lmlab.parallel.context_parallel)
 }
-WHOLE_BATCH = {"tp", "pp"}  # strategies whose ranks all train on every row: they split the model, not the batch
+WHOLE_BATCH = {"tp", "pp", "cp"}  # strategies whose ranks all train on every row: they split the model, not the batch
 
 
 def _rss_peak_mb() -> float:
@@ -320,6 +347,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--world-size must be >= 2 and divide --batch, and --steps must be >= 3")
     if "pp" in args.strategies and args.n_layers < args.world_size:
         parser.error(f"pp gives each of the {args.world_size} ranks a stage of layers: --n-layers must be >= that")
+    if "cp" in args.strategies and args.seq % (2 * args.world_size):
+        parser.error(f"cp cuts each sequence into 2 x {args.world_size} chunks: --seq must be a multiple of that")
     if "ep" in args.strategies and (not args.experts or args.experts % args.world_size):
         parser.error("ep spreads the experts over the ranks: --experts must be a multiple of --world-size")
     model_cfg = {"d_model": args.d_model, "n_layers": args.n_layers, "max_seq_len": args.seq, "norm": "rmsnorm",

@@ -61,7 +61,7 @@ def _pass_on(tensors: list[torch.Tensor], group) -> list[torch.Tensor]:
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     after, before = (rank + 1) % world, (rank - 1) % world
     to_global = (lambda r: dist.get_global_rank(group, r)) if group is not None else (lambda r: r)
-    received = [torch.empty_like(t) for t in tensors]
+    received = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in tensors]  # q, k, v may be views
     ops = [dist.P2POp(dist.isend, t.contiguous(), to_global(after), group) for t in tensors]
     ops += [dist.P2POp(dist.irecv, r, to_global(before), group) for r in received]
     for work in dist.batch_isend_irecv(ops):

@@ -12,10 +12,10 @@ from lmlab.parallel.bench import main
 def test_bench_parallel_reports_every_strategy(tmp_path, capsys):
     out = tmp_path / "bench.json"
     args = ["--d-model", "32", "--n-layers", "2", "--n-heads", "2", "--seq", "16", "--batch", "4", "--steps", "3",
-            "--strategies", "single", "ddp", "zero1", "fsdp", "zero3", "tp", "pp", "--json", str(out)]
+            "--strategies", "single", "ddp", "zero1", "fsdp", "zero3", "tp", "pp", "cp", "--json", str(out)]
     assert main(args) == 0
     text = capsys.readouterr().out
-    assert all(name in text for name in ("single", "ddp", "zero1", "fsdp", "zero3", "tp", "pp"))
+    assert all(name in text for name in ("single", "ddp", "zero1", "fsdp", "zero3", "tp", "pp", "cp"))
     rows = json.loads(out.read_text())["strategies"]
     full = rows["single"]["optimizer_state_mb"][0]
     for sharded in ("zero1", "fsdp", "zero3"):
@@ -27,6 +27,7 @@ def test_bench_parallel_reports_every_strategy(tmp_path, capsys):
     assert max(rows["tp"]["optimizer_state_mb"]) < 0.7 * full
     # a pipeline stage keeps only its layers: the embedding on the first, the head on the last
     assert max(rows["pp"]["optimizer_state_mb"]) < 0.7 * full and rows["pp"]["world_size"] == 2
+    assert rows["cp"]["optimizer_state_mb"] == [full, full] and min(rows["cp"]["comm_ms"]) > 0  # whole weights
 
 
 def test_bench_parallel_spreads_experts_over_the_ranks(tmp_path):
