@@ -24,7 +24,10 @@ from lmlab.errors import ConfigError
 from lmlab.optim import OPTIMIZERS
 from lmlab.parallel.bucketed_ddp import BucketedDDP
 from lmlab.parallel.fsdp import FSDP, clip_sharded_grad_norm_
+from lmlab.parallel.context_parallel import apply_context_parallel, context_positions
+from lmlab.parallel.context_parallel import problems as context_problems
 from lmlab.parallel.naive_ddp import NaiveDDP
+from lmlab.parallel.ring_attention import zigzag_shard
 from lmlab.parallel.tensor_parallel import apply_tensor_parallel, problems
 from lmlab.parallel.zero1 import ZeRO1
 from lmlab.registry import Registry
@@ -277,34 +280,71 @@ class FullySharded(Parallel):
         return MeshStrategy(world_size, 1, self.backend_for(cuda))
 
 
+class ContextParallelStrategy(DDPStrategy):
+    """Lightning's DDP over all ranks, laid out as dp groups of cp consecutive ranks: the ranks of a group take
+    the same rows, each its zigzag slice of every sequence, and attend through a ring over the group
+    (lmlab.parallel.context_parallel). DDP averages the gradients over every rank: each rank's loss is the
+    mean over its tokens, so the average is the whole batch's mean."""
+
+    def __init__(self, cp: int, **kwargs):
+        super().__init__(**kwargs)
+        self.cp = cp
+        self.cp_group = None
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict:
+        return {"num_replicas": self.world_size // self.cp, "rank": self.global_rank // self.cp}
+
+    def parallelize_model(self, model: nn.Module) -> None:
+        import torch.distributed as dist
+
+        for first in range(0, self.world_size, self.cp):  # every rank makes every group, in the same order
+            group = dist.new_group(list(range(first, first + self.cp)))
+            if first <= self.global_rank < first + self.cp:
+                self.cp_group = group
+        apply_context_parallel(model, self.cp_group)
+
+    def context_slice(self, inputs: torch.Tensor, targets: torch.Tensor):
+        """This rank's slice of a batch's rows: (inputs, targets, positions in the whole sequences)."""
+        rank, length = self.global_rank % self.cp, inputs.shape[1]
+        inputs, targets = (zigzag_shard(t, rank, self.cp, dim=1) for t in (inputs, targets))
+        return inputs, targets, context_positions(length, self.cp_group, inputs.device)
+
+
 @PARALLEL.register("nd")
 class MeshParallel(Parallel):
-    """Several kinds of parallelism on one device mesh of dp x tp ranks (dp x tp = the world size): Megatron
-    tensor + sequence parallelism within each group of tp ranks, FSDP2 (ZeRO-3) across the dp groups. Ranks of
-    one tensor-parallel group train on the same rows; data.batch_size splits over the dp groups."""
+    """Several kinds of parallelism on one layout of the ranks, dp x tp x cp = the world size: Megatron tensor +
+    sequence parallelism within each group of tp ranks with FSDP2 (ZeRO-3) across the dp groups, or context
+    parallelism (ring attention) within each group of cp ranks with DDP across all. The ranks of one tp or cp
+    group train on the same rows; data.batch_size splits over the dp groups."""
 
     shards_parameters = True
     supports_compile = False  # trainer.compile's per-block compile is not set up for DTensor-split blocks
 
     @dataclass
     class Config(DistributedConfig):
-        dp: int = -1  # -1: the world size over tp
+        dp: int = -1  # -1: the world size over tp x cp
         tp: int = 1
+        cp: int = 1  # context parallel: ranks that split each sequence (ring attention); not with tp > 1 yet
 
     def __init__(self, cfg: Config | None = None):
         super().__init__(cfg)
-        self.tp = cfg.tp if cfg else 1
-        self.dp = cfg.dp if cfg else -1
-        if self.tp < 1 or (self.dp < 1 and self.dp != -1):
-            raise ConfigError(f"parallel.dp={self.dp} and parallel.tp={self.tp} must be >= 1 (dp may be -1: the "
-                              "world size over tp)")
+        self.tp, self.cp, self.dp = (cfg.tp, cfg.cp, cfg.dp) if cfg else (1, 1, -1)
+        if self.tp < 1 or self.cp < 1 or (self.dp < 1 and self.dp != -1):
+            raise ConfigError(f"parallel.dp={self.dp}, parallel.tp={self.tp} and parallel.cp={self.cp} must be >= 1 "
+                              "(dp may be -1: the world size over tp x cp)")
+        if self.tp > 1 and self.cp > 1:
+            raise ConfigError(f"parallel.tp={self.tp} with parallel.cp={self.cp}: tensor and context parallelism do "
+                              "not compose yet; use one of them")
 
     def _sizes(self, world_size: int) -> tuple[int, int]:
-        dp = world_size // self.tp if self.dp == -1 else self.dp
-        if dp * self.tp != world_size:
-            raise ConfigError(f"parallel.dp={self.dp} x parallel.tp={self.tp} must equal the world size {world_size} "
-                              "(trainer.devices x trainer.num_nodes)")
-        return dp, self.tp
+        """(data-parallel size, model-splitting size: tp or cp)."""
+        split = self.tp * self.cp
+        dp = world_size // split if self.dp == -1 else self.dp
+        if dp * split != world_size:
+            raise ConfigError(f"parallel.dp={self.dp} x parallel.tp={self.tp} x parallel.cp={self.cp} must equal the "
+                              f"world size {world_size} (trainer.devices x trainer.num_nodes)")
+        return dp, split
 
     def data_parallel_size(self, world_size: int) -> int:
         return self._sizes(world_size)[0]
@@ -313,12 +353,22 @@ class MeshParallel(Parallel):
         from lmlab.nn.transformer import Transformer
 
         self._sizes(world_size)
-        if self.tp > 1:
-            with torch.device("meta"):  # the model's shape, without its memory
-                model = Transformer(cfg.model, cfg.model.vocab_size or 64 * self.tp)
-            found = problems(model, self.tp)
+        with torch.device("meta"):  # the model's shape, without its memory
+            model = Transformer(cfg.model, cfg.model.vocab_size or 64 * self.tp)
+        if self.tp > 1 and (found := problems(model, self.tp)):
+            raise ConfigError("parallel.tp: " + "; ".join(found))
+        if self.cp > 1:
+            found = context_problems(model)
+            if len(model.mtp_layers):
+                found.append("model.mtp.depth > 0: multi-token prediction shifts tokens across the slices")
+            if cfg.data.context_length % (2 * self.cp):
+                found.append(f"data.context_length={cfg.data.context_length} is not a multiple of 2 x cp = {2 * self.cp} "
+                             "(the zigzag layout's chunks)")
             if found:
-                raise ConfigError("parallel.tp: " + "; ".join(found))
+                raise ConfigError("parallel.cp: " + "; ".join(found))
 
     def lightning_strategy(self, world_size: int, cuda: bool) -> Strategy:
-        return MeshStrategy(*self._sizes(world_size), self.backend_for(cuda))
+        dp, split = self._sizes(world_size)
+        if self.cp > 1:
+            return ContextParallelStrategy(self.cp, process_group_backend=self.backend_for(cuda))
+        return MeshStrategy(dp, split, self.backend_for(cuda))

@@ -86,9 +86,15 @@ class LanguageModelTask(L.LightningModule):
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids)
 
+    def _slice(self, batch: tuple[torch.Tensor, torch.Tensor]):
+        """(inputs, targets, positions): under context parallelism this rank's slice of every sequence."""
+        context_slice = getattr(self.trainer.strategy, "context_slice", None)
+        return (*batch, None) if context_slice is None else context_slice(*batch)
+
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        inputs, targets = batch
-        terms = training_terms(self.loss_fn, self.model.forward_train(inputs), targets, self.model.mtp_loss_weight)
+        inputs, targets, positions = self._slice(batch)
+        terms = training_terms(self.loss_fn, self.model.forward_train(inputs, positions), targets,
+                               self.model.mtp_loss_weight)
         self._micro_terms.append({name: value.detach() for name, value in terms.items()})
         if len(self._micro_terms) == self.cfg.trainer.accumulate_grad_batches:  # the optimizer steps after this one
             self._log_step_terms()
@@ -178,8 +184,8 @@ class LanguageModelTask(L.LightningModule):
             self.logger.log_metrics({name: float(value) for name, value in stats.items()}, step=self.global_step)
 
     def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
-        inputs, targets = batch
-        logits = self.model(inputs)
+        inputs, targets, positions = self._slice(batch)
+        logits = self.model(inputs, positions)
         self.val_loss.update(self.token_cross_entropy(logits.flatten(0, 1), targets.flatten()), weight=targets.numel())
 
     def on_validation_epoch_end(self) -> None:

@@ -22,12 +22,15 @@ def single_run(make_cfg, tiny_overrides, tmp_path):
 
 
 SETTINGS = {"bucketed_ddp": ["parallel.bucket_size_mb=0.01"], "zero1": ["parallel.bucket_size_mb=0.01"],  # several buckets
-            "nd": ["parallel.tp=2"]}  # tensor + sequence parallel over both ranks
+            "nd_tp": ["parallel=nd", "parallel.tp=2"],  # tensor + sequence parallel over both ranks
+            "nd_cp": ["parallel=nd", "parallel.cp=2"]}  # each rank half of every sequence, ring attention
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "naive_ddp", "bucketed_ddp", "zero1", "fsdp", "zero3", "nd"])
+@pytest.mark.parametrize("strategy", ["ddp", "naive_ddp", "bucketed_ddp", "zero1", "fsdp", "zero3", "nd_tp", "nd_cp"])
 def test_two_processes_match_one(make_cfg, tiny_overrides, tmp_path, single_run, strategy):
     extra = [f"parallel={strategy}", "trainer.devices=2", *SETTINGS.get(strategy, [])]
+    if strategy.startswith("nd_"):
+        extra = ["trainer.devices=2", *SETTINGS[strategy]]
     out = tmp_path / strategy
     results = launch(make_cfg([*tiny_overrides, *STEPS, *extra]), out)
     assert results["val_loss"] < 6.0
@@ -45,10 +48,13 @@ def test_two_processes_match_one(make_cfg, tiny_overrides, tmp_path, single_run,
     (["parallel=zero1", "parallel.bucket_size_mb=0"], "bucket_size_mb must be > 0"),
     (["parallel=zero3", "trainer.devices=2", "trainer.compile=true"], "does not work with parallel=zero3"),
     (["parallel=zero3", "parallel.compute_dtype=int8"], "compute_dtype must be"),
-    (["parallel=nd", "parallel.tp=2", "parallel.dp=2", "trainer.devices=2"], r"dp=2 x parallel.tp=2 must equal the world size 2"),
+    (["parallel=nd", "parallel.tp=2", "parallel.dp=2", "trainer.devices=2"], r"dp=2 x parallel.tp=2 x parallel.cp=1 must equal the world size 2"),
     (["parallel=nd", "parallel.tp=2", "trainer.devices=2", "model.attention.n_heads=1"], "n_heads=1 and n_kv_heads=1 must be divisible"),
     (["parallel=nd", "parallel.tp=2", "trainer.devices=2", "model/position=alibi"], "position=ALiBi"),
     (["parallel=nd", "parallel.tp=2", "trainer.devices=2", "model/moe=topk"], "MoE layers take expert parallelism"),
+    (["parallel=nd", "parallel.tp=2", "parallel.cp=2", "trainer.devices=2"], "do not compose yet"),
+    (["parallel=nd", "parallel.cp=2", "trainer.devices=2", "data.context_length=30"], "not a multiple of 2 x cp = 4"),
+    (["parallel=nd", "parallel.cp=2", "trainer.devices=2", "model/position=alibi"], "ring attention has no bias"),
 ])
 def test_bad_parallel_settings_fail_before_any_process_starts(make_cfg, tiny_overrides, tmp_path, extra, match):
     with pytest.raises(ConfigError, match=match):
