@@ -475,15 +475,17 @@ class FlashAttentionTriton(torch.autograd.Function):
                 scale: float | None = None) -> torch.Tensor:
         q4, k4, v4, scale = _prepare(q, k, v, causal, scale)
         out, lse = _forward_op(q4, k4, v4, causal, scale)
-        ctx.save_for_backward(q4, k4, v4, out, lse)
+        out, lse = out.view(q.shape), lse.view(q.shape[:-1])
+        # saved in the inputs' shapes, as FlashAttentionReference saves them: the LSE is (batch, seq) for 3-D q
+        ctx.save_for_backward(q, k, v, out, lse)
         ctx.causal, ctx.scale, ctx.one_head = causal, scale, q.dim() == 3
-        return out.view(q.shape)
+        return out
 
     @staticmethod
     def backward(ctx: Any, d_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         q, k, v, out, lse = ctx.saved_tensors
-        if ctx.one_head:
-            d_out = d_out[:, None]
+        if ctx.one_head:  # the kernels take a head axis
+            q, k, v, out, lse, d_out = (t[:, None] for t in (q, k, v, out, lse, d_out))
         dq, dk, dv = _backward_op(q, k, v, out, lse, d_out, ctx.causal, ctx.scale)
         if ctx.one_head:
             dq, dk, dv = dq[:, 0], dk[:, 0], dv[:, 0]

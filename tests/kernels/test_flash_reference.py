@@ -87,9 +87,9 @@ def test_lse_is_logsumexp_of_scaled_masked_scores(causal: bool) -> None:
     torch.testing.assert_close(lse, torch.logsumexp(scores, dim=-1), atol=1e-5, rtol=1e-5)
 
 
-def test_saves_no_seq_by_seq_tensor() -> None:
-    seq = 96
-    q, k, v = inputs((1, 4, seq, 8), (1, 2, seq, 8), torch.float32)
+@pytest.mark.parametrize("q_shape, kv_shape", [((1, 4, 96, 8), (1, 2, 96, 8)), ((2, 96, 8), (2, 96, 8))])
+def test_saves_no_seq_by_seq_tensor_and_keeps_the_inputs_shapes(q_shape, kv_shape) -> None:
+    q, k, v = inputs(q_shape, kv_shape, torch.float32)
     saved: list[torch.Size] = []
 
     def pack(t: torch.Tensor) -> torch.Tensor:

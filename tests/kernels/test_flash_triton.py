@@ -156,8 +156,11 @@ def test_custom_scale_matches_float64_sdpa(causal: bool, dtype: torch.dtype) -> 
 
 
 @gpu
-def test_saves_no_seq_by_seq_tensor() -> None:
-    q, k, v = inputs((1, 4, 96, 64), (1, 2, 96, 64), torch.bfloat16)
+@pytest.mark.parametrize("q_shape, kv_shape", [((1, 4, 96, 64), (1, 2, 96, 64)), ((2, 96, 64), (2, 96, 64))])
+def test_saves_no_seq_by_seq_tensor_and_keeps_the_inputs_shapes(q_shape, kv_shape) -> None:
+    """The saved tensors are q, k, v, the output and the LSE in the inputs' own shapes, as the reference saves
+    them: for 3-D q, (batch, seq, head_dim) and a (batch, seq) LSE."""
+    q, k, v = inputs(q_shape, kv_shape, torch.bfloat16)
     saved: list[torch.Size] = []
 
     def pack(t: torch.Tensor) -> torch.Tensor:
