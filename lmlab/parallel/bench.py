@@ -104,8 +104,8 @@ def _pipeline(model):
     def train_chunk(chunk):  # the schedule runs every micro-batch's forward and backward itself
         if "schedule" not in built:  # the micro-batch count is the chunk's rows, known only now
             built["stages"], built["schedule"] = build_pipeline(
-                model, rank, world, lambda logits, targets: F.cross_entropy(logits.flatten(0, 1).float(),
-                                                                            targets.flatten()), len(chunk))
+                model, rank, world, lambda logits, targets: _cross_entropy(model, logits.flatten(0, 1),
+                                                                           targets.flatten()), len(chunk))
         last = {"target": chunk[:, 1:], "losses": []} if rank == world - 1 else {}
         built["schedule"].step(*([chunk[:, :-1]] if rank == 0 else []), **last)
 
@@ -143,7 +143,7 @@ def _context_parallel(model):
         inputs, targets = (zigzag_shard(t, rank, world, dim=1) for t in (chunk[:, :-1], chunk[:, 1:]))
         with torch.autocast("cuda", torch.bfloat16, enabled=chunk.is_cuda):
             logits = model(inputs, context_positions(chunk.shape[1] - 1, device=chunk.device))
-        F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten()).backward()
+        _cross_entropy(model, logits.flatten(0, 1), targets.flatten()).backward()
 
     return model, _adamw(model.parameters()), lambda: _average_gradients(list(model.parameters()), world), train_chunk
 
