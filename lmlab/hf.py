@@ -184,6 +184,10 @@ def _check_llama_parts(model: Transformer) -> None:
     """Raise ConfigError unless every part is one HF Llama has (exact classes: subclasses may compute otherwise)."""
     if any(isinstance(layer.mlp, MoELayer) for layer in model.layers):
         raise ConfigError("model/moe (a mixture of experts) has no Hugging Face Llama equivalent; export a dense model")
+    if model.loops > 1:
+        raise ConfigError("model.loops > 1 (looped depth) has no Hugging Face Llama equivalent")
+    if any(getattr(layer.self_attn, "kv_source", None) is not None for layer in model.layers):
+        raise ConfigError("model.kv_share > 1 (cross-layer attention) has no Hugging Face Llama equivalent")
     parts = [(POSITIONS, model.position, RoPE), (NORMS, model.norm, RMSNorm)]
     for layer in model.layers:
         parts.append((BLOCKS, layer, PreNormBlock))

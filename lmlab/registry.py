@@ -146,7 +146,8 @@ class Registry:
         return entry.target(*args, cfg=config, **kwargs)
 
     def _name_of_config(self, cfg_cls: type) -> str:
-        for entry in self._entries.values():
+        # The exact class first: an entry's Config may subclass another entry's (a subclassed layer's).
+        for entry in sorted(self._entries.values(), key=lambda e: e.config is not cfg_cls):
             if issubclass(cfg_cls, entry.config):
                 return entry.name
         raise RegistryError(f"{cfg_cls.__name__} is the Config of no {self.name} entry")

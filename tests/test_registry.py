@@ -103,3 +103,25 @@ def test_entry_point_plugins_are_loaded(monkeypatch, tmp_path):
     assert reg.load_plugins() == ["ep_plugin_mod"]
     assert NORMS.build("ep_norm", 4).dim == 4
     NORMS._entries.pop("ep_norm")
+
+
+def test_a_config_instance_builds_its_own_entry_when_configs_subclass_each_other():
+    registry = Registry("shapes_sub", group="test/shapes_sub", doc="test")
+
+    @registry.register("base")
+    class Base:
+        @dataclass
+        class Config:
+            size: int = 1
+
+        def __init__(self, cfg):
+            self.cfg = cfg
+
+    @registry.register("derived")
+    class Derived(Base):
+        @dataclass
+        class Config(Base.Config):
+            extra: int = 2
+
+    assert type(registry.build(Derived.Config())) is Derived
+    assert type(registry.build(Base.Config())) is Base

@@ -137,17 +137,25 @@ def kv_bytes_by_attention(cfg, vocab: int, length: int = 4096) -> dict[str, dict
     model's width and depth, from the caches the engine allocates (on the meta device)."""
     heads = cfg.model.attention.get("n_heads", 16)
     groups = max(1, heads // 4)  # GQA with a quarter of the heads' keys and values
-    kinds = {"mha": {"name": "mha", "n_heads": heads},
-             f"gqa (n_kv_heads={groups})": {"name": "mha", "n_heads": heads, "n_kv_heads": groups},
-             "mqa": {"name": "mha", "n_heads": heads, "n_kv_heads": 1},
-             "mla (kv_lora_rank=256)": {"name": "mla", "n_heads": heads, "kv_lora_rank": 256, "qk_rope_head_dim": 32},
-             "sliding window 1024": {"name": "mha", "n_heads": heads, "window": 1024},
-             "linear": {"name": "linear", "n_heads": heads}}
+    mha, gqa = {"name": "mha", "n_heads": heads}, {"name": "mha", "n_heads": heads, "n_kv_heads": groups}
+    kinds = {"mha": {"attention": mha},
+             f"gqa (n_kv_heads={groups})": {"attention": gqa},
+             "mqa": {"attention": {**mha, "n_kv_heads": 1}},
+             "mla (kv_lora_rank=256)": {"attention": {"name": "mla", "n_heads": heads, "kv_lora_rank": 256,
+                                                      "qk_rope_head_dim": 32}},
+             "sliding window 1024": {"attention": {**mha, "window": 1024}},
+             "cla (kv_share=2, mha)": {"attention": mha, "kv_share": 2},
+             f"cla (kv_share=2, gqa {groups})": {"attention": gqa, "kv_share": 2},
+             "linear": {"attention": {"name": "linear", "n_heads": heads}},
+             "mamba2": {"attention": {"name": "mamba2"}},
+             "gated_deltanet": {"attention": {"name": "gated_deltanet", "n_heads": heads}}}
+    if cfg.model.n_layers % 4 == 0:  # the pattern must tile the layers
+        kinds[f"hybrid 3:1 mamba2:gqa {groups}"] = {"attention": gqa, "layer_pattern": ["mamba2"] * 3 + ["mha"]}
     base = OmegaConf.to_container(cfg.model, resolve=True)
     table = {}
-    for kind, attention in kinds.items():
+    for kind, fields in kinds.items():
         with torch.device("meta"):
-            model = Transformer(OmegaConf.create({**base, "attention": attention, "max_seq_len": length}), vocab)
+            model = Transformer(OmegaConf.create({**base, **fields, "max_seq_len": length}), vocab)
         engine = Engine(model.to(torch.bfloat16))
         engine.begin(1, length)
         total = engine.kv_cache_bytes()
@@ -325,7 +333,7 @@ def main(argv: list[str]) -> int:
     kv_table = kv_bytes_by_attention(cfg, model.vocab_size)
     print(f"KV cache of each attention kind at d_model={cfg.model.d_model}, {cfg.model.n_layers} layers, bf16:")
     for kind, row in kv_table.items():
-        print(f"  {kind:<24} {row['bytes_per_token'] / 1024:>8.1f} KiB/token  "
+        print(f"  {kind:<30} {row['bytes_per_token'] / 1024:>8.1f} KiB/token  "
               f"{row['bytes_at_length'] / 2**20:>8.1f} MiB at {row['length']} tokens")
     result = {"kv_by_attention": kv_table, "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
               "torch": torch.__version__, "dtype": args.dtype, "overrides": overrides, "ckpt": args.ckpt}

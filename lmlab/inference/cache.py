@@ -22,7 +22,7 @@ many more).
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -67,6 +67,8 @@ class CacheState:
     # (q, k_cache, v_cache, slots, start, scale, window) -> out: attention over slot-addressed caches with
     # this mask computed inside (lmlab.kernels.decode_attention_triton); None: SDPA with the mask built here
     attention_kernel: Callable | None = None
+    # Each K/V-owning attention's cache as the caches are made (the latest loop's): CLA layers read it
+    by_attention: dict = field(default_factory=dict)
 
     @classmethod
     def empty(cls, batch_size: int, device) -> CacheState:
@@ -166,9 +168,13 @@ class KVCache(LayerCache):
 
     def __call__(self, attn, x, position, positions):
         q, k, v = attn.project(x, position, positions)
+        self.tensors["k"].index_copy_(2, self.state.slots, k)
+        self.tensors["v"].index_copy_(2, self.state.slots, v)
+        return self.attend(attn, position, q)
+
+    def attend(self, attn, position, q: torch.Tensor) -> torch.Tensor:
+        """q over every cached key up to its slot, then attn's o_proj."""
         keys, values = self.tensors["k"], self.tensors["v"]
-        keys.index_copy_(2, self.state.slots, k)
-        values.index_copy_(2, self.state.slots, v)
         kernel = self.state.attention_kernel
         if kernel is not None and _kernel_applies(attn, position, q, keys):
             out = kernel(q, keys, values, self.state.slots, self.state.start, attn.score_scale, attn.window)
@@ -205,8 +211,8 @@ class SlidingKVCache(LayerCache):
         values = torch.cat([self.tensors["v"], v], dim=2)
         # Entries at or past this forward's first slot were rolled back (speculative decoding): hide them.
         key_slots = torch.cat([self.ring_slots.masked_fill(self.ring_slots >= slots[0], -1), slots])
-        mask = score_mask(self.state, key_slots, attn.window, position, attn.softcap is not None, q.dtype)
-        out = mha_attend(attn, q, keys, values, mask)
+        self.view = (keys, values, key_slots)  # what this forward attends over, for CLA layers reading this one
+        out = self.attend(attn, position, q)
         newest = slice(-self.size, None)
         index = slots[newest] % self.size
         self.tensors["k"].index_copy_(2, index, k[:, :, newest])
@@ -214,12 +220,36 @@ class SlidingKVCache(LayerCache):
         self.ring_slots.index_copy_(0, index, slots[newest])
         return out
 
+    def attend(self, attn, position, q: torch.Tensor) -> torch.Tensor:
+        """q over the ring and this forward's new keys (as they were before the ring was written)."""
+        keys, values, key_slots = self.view
+        mask = score_mask(self.state, key_slots, attn.window, position, attn.softcap is not None, q.dtype)
+        return mha_attend(attn, q, keys, values, mask)
+
+
+class SharedKVCache(LayerCache):
+    """A CLA layer's cache: nothing of its own; its queries attend over the cache of the layer whose keys and
+    values it reads, which ran just before on the same tokens."""
+
+    def __init__(self, source: LayerCache):
+        super().__init__(source.state)
+        self.source = source
+
+    def __call__(self, attn, x, position, positions):
+        q, _, _ = attn.project(x, position, positions)
+        return self.source.attend(attn, position, q)
+
 
 @cache_for(MultiHeadAttention)
 def mha_cache(attn: MultiHeadAttention, state: CacheState, batch_size: int, max_len: int, device, dtype,
               lookahead: int = 0) -> LayerCache:
     """A ring of window + lookahead slots for a local layer whose window is shorter than the generation,
-    else every slot."""
+    else every slot; a CLA layer reads the cache of the layer whose keys and values it shares."""
+    if attn.kv_source is not None:
+        return SharedKVCache(state.by_attention[attn.kv_source])
     if attn.window is not None and attn.window + lookahead < max_len:
-        return SlidingKVCache(attn, state, batch_size, attn.window + lookahead, device, dtype)
-    return KVCache(attn, state, batch_size, max_len, device, dtype)
+        cache = SlidingKVCache(attn, state, batch_size, attn.window + lookahead, device, dtype)
+    else:
+        cache = KVCache(attn, state, batch_size, max_len, device, dtype)
+    state.by_attention[attn] = cache
+    return cache

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from lmlab.errors import ConfigError
-from lmlab.inference import linear_state, mla_cache  # noqa: F401 - their caches register on import
+from lmlab.inference import delta_state, linear_state, mla_cache, sparse_cache, ssm_state  # noqa: F401 - their caches register on import
 from lmlab.inference.cache import CacheState, LayerCache, factory_for
 from lmlab.kernels.registry import optional_triton_kernel
 from lmlab.nn.fused import fuse_projections
@@ -100,7 +100,8 @@ class Engine:
         self.state = CacheState.empty(batch_size, self.device)
         self.state.attention_kernel = self.attention_kernel
         self.caches = [factory_for(block.self_attn)(block.self_attn, self.state, batch_size, length, self.device,
-                                                    self.dtype, lookahead=lookahead) for block in self.model.layers]
+                                                    self.dtype, lookahead=lookahead)
+                       for block in self.model.applied_layers()]
         for size in sorted({1, lookahead + 1}):
             self._steps[size] = _StaticStep(self, batch_size, size)
 
@@ -130,10 +131,7 @@ class Engine:
     def _hidden(self, ids: torch.Tensor) -> torch.Tensor:
         model, positions = self.model, self.state.positions()
         model._route_by("layers.", ids)
-        x = model.position.embed(model.embed_tokens(ids), positions)
-        for layer, cache in zip(model.layers, self.caches):
-            x = layer(x, model.position, positions, cache)
-        return x
+        return model.run_layers(model.position.embed(model.embed_tokens(ids), positions), positions, self.caches)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.model._head(self.model.norm(hidden)).float()

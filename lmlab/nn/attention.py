@@ -95,6 +95,8 @@ class MultiHeadAttention(nn.Module):
         self.v_proj = nn.Linear(d_model, self.n_kv_heads * self.head_dim, bias=False)
         self.o_proj = nn.Linear(self.n_heads * self.head_dim, d_model, bias=False)
         self.kernel = None  # a fused causal attention(q, k, v, causal, scale) from `kernels=`; None: SDPA
+        self.kv_source: MultiHeadAttention | None = None  # CLA: the layer whose keys and values this one reads
+        self.shares_kv = False  # CLA: later layers read this layer's keys and values (`shared_kv`)
         if cfg.qk_norm:
             self.q_norm = NORMS.build("rmsnorm", self.head_dim)
             self.k_norm = NORMS.build("rmsnorm", self.head_dim)
@@ -114,7 +116,21 @@ class MultiHeadAttention(nn.Module):
         return 12 * self.n_heads * self.head_dim * keys
 
     def kv_cache_elements_per_token(self) -> int:
-        return 2 * self.n_kv_heads * self.head_dim
+        return 0 if self.kv_source is not None else 2 * self.n_kv_heads * self.head_dim
+
+    def share_kv_with(self, source: MultiHeadAttention) -> None:
+        """Cross-layer attention (CLA, Brandon et al. 2024): attend over `source`'s keys and values (normed and
+        rotated) instead of projecting this layer's own, so the pair caches one K/V. Its K/V projections go."""
+        mine, theirs = (self.n_kv_heads, self.head_dim, self.window), (
+            getattr(source, "n_kv_heads", None), getattr(source, "head_dim", None), getattr(source, "window", None))
+        if not isinstance(source, MultiHeadAttention) or source.kv_source is not None or mine != theirs:
+            raise ConfigError(f"model.kv_share: a layer can reuse the keys and values of an earlier mha layer with the "
+                              f"same (n_kv_heads, head_dim, window) = {mine}; its group's first layer is "
+                              f"{type(source).__name__} with {theirs}")
+        del self.k_proj, self.v_proj, self.k_norm
+        self.fusable_projections = ("q_proj",)
+        self.__dict__["kv_source"] = source  # a plain reference, not a submodule: the parameters stay the source's
+        source.shares_kv = True
 
     def use_kernels(self, ops) -> str | None:
         """Take the fused attention where it computes what this layer needs; else say why not."""
@@ -141,12 +157,17 @@ class MultiHeadAttention(nn.Module):
         """Queries (b, n_heads, s, d), keys and values (b, n_kv_heads, s, d), normed and rotated; a KV cache
         (generation) stores the keys and values."""
         fused = fused_outputs(self, x)  # one matmul for q, k and v where an inference engine fused them
-        q, k, v = (fused[name] if fused else getattr(self, name)(x) for name in self.fusable_projections)
+        q, *kv = (fused[name] if fused else getattr(self, name)(x) for name in self.fusable_projections)
         # heads counted from head_dim: under tensor parallelism a rank holds only some of them
         q = self.q_norm(rearrange(q, "b s (h d) -> b h s d", d=self.head_dim))
-        k = self.k_norm(rearrange(k, "b s (h d) -> b h s d", d=self.head_dim))
-        v = rearrange(v, "b s (h d) -> b h s d", d=self.head_dim)
+        if self.kv_source is not None:  # CLA: the group's first layer ran just before, on the same tokens
+            k, v = self.kv_source.shared_kv
+            return position.rotate(q, k[:, :0], positions)[0], k, v  # (no keys of its own to rotate)
+        k = self.k_norm(rearrange(kv[0], "b s (h d) -> b h s d", d=self.head_dim))
+        v = rearrange(kv[1], "b s (h d) -> b h s d", d=self.head_dim)
         q, k = position.rotate(q, k, positions)
+        if self.shares_kv:
+            self.shared_kv = (k, v)
         return q, k, v
 
     def forward(self, x: torch.Tensor, position: PositionEncoding, positions: torch.Tensor) -> torch.Tensor:

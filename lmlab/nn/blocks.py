@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from lmlab.nn.attention import ATTENTION
+from lmlab.nn.hybrid import layer_attention
 from lmlab.nn.moe.layer import build_mlp
 from lmlab.nn.norms import NORMS
 from lmlab.nn.positions import PositionEncoding
@@ -39,7 +40,7 @@ class Block(nn.Module):
         super().__init__()
         d = model_cfg.d_model
         # Attention, FFN, then norms: the Hugging Face Llama order of a layer's parameters.
-        self.self_attn = ATTENTION.build(model_cfg.attention, d, layer_idx=layer_idx)
+        self.self_attn = ATTENTION.build(layer_attention(model_cfg, layer_idx), d, layer_idx=layer_idx)
         self.mlp = build_mlp(model_cfg, layer_idx)  # an FFN, or an MoE layer where model.moe says
         for name in self.norm_names:
             setattr(self, name, NORMS.build(model_cfg.norm, d))

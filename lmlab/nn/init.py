@@ -21,8 +21,8 @@ from lmlab.registry import Registry
 
 INITS = Registry("init", group="model/init", doc="weight initialisation (and muP's width multipliers)")
 
-# Projections that write into the residual stream (dense and expert FFNs, attention).
-RESIDUAL_OUTPUTS = ("o_proj.weight", "down_proj.weight", "experts.down_proj")
+# Projections that write into the residual stream (dense and expert FFNs, attention, Mamba-2's out_proj).
+RESIDUAL_OUTPUTS = ("o_proj.weight", "down_proj.weight", "experts.down_proj", "out_proj.weight")
 
 
 class Matrix(NamedTuple):
@@ -78,9 +78,9 @@ class GPT2Init:
 
 
 def _depth_scale(model: nn.Module, matrix: Matrix) -> float:
-    """1/sqrt(2 n_layers) for a projection that writes into the residual stream, else 1: each layer adds two
+    """1/sqrt(2 n_layers loops) for a projection that writes into the residual stream, else 1: each layer adds two
     residual branches, and shrinking their outputs keeps the stream's variance from growing with depth."""
-    return 1 / math.sqrt(2 * len(model.layers)) if matrix.name.endswith(RESIDUAL_OUTPUTS) else 1.0
+    return 1 / math.sqrt(2 * model.effective_depth) if matrix.name.endswith(RESIDUAL_OUTPUTS) else 1.0
 
 
 @INITS.register("mup")

@@ -21,6 +21,7 @@ from lmlab.checks import at_least
 from lmlab.errors import ConfigError
 from lmlab.nn.attention import ATTENTION
 from lmlab.nn.blocks import BLOCKS
+from lmlab.nn.hybrid import check_layer_pattern
 from lmlab.nn.init import INITS
 from lmlab.nn.moe import MoELayer
 from lmlab.nn.mtp import MTPConfig, MTPModule, check_mtp
@@ -46,6 +47,12 @@ class ModelConfig:
     block: Any = MISSING
     moe: Any = None  # an entry of model/moe turns FFNs into mixtures of experts; None: dense
     mtp: MTPConfig = field(default_factory=MTPConfig)
+    # Hybrids: an attention entry per layer, repeated to n_layers, e.g. [mamba2, mamba2, mamba2, mha] (lmlab.nn.hybrid)
+    layer_pattern: list[str] | None = None
+    mixers: dict[str, Any] = field(default_factory=dict)  # fields of the pattern's entries other than `attention`'s
+    kv_share: int = 1  # cross-layer attention (CLA): groups of this many adjacent layers share one K/V and its cache
+    loops: int = 1  # looped depth: the layer stack runs this many times with the same weights
+    loop_inject: bool = False  # looped depth: add the embeddings into the residual stream again before each loop
 
 
 @dataclass
@@ -66,7 +73,10 @@ class Transformer(nn.Module):
 
     def __init__(self, cfg: ModelConfig, vocab_size: int):
         super().__init__()
-        at_least("model", cfg, 1, "d_model", "n_layers", "max_seq_len", "vocab_size")
+        at_least("model", cfg, 1, "d_model", "n_layers", "max_seq_len", "vocab_size", "kv_share", "loops")
+        check_layer_pattern(cfg)
+        if cfg.loops > 1 and cfg.moe is not None:
+            raise ConfigError("model.loops > 1 with model.moe: the routers' auxiliary losses would see only the last loop")
         if cfg.logit_softcap is not None and not cfg.logit_softcap > 0:
             raise ConfigError(f"model.logit_softcap must be > 0 (or null), got {cfg.logit_softcap}")
         if cfg.vocab_size is not None and cfg.vocab_size < vocab_size:
@@ -79,6 +89,9 @@ class Transformer(nn.Module):
         self.embed_tokens = nn.Embedding(self.vocab_size, cfg.d_model)
         self.position = POSITIONS.build(cfg.position, cfg.max_seq_len, cfg.d_model, head_dim, n_heads)
         self.layers = nn.ModuleList(BLOCKS.build(cfg.block, cfg, layer_idx=i) for i in range(cfg.n_layers))
+        self.loops, self.loop_inject = cfg.loops, cfg.loop_inject
+        if cfg.kv_share > 1:
+            self._share_kv(cfg.kv_share)
         self.norm = NORMS.build(cfg.norm, cfg.d_model) if self.layers[0].final_norm else nn.Identity()
         check_mtp(cfg.mtp)
         self.mtp_layers = nn.ModuleList(MTPModule(cfg, layer_idx=cfg.n_layers + d) for d in range(cfg.mtp.depth))
@@ -91,6 +104,8 @@ class Transformer(nn.Module):
                 module.bind_vocab(self.vocab_size)
         # Found once: the forward pass and logging visit the MoE layers every step.
         self._moe_names = [name for name, m in self.named_modules() if isinstance(m, MoELayer)]
+        # Parts with auxiliary losses (MoE routers, sparse attention's indexer): `losses` and `loss_weights`
+        self._loss_modules = [m for m in self.modules() if hasattr(m, "losses") and hasattr(m, "loss_weights")]
         self._routes_by_token = any(not moe.router.learned for _, moe in self._moe_layers())
         self.lm_head = nn.Linear(cfg.d_model, self.vocab_size, bias=False)
         self.logit_softcap = cfg.logit_softcap
@@ -103,6 +118,36 @@ class Transformer(nn.Module):
     def blocks(self) -> list[nn.Module]:
         """The residual blocks: the layers, then each MTP module's block."""
         return [*self.layers, *(m.layer for m in self.mtp_layers)]
+
+    @property
+    def effective_depth(self) -> int:
+        """Layers a token passes through: n_layers * loops."""
+        return len(self.layers) * self.loops
+
+    def applied_layers(self) -> list[nn.Module]:
+        """The layers in the order the forward applies them (each loop again): one KV cache each."""
+        return [layer for _ in range(self.loops) for layer in self.layers]
+
+    def run_layers(self, x: torch.Tensor, positions: torch.Tensor, caches=None) -> torch.Tensor:
+        """The embedded tokens through the layer stack, `loops` times; `caches`: one per applied layer."""
+        caches = iter(caches if caches is not None else [None] * self.effective_depth)
+        embedded = x
+        for loop in range(self.loops):
+            if loop and self.loop_inject:
+                x = x + embedded
+            for layer in self.layers:
+                x = layer(x, self.position, positions, next(caches))
+        return x
+
+    def _share_kv(self, every: int) -> None:
+        """CLA: each layer reads the keys and values of its group's first layer (groups of `every`)."""
+        for i, block in enumerate(self.layers):
+            if i % every:
+                share = getattr(block.self_attn, "share_kv_with", None)
+                if share is None:
+                    raise ConfigError(f"model.kv_share={every}: layer {i}'s {type(block.self_attn).__name__} cannot read "
+                                      "another layer's keys and values (model/attention=mha can)")
+                share(self.layers[i - i % every].self_attn)
 
     def _moe_layers(self, prefix: str = "") -> Iterator[tuple[str, MoELayer]]:
         """(layer name, MoE layer) of the MoE layers whose module names start with `prefix`."""
@@ -127,14 +172,16 @@ class Transformer(nn.Module):
         score and value products (see `score_flops_per_token`). Embedding lookups, norms and
         activations are not counted (the PaLM appendix's convention)."""
         linear = sum(m.weight.numel() for m in self.modules() if isinstance(m, nn.Linear))
+        looped = (self.loops - 1) * sum(m.weight.numel() for m in self.layers.modules() if isinstance(m, nn.Linear))
         experts = sum(moe.router.k * moe.experts.params_per_expert() for _, moe in self._moe_layers())
         head_reuse = len(self.mtp_layers) * self.lm_head.weight.numel()
-        attention = sum(block.self_attn.score_flops_per_token(seq_len) for block in self.blocks())
-        return 6 * (linear + experts + head_reuse) + attention
+        applied = [*self.applied_layers(), *(m.layer for m in self.mtp_layers)]
+        attention = sum(block.self_attn.score_flops_per_token(seq_len) for block in applied)
+        return 6 * (linear + looped + experts + head_reuse) + attention
 
     def kv_cache_bytes_per_token(self, bytes_per_element: int = 2) -> int:
         """Bytes of keys and values cached per generated token, over all layers (bf16 by default)."""
-        return bytes_per_element * sum(layer.self_attn.kv_cache_elements_per_token() for layer in self.layers)
+        return bytes_per_element * sum(layer.self_attn.kv_cache_elements_per_token() for layer in self.applied_layers())
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         """Logits of the next token (the main head only: MTP modules are not run). `positions` (batch, seq)
@@ -173,9 +220,7 @@ class Transformer(nn.Module):
                              f"documents, with seq = {seq_len}")
         self._route_by("layers.", input_ids)
         x = self.position.embed(self.embed_tokens(input_ids), positions)
-        for layer in self.layers:
-            x = layer(x, self.position, positions)
-        return x, positions
+        return self.run_layers(x, positions), positions
 
     def _check_documents(self, input_ids: torch.Tensor, positions: torch.Tensor) -> None:
         if positions.shape != input_ids.shape:
@@ -201,12 +246,12 @@ class Transformer(nn.Module):
                 moe.token_ids = token_ids
 
     def _aux_losses(self) -> dict[str, tuple[float, torch.Tensor]]:
-        """Each auxiliary loss averaged over the MoE layers, with its weight."""
+        """Each auxiliary loss averaged over the parts that give it (MoE layers, indexers), with its weight."""
         values, weights = defaultdict(list), {}
-        for _, moe in self._moe_layers():
-            for name, value in moe.losses.items():
+        for module in self._loss_modules:
+            for name, value in module.losses.items():
                 values[name].append(value)
-                weights[name] = moe.loss_weights[name]
+                weights[name] = module.loss_weights[name]
         return {name: (weights[name], torch.stack(v).mean()) for name, v in values.items()}
 
     def moe_stats(self) -> dict[str, torch.Tensor]:

@@ -6,6 +6,8 @@ Roles, decided by module type, shape and name (Hugging Face Llama names in lmlab
   bias       parameters named `bias`
   norm       every other 0-D or 1-D parameter: gains of norm layers and similar scales
   expert     MoE expert weights: under a module named `experts`, or stacks of matrices (3-D and up)
+  conv       filters of convolution modules (the short causal convolutions of Mamba-2 and Gated DeltaNet):
+             a few taps per channel, not a matrix for Muon to orthogonalise
   matrix     every other weight: attention and MLP projections, the MoE router
 
 A rule (`GroupRule`) names roles and sets, for them, the optimizer that steps them, a learning-rate
@@ -26,12 +28,12 @@ from lmlab.errors import ConfigError
 from lmlab.optim.composite import CompositeOptimizer
 from lmlab.registry import unknown_name_message
 
-ROLES = ("embedding", "head", "norm", "bias", "matrix", "expert")
+ROLES = ("embedding", "head", "norm", "bias", "matrix", "expert", "conv")
 
 
 @dataclass
 class GroupRule:
-    roles: list[str] = field(default_factory=list)  # some of: embedding, head, norm, bias, matrix, expert
+    roles: list[str] = field(default_factory=list)  # some of: embedding, head, norm, bias, matrix, expert, conv
     optimizer: str | None = None  # None: the entry's own optimizer (muon's rules may also say "adamw")
     lr_mult: float = 1.0  # times the optimizer's learning rate
     weight_decay: float | None = None  # None: the entry's weight_decay
@@ -43,7 +45,7 @@ class GroupRule:
 
 def decay_matrices() -> list[GroupRule]:
     """Default rules: weight decay on every matrix (embeddings and head included), none on gains and biases."""
-    return [GroupRule(roles=["embedding", "head", "matrix", "expert"]),
+    return [GroupRule(roles=["embedding", "head", "matrix", "expert", "conv"]),
             GroupRule(roles=["norm", "bias"], weight_decay=0.0)]
 
 
@@ -52,6 +54,7 @@ def parameter_roles(model: nn.Module) -> dict[str, tuple[str, nn.Parameter]]:
     embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
     heads = {id(m.weight) for name, m in model.named_modules()
              if name.rsplit(".", 1)[-1] == "lm_head" and isinstance(getattr(m, "weight", None), nn.Parameter)}
+    convs = {id(m.weight) for m in model.modules() if isinstance(m, nn.modules.conv._ConvNd)}
     roles = {}
     for name, p in model.named_parameters():
         if not p.requires_grad:
@@ -64,6 +67,8 @@ def parameter_roles(model: nn.Module) -> dict[str, tuple[str, nn.Parameter]]:
             role = "bias"
         elif p.dim() < 2:
             role = "norm"
+        elif id(p) in convs:
+            role = "conv"
         elif "experts" in name.split(".") or p.dim() > 2:
             role = "expert"
         else:

@@ -108,7 +108,7 @@ def adafactor(model: nn.Module, cfg: AdafactorConfig) -> torch.optim.Optimizer:
 
 def muon_rules() -> list[GroupRule]:
     return [GroupRule(roles=["matrix", "expert"], optimizer="muon"),
-            GroupRule(roles=["embedding", "head"], optimizer="adamw"),
+            GroupRule(roles=["embedding", "head", "conv"], optimizer="adamw"),
             GroupRule(roles=["norm", "bias"], optimizer="adamw", weight_decay=0.0)]
 
 

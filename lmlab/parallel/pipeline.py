@@ -67,6 +67,10 @@ def problems(model: nn.Module, n_stages: int) -> list[str]:
         found.append("model.mtp.depth > 0: multi-token prediction modules are not staged")
     if getattr(model, "_moe_names", None):
         found.append("MoE layers: their auxiliary losses do not travel between stages")
+    if getattr(model, "loops", 1) > 1:
+        found.append("model.loops > 1: a looped stack would run through every stage again")
+    if any(getattr(layer.self_attn, "kv_source", None) is not None for layer in model.layers):
+        found.append("model.kv_share > 1: a layer reads an earlier layer's keys and values, which may sit on another stage")
     return found
 
 

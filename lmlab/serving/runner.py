@@ -22,6 +22,7 @@ from lmlab.kernels.registry import optional_triton_kernel
 from lmlab.nn.fused import fuse_projections
 from lmlab.nn.transformer import Transformer
 from lmlab.serving.blocks import NULL_BLOCK, BlockTable
+from lmlab.serving import sparse_paged_cache  # noqa: F401 - its cache registers on import
 from lmlab.serving.paged_cache import PagedBatch, paged_factory_for
 
 log = logging.getLogger(__name__)
@@ -58,7 +59,8 @@ class PagedRunner:
                                     self.device, attention_kernel, "lmlab.kernels.paged_decode_attention_triton",
                                     "paged_decode_attention"))
         self.caches = [paged_factory_for(layer.self_attn)(layer.self_attn, self.batch, num_blocks, block_size,
-                                                          self.device, self.dtype) for layer in model.layers]
+                                                          self.device, self.dtype)
+                       for layer in model.applied_layers()]
         on_cuda = self.device.type == "cuda"
         self.cuda_graphs = on_cuda if cuda_graphs is None else cuda_graphs and on_cuda
         self._graphs: dict[int, _DecodeGraph] = {}
@@ -117,9 +119,7 @@ class PagedRunner:
     def logits(self, ids: torch.Tensor, positions: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
         model = self.model
         model._route_by("layers.", ids)
-        x = model.position.embed(model.embed_tokens(ids), positions)
-        for layer, cache in zip(model.layers, self.caches):
-            x = layer(x, model.position, positions, cache)
+        x = model.run_layers(model.position.embed(model.embed_tokens(ids), positions), positions, self.caches)
         x = x[torch.arange(x.shape[0], device=x.device), last]
         return model._head(model.norm(x)).float()
 

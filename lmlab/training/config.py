@@ -62,6 +62,7 @@ class TrainConfig:
     loss: Any = MISSING
     parallel: Any = MISSING
     kernels: Any = MISSING
+    qat: Any = MISSING  # quantization-aware training: none, int8, int4
     logger: Any = MISSING
     task: Any = MISSING  # pretrain, or a post-training stage from init_from (sft, dpo, reward_model, grpo, ppo)
     rl_loss: Any = MISSING  # the policy-gradient loss of task=grpo/ppo

@@ -17,6 +17,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim.lr_scheduler import LambdaLR
 
 from lmlab.errors import ConfigError
+from lmlab.inference.quant.qat import QATS
 from lmlab.kernels.registry import KERNELS, install_kernels
 from lmlab.nn.transformer import Transformer
 from lmlab.optim import OPTIMIZERS, SCHEDULERS, describe_groups
@@ -68,6 +69,7 @@ class LanguageModelTask(L.LightningModule):
         self.cfg = cfg
         self.tokenizer = tokenizer  # saved in every checkpoint: the weights mean nothing without its ids
         self.model = Transformer(cfg.model, tokenizer.vocab_size)
+        QATS.build(cfg.qat).install(self.model)  # qat=int8/int4: Linears train fake-quantised; none: unchanged
         self.loss_fn = LOSSES.build(cfg.loss)
         self.kernel_ops = KERNELS.build(cfg.kernels)
         for note in install_kernels(self.kernel_ops, self.model, self.loss_fn):

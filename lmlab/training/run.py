@@ -18,6 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from lmlab.data import SOURCES, LMDataModule
 from lmlab.errors import ConfigError
+from lmlab.inference.quant.qat import QATS
 from lmlab.kernels.registry import KERNELS, install_kernels
 from lmlab.nn.transformer import Transformer
 from lmlab.optim import OPTIMIZERS, SCHEDULERS
@@ -98,6 +99,7 @@ def preflight(cfg: DictConfig):
         if hasattr(module, "check_context"):
             module.check_context(data_cfg.context_length)
     install_kernels(KERNELS.build(cfg.kernels), model, LOSSES.build(cfg.loss))  # e.g. an unsupported head dim
+    QATS.build(cfg.qat).install(model)  # e.g. a qat.group_size that does not divide a Linear's inputs
     step_guard_for(cfg)
     try:  # optimizer arguments and group rules on the (meta) model itself, and the schedule
         OPTIMIZERS.build(cfg.optim, model)

@@ -43,6 +43,7 @@ def test_kv_bytes_shrink_from_mha_to_mqa_and_linear_is_constant(ckpt):
     per_token = {kind: row["bytes_per_token"] for kind, row in table.items()}
     assert per_token["mqa"] < per_token["mha"]
     assert per_token["linear"] == table["linear"]["bytes_at_length"] / 512
+    assert per_token["cla (kv_share=2, mha)"] == per_token["mha"] / 2
 
 
 def test_quantized_perplexity_is_measured_on_the_validation_split(ckpt):

@@ -1,7 +1,7 @@
 """Cached generation computes what a full forward pass computes, for every entry of the attention,
 position, block and router registries (a new entry is tested without editing this file), for the
 attention variants (GQA, MQA, sliding windows, local/global, QK-norm, soft-capping, MLA's query
-latent) and for MTP models: prefill in chunks, then one token at a time, logits equal in fp32."""
+latent), for hybrid patterns, cross-layer K/V sharing and looped depth, and for MTP models: prefill in chunks, then one token at a time, logits equal in fp32."""
 
 import pytest
 import torch
@@ -85,6 +85,20 @@ def test_every_causal_router_caches_exactly(router):
 def test_non_causal_router_is_refused(router):
     with pytest.raises(ConfigError, match="cannot generate"):
         Engine(_model(moe={"name": router, "n_experts": 4, "k": 2}))
+
+
+STACK_VARIANTS = {
+    "cla": dict(kv_share=3),  # layers 1 and 2 read layer 0's keys and values
+    "cla_sliding_window": dict(kv_share=3, attention=ATTENTION_VARIANTS["sliding_window"]),
+    "looped": dict(loops=2, loop_inject=True),
+    "hybrid_of_every_entry": dict(layer_pattern=ATTENTION.names(), n_layers=len(ATTENTION.names()),
+                                  mixers={"mla": {"qk_rope_head_dim": 8}}),  # RoPE sized for mha's head_dim
+}
+
+
+@pytest.mark.parametrize("variant", sorted(STACK_VARIANTS))
+def test_every_stack_variant_caches_exactly(variant):
+    _assert_cached_equals_full(_model(**STACK_VARIANTS[variant]))
 
 
 def test_mtp_model_decodes_with_its_main_head():
