@@ -6,7 +6,7 @@ with `quant=int4` (round-to-nearest, and GPTQ calibrated on the training split),
 the head, and reports the validation loss (ln perplexity over evenly spaced windows of the
 validation split, as `lmlab bench generate --ckpt` measures it) of each, and the run's own last
 validation loss (a QAT run's is that of its fake-quantised forward). QAT and PTQ share the group
-size (128, both entries' default). Runs already in OUT are reused.
+size (128, both entries' default). Runs in OUT continue where they stopped (finished ones are kept).
 
     python experiments/architecture-ablations-2/qat.py [--steps 200] [--out outputs/qat] [OVERRIDE ...]
 
@@ -42,13 +42,11 @@ PTQ = {f"int4{head} {method}": {"name": "int4", "method": method, "quantize_head
 
 
 def trained(name: str, overrides: list[str], out: Path, steps: int) -> Path:
-    """The last checkpoint of run `name` in `out`, trained first unless it is there."""
+    """The last checkpoint of run `name` in `out`: trained, or continued where an earlier launch stopped."""
     folder = out / name.replace("=", "-").replace(" +", "-")
-    ckpt = folder / "checkpoints" / "last.ckpt"
-    if not ckpt.is_file():
-        train(compose_config([f"cache_dir={out / 'cache'}", *overrides, f"trainer.max_steps={steps}",
-                              f"trainer.val_every={steps}"]), folder)  # an override may share a token cache
-    return ckpt
+    train(compose_config([f"cache_dir={out / 'cache'}", *overrides, f"trainer.max_steps={steps}",  # an override
+                          f"trainer.val_every={steps}", "ckpt_path=auto"]), folder)  # may share a token cache
+    return folder / "checkpoints" / "last.ckpt"
 
 
 def val_losses(ckpt: Path) -> dict[str, float]:

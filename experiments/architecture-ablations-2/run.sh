@@ -23,7 +23,7 @@ for part in $PARTS; do
 done
 if [ "${SMALL:-0}" = 1 ]; then
     MB=${MB:-2}; VOCAB=${VOCAB:-512}; CONTEXT=${CONTEXT:-64}; BATCH=${BATCH:-8}; STEPS=${STEPS:-20}
-    SIZE=${SIZE:-"model.d_model=64 model.n_layers=4"}; BENCH=${BENCH:-"--batch 1 --prompt 16 --new 16"}
+    SIZE=${SIZE:-"model.d_model=128 model.n_layers=4"}; BENCH=${BENCH:-"--batch 1 --prompt 16 --new 16"}
 fi
 MB=${MB:-120}; VOCAB=${VOCAB:-4096}; CONTEXT=${CONTEXT:-512}; BATCH=${BATCH:-32}; STEPS=${STEPS:-2000}
 PARALLEL=${PARALLEL:-7}; LR=${LR:-2e-3}
@@ -40,6 +40,8 @@ TRAIN="trainer.max_steps=$STEPS trainer.val_every=$((STEPS / 10)) optim.lr=$LR s
 GQA="model.attention.n_heads=8 model.attention.n_kv_heads=2"
 MAMBA="model.attention.n_heads=8 model.attention.expand=1 model.attention.d_state=64 model.attention.chunk_size=64"
 mkdir -p "$D/runs" "$D/bench"
+# SIGTERM (a time limit) reaches the runs, which save a checkpoint to continue from; so work runs in the background
+trap 'kill -TERM $(jobs -p) 2>/dev/null; wait; exit 143' TERM
 cat > "$D/variants.txt" <<EOF
 gqa|$GQA
 mamba2|model/attention=mamba2 $MAMBA
@@ -68,7 +70,9 @@ for part in $PARTS; do
             done < <(variants)
             wait ;;
         qat)
-            python "$HERE/qat.py" --steps "$STEPS" --out "$D/qat" $DATA $TRAIN $GQA 2>&1 | tail -n 6 ;;
+            python "$HERE/qat.py" --steps "$STEPS" --out "$D/qat" $DATA $TRAIN $GQA > "$D/qat.txt" 2>&1 &
+            wait $! || echo "qat failed (see $D/qat.txt)" >&2
+            tail -n 6 "$D/qat.txt" ;;
         bench)
             while IFS='|' read -r name overrides; do
                 echo "-- $name" >&2

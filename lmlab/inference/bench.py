@@ -151,7 +151,9 @@ def kv_bytes_by_attention(cfg, vocab: int, length: int = 4096) -> dict[str, dict
              "gated_deltanet": {"attention": {"name": "gated_deltanet", "n_heads": heads}}}
     if cfg.model.n_layers % 4 == 0:  # the pattern must tile the layers
         kinds[f"hybrid 3:1 mamba2:gqa {groups}"] = {"attention": gqa, "layer_pattern": ["mamba2"] * 3 + ["mha"]}
-    base = OmegaConf.to_container(cfg.model, resolve=True)
+    # the plain stack of the model's width and depth: each kind sets its own pattern or sharing
+    base = {**OmegaConf.to_container(cfg.model, resolve=True), "layer_pattern": None, "mixers": {}, "kv_share": 1,
+            "loops": 1}
     table = {}
     for kind, fields in kinds.items():
         with torch.device("meta"):
