@@ -79,5 +79,6 @@ def evenly_spaced_windows(tokens: np.ndarray, count: int, context_length: int) -
     if last_start < 0:
         raise ValueError(f"{len(tokens)} tokens cannot hold a window of context_length={context_length} plus one target")
     count = min(count, last_start // context_length + 1)
-    starts = torch.linspace(0, last_start, count).long()
+    # integer steps: float32 linspace rounds starts past 2^24 tokens, up to beyond the last one
+    starts = torch.arange(count) * last_start // max(count - 1, 1)
     return _windows(tokens, starts, context_length, "cpu")

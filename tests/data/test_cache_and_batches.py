@@ -3,6 +3,7 @@ import pytest
 import torch
 
 from lmlab.data import SOURCES, DataSourceError, RandomWindows, get_batch, load_or_build
+from lmlab.data.batches import evenly_spaced_windows
 from lmlab.data.cache import cache_key
 from lmlab.tokenizers import TOKENIZERS, ByteTokenizer
 
@@ -68,3 +69,11 @@ def test_random_windows_depend_only_on_seed_and_step():
     torch.testing.assert_close(resumed[0], batches[3][0])
     other = next(iter(RandomWindows(tokens, 2, 8, seed=4)))
     assert not torch.equal(other[0], batches[0][0])
+
+
+def test_evenly_spaced_windows_stay_inside_a_corpus_past_float32_precision():
+    """Starts past 2^24 tokens: the last window ends exactly at the last token (float32 steps overran it)."""
+    tokens = np.arange(38_745_888, dtype=np.uint32) % 50_000
+    inputs, targets = evenly_spaced_windows(tokens, 64, 512)
+    assert inputs.shape == (64, 512)
+    assert targets[-1, -1] == int(tokens[-1]) and inputs[0, 0] == int(tokens[0])
