@@ -94,6 +94,9 @@ def plots(rows: list[dict], out: Path) -> None:
     for r in rows:
         if r["val_curve"]:
             ax.plot(*zip(*r["val_curve"]), marker=".", label=r["name"])
+    curves = [[v for _, v in r["val_curve"]] for r in rows if len(r["val_curve"]) > 2]
+    if curves:  # from the second validation down: the first ones would flatten the differences that matter
+        ax.set_ylim(min(min(c) for c in curves) - 0.05, max(c[2] for c in curves) + 0.05)
     ax.set(xlabel="step", ylabel="val/loss", title="Validation loss at equal parameters (same data, steps, seed)")
     ax.legend()
     fig.tight_layout()
