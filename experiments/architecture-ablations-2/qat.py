@@ -1,7 +1,8 @@
 """Quantization-aware training against post-training int4 (a few minutes on a CPU by default).
 
-Trains the same small model (same seed, data and steps on lmlab-train's default corpus) three times:
-plain, with `qat=int4`, and with `qat=int4 qat.quantize_head=true`; then quantizes each checkpoint
+Trains the same small model (same seed, data and steps on lmlab-train's default corpus) four times:
+plain, with `qat=int4`, with `qat=int4 qat.quantize_head=true`, and with `qat=int4` from two thirds of
+the steps on (`qat.start_step`: QAT as a final phase); then quantizes each checkpoint
 with `quant=int4` (round-to-nearest, and GPTQ calibrated on the training split), without and with
 the head, and reports the validation loss (ln perplexity over evenly spaced windows of the
 validation split, as `lmlab bench generate --ckpt` measures it) of each, and the run's own last
@@ -36,7 +37,14 @@ from lmlab.training.module import METRICS_KEY
 # model=tiny's width (128, so group size 128 fits every Linear) with half its depth and a short context.
 SMALL = ["model.n_layers=2", "data.context_length=64", "data.batch_size=16", "trainer.val_batches=8",
          "trainer.progress_bar=false", "trainer.checkpoint_every=100000"]
-RUNS = {"float": [], "qat=int4": ["qat=int4"], "qat=int4 +head": ["qat=int4", "qat.quantize_head=true"]}
+
+
+def runs(steps: int) -> dict[str, list[str]]:
+    """The trainings compared: plain, QAT throughout (without and with the head), QAT in the last third only."""
+    return {"float": [], "qat=int4": ["qat=int4"], "qat=int4 +head": ["qat=int4", "qat.quantize_head=true"],
+            "qat=int4 last third": ["qat=int4", f"qat.start_step={2 * steps // 3}"]}
+
+
 PTQ = {f"int4{head} {method}": {"name": "int4", "method": method, "quantize_head": bool(head)}
        for head in ("", " +head") for method in ("rtn", "gptq")}
 
@@ -80,7 +88,8 @@ def main() -> None:
     args = parser.parse_args()
     load_catalog()
     common = [*SMALL, *args.overrides]
-    results = {name: val_losses(trained(name, [*common, *run], args.out, args.steps)) for name, run in RUNS.items()}
+    results = {name: val_losses(trained(name, [*common, *run], args.out, args.steps))
+               for name, run in runs(args.steps).items()}
     (args.out / "results.json").write_text(json.dumps({"steps": args.steps, "overrides": common, **results}, indent=2))
     print(table(results))
 

@@ -69,7 +69,8 @@ class LanguageModelTask(L.LightningModule):
         self.cfg = cfg
         self.tokenizer = tokenizer  # saved in every checkpoint: the weights mean nothing without its ids
         self.model = Transformer(cfg.model, tokenizer.vocab_size)
-        QATS.build(cfg.qat).install(self.model)  # qat=int8/int4: Linears train fake-quantised; none: unchanged
+        self.qat = QATS.build(cfg.qat)
+        self.qat.install(self.model)  # qat=int8/int4: Linears train fake-quantised; none: unchanged
         self.loss_fn = LOSSES.build(cfg.loss)
         self.kernel_ops = KERNELS.build(cfg.kernels)
         for note in install_kernels(self.kernel_ops, self.model, self.loss_fn):
@@ -94,6 +95,7 @@ class LanguageModelTask(L.LightningModule):
         return (*batch, None) if context_slice is None else context_slice(*batch)
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        self.qat.at_step(self.model, self.global_step)  # qat.start_step: full precision before it
         inputs, targets, positions = self._slice(batch)
         terms = training_terms(self.loss_fn, self.model.forward_train(inputs, positions), targets,
                                self.model.mtp_loss_weight)

@@ -61,6 +61,20 @@ def test_fake_quantised_forward_is_the_ptq_models_forward(qat, ptq, n_quantized)
         torch.testing.assert_close(model(tokens()), ptq_model(tokens()), rtol=1e-5, atol=1e-5)
 
 
+def test_qat_from_a_start_step_is_the_plain_model_before_it_and_fake_quantised_from_it():
+    plain, model = tiny_model(), tiny_model()
+    qat = QATS.build({**INT4_32, "start_step": 3})
+    qat.install(model)
+    quantized = tiny_model()
+    QATS.build(INT4_32).install(quantized)
+    with torch.no_grad():
+        for step, reference in ((0, plain), (2, plain), (3, quantized), (7, quantized)):
+            qat.at_step(model, step)
+            assert torch.equal(model(tokens()), reference(tokens())), step
+    with pytest.raises(ConfigError, match="qat.start_step must be >= 0"):
+        QATS.build({**INT4_32, "start_step": -1}).install(tiny_model())
+
+
 def test_weight_gradient_is_the_plain_models_gradient_at_the_quantized_weights():
     model = tiny_model()
     QATS.build(INT4_32).install(model)
@@ -114,5 +128,5 @@ def test_qat_int4_trains_and_its_checkpoint_loads_as_a_plain_model(make_cfg, tin
     assert len(fake_quantized(task.model)) == 14  # 2 layers x 7 Linears
     ckpt = train_tiny(tmp_path, 2, "qat=int4", "qat.group_size=32")
     model, _, config = load(ckpt)
-    assert config.qat == {"name": "int4", "group_size": 32, "quantize_head": False}
+    assert config.qat == {"name": "int4", "group_size": 32, "quantize_head": False, "start_step": 0}
     assert not fake_quantized(model) and type(model.layers[0].mlp.down_proj) is nn.Linear

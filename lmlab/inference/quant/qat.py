@@ -40,7 +40,7 @@ from torch import nn
 
 from lmlab.errors import ConfigError
 from lmlab.inference.quant.grid import INT4, INT8, Grid, round_to_nearest
-from lmlab.inference.quant.quantize import _targets
+from lmlab.inference.quant.quantize import quantize_targets
 from lmlab.inference.quant.registry import GROUP_SIZES
 from lmlab.nn.transformer import Transformer
 from lmlab.registry import Registry
@@ -60,13 +60,15 @@ def fake_quantize(weight: torch.Tensor, grid: Grid, group_size: int) -> torch.Te
 class FakeQuantLinear(nn.Linear):
     """nn.Linear that multiplies by its weight fake-quantised; it holds the replaced Linear's own parameters."""
 
-    def __init__(self, linear: nn.Linear, grid: Grid, group_size: int):
+    def __init__(self, linear: nn.Linear, grid: Grid, group_size: int, active: bool = True):
         super().__init__(linear.in_features, linear.out_features, bias=False, device="meta")
         self.weight, self.bias = linear.weight, linear.bias
         self.grid, self.group_size = grid, group_size
+        self.active = active  # False: a plain Linear (before qat.start_step)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, fake_quantize(self.weight, self.grid, self.group_size), self.bias)
+        weight = fake_quantize(self.weight, self.grid, self.group_size) if self.active else self.weight
+        return F.linear(x, weight, self.bias)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, qmin={self.grid.qmin}, qmax={self.grid.qmax}, group_size={self.group_size}"
@@ -85,12 +87,21 @@ class WeightQAT:
 
     def install(self, model: Transformer) -> int:
         """Make `model`'s targets FakeQuantLinears, in place; returns how many. Every check runs before any change."""
-        targets = _targets(model, self.cfg.quantize_head)
+        if self.cfg.start_step < 0:
+            raise ConfigError(f"qat.start_step must be >= 0, got {self.cfg.start_step}")
+        targets = quantize_targets(model, self.cfg.quantize_head)
         sizes = {name: self.group_size(name, linear) for name, linear in targets.items()}
         for name, linear in targets.items():
             parent, _, child = name.rpartition(".")
-            setattr(model.get_submodule(parent), child, FakeQuantLinear(linear, self.grid, sizes[name]))
+            setattr(model.get_submodule(parent), child,
+                    FakeQuantLinear(linear, self.grid, sizes[name], active=self.cfg.start_step == 0))
         return len(targets)
+
+    def at_step(self, model: nn.Module, step: int) -> None:
+        """Before training step `step`: fake-quantise from qat.start_step on (full precision before)."""
+        for module in model.modules():
+            if isinstance(module, FakeQuantLinear):
+                module.active = step >= self.cfg.start_step
 
 
 @QATS.register("none")
@@ -103,10 +114,14 @@ class NoQAT:
     def install(self, model: Transformer) -> int:
         return 0
 
+    def at_step(self, model: nn.Module, step: int) -> None:
+        pass
+
 
 @dataclass
 class Int8QATConfig:
     quantize_head: bool = True  # lm_head too; match the quant.quantize_head you will run (quant=int8: true)
+    start_step: int = 0  # full precision until this step, fake-quantised after it (QAT as a final phase)
 
 
 @QATS.register("int8", config=Int8QATConfig)
@@ -120,6 +135,7 @@ class Int8QAT(WeightQAT):
 class Int4QATConfig:
     group_size: int = 128  # 32, 64 or 128 input columns share a scale and zero: the quant.group_size you will run
     quantize_head: bool = False  # lm_head too; match the quant.quantize_head you will run (quant=int4: false)
+    start_step: int = 0  # full precision until this step, fake-quantised after it (QAT as a final phase)
 
 
 @QATS.register("int4", config=Int4QATConfig)

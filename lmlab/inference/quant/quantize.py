@@ -38,7 +38,7 @@ def quantize(model: Transformer, cfg: Any, calibration: Iterable[torch.Tensor] |
     """
     entry, config = QUANTS.resolve(cfg)
     quant = entry.target(cfg=config)
-    targets = _targets(model, quant.cfg.quantize_head)
+    targets = quantize_targets(model, quant.cfg.quantize_head)
     # Every check a user's choice can fail runs here, before the calibration pass.
     plan = {name: (quant.group_size(name, m), quant.kernel(name, m)) for name, m in targets.items()}
     hessians: dict[str, torch.Tensor] = {}
@@ -62,7 +62,7 @@ def quantize(model: Transformer, cfg: Any, calibration: Iterable[torch.Tensor] |
             "bytes_after": after}
 
 
-def _targets(model: Transformer, quantize_head: bool) -> dict[str, nn.Linear]:
+def quantize_targets(model: Transformer, quantize_head: bool) -> dict[str, nn.Linear]:
     """The Linears to quantize by module name (see `quantize`)."""
     gates = {id(moe.gate) for moe in model.modules() if isinstance(moe, MoELayer)}
     targets = {name: m for name, m in model.named_modules()
