@@ -8,6 +8,8 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+import torch.nn.functional as F
 from lmlab.catalog import load_catalog
 from lmlab.cli.compose import compose_config
 
@@ -51,6 +53,19 @@ def train_tiny(folder: Path, steps: int, *overrides: str) -> str:
     train(compose_config([*TINY, f"cache_dir={folder / 'cache'}", f"trainer.max_steps={steps}", "sched.warmup_steps=1",
                           f"trainer.val_every={steps}", *overrides]), folder)
     return str(folder / "checkpoints" / "last.ckpt")
+
+
+def next_token_losses(model, ids, steps: int, lr: float) -> list[float]:
+    """`steps` AdamW steps of next-token cross-entropy on `ids` (batch, seq): the loss before each step."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+    losses = []
+    for _ in range(steps):
+        loss = F.cross_entropy(model(ids[:, :-1]).flatten(0, 1), ids[:, 1:].flatten())
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return losses
 
 
 def run_cli(args: list[str], cwd: Path, env_extra: dict[str, str] | None = None) -> subprocess.CompletedProcess:

@@ -9,6 +9,7 @@ from lmlab.errors import ConfigError
 from lmlab.inference.engine import Engine
 from lmlab.nn import ATTENTION, POSITIONS, ModelConfig, Transformer
 from lmlab.nn.gated_deltanet import chunk_gated_delta_rule, l2_normalize, recurrent_gated_delta_rule
+from tests.conftest import next_token_losses
 
 D, H = 32, 4
 
@@ -114,14 +115,7 @@ def test_default_layer_in_a_model_names_and_sizes():
 def test_a_tiny_model_trains():
     m = model(chunk_size=8)
     ids = torch.randint(0, 64, (2, 17), generator=torch.Generator().manual_seed(0))
-    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
-    losses = []
-    for _ in range(8):
-        loss = torch.nn.functional.cross_entropy(m(ids[:, :-1]).flatten(0, 1), ids[:, 1:].flatten())
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
+    losses = next_token_losses(m, ids, steps=8, lr=1e-2)
     assert losses[-1] < 0.6 * losses[0]
 
 

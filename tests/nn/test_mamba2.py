@@ -9,6 +9,7 @@ from lmlab.errors import ConfigError
 from lmlab.inference.engine import Engine
 from lmlab.nn import ATTENTION, ModelConfig, Transformer
 from lmlab.nn.mamba2 import Mamba2, scan_recurrent, ssd_chunked
+from tests.conftest import next_token_losses
 
 D, VOCAB = 32, 64
 
@@ -85,14 +86,7 @@ def test_trains_in_a_transformer():
     assert {"in_proj.weight", "conv1d.weight", "conv1d.bias", "dt_bias", "A_log", "D", "norm.weight",
             "out_proj.weight"} == {n for n, _ in net.layers[0].self_attn.named_parameters()}
     ids = torch.randint(0, VOCAB, (4, 24), generator=torch.Generator().manual_seed(0))
-    opt = torch.optim.AdamW(net.parameters(), lr=3e-3)
-    losses = []
-    for _ in range(8):
-        loss = F.cross_entropy(net(ids[:, :-1]).flatten(0, 1), ids[:, 1:].flatten())
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
+    losses = next_token_losses(net, ids, steps=8, lr=3e-3)
     assert losses[-1] < losses[0] - 0.2, losses
 
 

@@ -15,6 +15,7 @@ from lmlab.nn import ModelConfig, Transformer
 from lmlab.nn.attention import MultiHeadAttention
 from lmlab.nn.linear_attention import LinearAttention
 from lmlab.registry import RegistryError
+from tests.conftest import next_token_losses
 
 VOCAB = 64
 
@@ -49,14 +50,7 @@ def test_pattern_model_trains_and_is_causal():
         a, b = model(ids), model(changed)
     torch.testing.assert_close(a[:, :6], b[:, :6])
     assert not torch.allclose(a[:, 6:], b[:, 6:])
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    losses = []
-    for _ in range(8):
-        loss = torch.nn.functional.cross_entropy(model(ids[:, :-1]).flatten(0, 1), ids[:, 1:].flatten())
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
+    losses = next_token_losses(model, ids, steps=8, lr=3e-3)
     assert losses[-1] < losses[0]
 
 

@@ -41,7 +41,7 @@ from torch import nn
 from lmlab.errors import ConfigError
 from lmlab.inference.quant.grid import INT4, INT8, Grid, round_to_nearest
 from lmlab.inference.quant.quantize import quantize_targets
-from lmlab.inference.quant.registry import GROUP_SIZES
+from lmlab.inference.quant.registry import check_group_size_choice, int4_group_size
 from lmlab.nn.transformer import Transformer
 from lmlab.registry import Registry
 
@@ -145,15 +145,8 @@ class Int4QAT(WeightQAT):
     grid = INT4
 
     def __init__(self, cfg: Int4QATConfig):
-        if cfg.group_size not in GROUP_SIZES:
-            raise ConfigError(f"qat.group_size must be one of {', '.join(map(str, GROUP_SIZES))} (the group sizes "
-                              f"quant=int4 runs), got {cfg.group_size}")
+        check_group_size_choice("qat", cfg.group_size, " (the group sizes quant=int4 runs)")
         super().__init__(cfg)
 
     def group_size(self, name: str, linear: nn.Linear) -> int:
-        k, size = linear.in_features, self.cfg.group_size
-        if k % size:
-            fits = [str(s) for s in GROUP_SIZES if k % s == 0]
-            fix = f"use qat.group_size={' or '.join(fits)}" if fits else "no group size fits it; use qat=int8"
-            raise ConfigError(f"{name} has in_features={k}, not a multiple of qat.group_size={size}; {fix}")
-        return size
+        return int4_group_size("qat", self.cfg.group_size, name, linear)

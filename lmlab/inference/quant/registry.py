@@ -34,6 +34,22 @@ METHODS = {"rtn": Method(round_to_nearest, calibrated=False), "gptq": Method(gpt
 GROUP_SIZES = (32, 64, 128)
 
 
+def check_group_size_choice(group: str, size: int, note: str = "") -> None:
+    """`{group}.group_size` must be one that the int4 kernels run."""
+    if size not in GROUP_SIZES:
+        raise ConfigError(f"{group}.group_size must be one of {', '.join(map(str, GROUP_SIZES))}{note}, got {size}")
+
+
+def int4_group_size(group: str, size: int, name: str, linear: nn.Linear) -> int:
+    """`size`, where it divides the Linear's input columns; else one error naming the sizes that do."""
+    k = linear.in_features
+    if k % size:
+        fits = [str(s) for s in GROUP_SIZES if k % s == 0]
+        fix = f"use {group}.group_size={' or '.join(fits)}" if fits else f"no group size fits it; use {group}=int8"
+        raise ConfigError(f"{name} has in_features={k}, not a multiple of {group}.group_size={size}; {fix}")
+    return size
+
+
 class WeightQuant(ABC):
     """What the entries share: config checks, and the module made from a weight's codes."""
 
@@ -104,17 +120,11 @@ class Int4Quant(WeightQuant):
     grid, module = INT4, Int4Linear
 
     def __init__(self, cfg: Int4Config):
-        if cfg.group_size not in GROUP_SIZES:
-            raise ConfigError(f"quant.group_size must be one of {', '.join(map(str, GROUP_SIZES))}, got {cfg.group_size}")
+        check_group_size_choice("quant", cfg.group_size)
         super().__init__(cfg)
 
     def group_size(self, name: str, linear: nn.Linear) -> int:
-        k, size = linear.in_features, self.cfg.group_size
-        if k % size:
-            fits = [str(s) for s in GROUP_SIZES if k % s == 0]
-            fix = f"use quant.group_size={' or '.join(fits)}" if fits else "no group size fits it; use quant=int8"
-            raise ConfigError(f"{name} has in_features={k}, not a multiple of quant.group_size={size}; {fix}")
-        return size
+        return int4_group_size("quant", self.cfg.group_size, name, linear)
 
     def build(self, codes, scale, zero, linear: nn.Linear, kernel: str) -> QuantLinear:
         return Int4Linear(codes, scale, zero, self.cfg.group_size, linear.bias, kernel)
