@@ -19,6 +19,7 @@ from lmlab.kernels.flash_reference import FlashAttentionReference, flash_attenti
 _TRITON = {
     "FlashAttentionTriton": "flash_triton", "flash_attention_triton": "flash_triton",
     "FusedRMSNorm": "rmsnorm_triton", "rms_norm_triton": "rmsnorm_triton",
+    "FusedAddRMSNorm": "rmsnorm_triton", "add_rms_norm_triton": "rmsnorm_triton",
     "FusedSwiGLU": "swiglu_triton", "swiglu_triton": "swiglu_triton",
     "FusedCrossEntropy": "cross_entropy_triton", "cross_entropy_triton": "cross_entropy_triton",
     "decode_attention": "decode_attention_triton",

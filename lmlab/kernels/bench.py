@@ -1,6 +1,6 @@
 """`lmlab bench kernels`: each Triton kernel against its references, with a roofline verdict.
 
-    lmlab bench kernels [--only rms_norm,attention] [--repeats 30] [--json kernels.json]
+    lmlab bench kernels [--only rms_norm,attention] [--repeats 30] [--graphs] [--json kernels.json]
 
 For every case (an operation at a fixed shape, bf16) the forward pass and forward+backward are
 timed for the Triton kernel, the plain-PyTorch reference, the reference under torch.compile, and
@@ -11,7 +11,9 @@ GB/s over the ideal traffic (every input read once, every output written once), 
 intensity (FLOP per byte of that traffic) and, against the detected GPU's bf16 peak and memory
 bandwidth, whether the operation is memory- or compute-bound and what fraction of its roofline
 the run attains. Speed-ups are against the case's baseline: F.rms_norm for RMSNorm, SDPA for
-attention, the eager reference otherwise.
+attention, the eager reference otherwise. On a GPU the run also times a device-to-device copy and
+reports each row's traffic as a fraction of that measured bandwidth (`of copy`). `--graphs` replays
+each call from a CUDA graph, so no Python or launch time can reach the timed span.
 
 Without CUDA the Triton rows are skipped, the references run on the CPU at small sizes and no
 roofline is drawn (the peaks are unknown).
@@ -34,7 +36,7 @@ import torch.nn.functional as F
 from lmlab.kernels.flash_reference import FlashAttentionReference
 from lmlab.kernels.registry import triton_unavailable
 from lmlab.nn.ffn import swiglu
-from lmlab.nn.norms import rms_norm
+from lmlab.nn.norms import add_rms_norm, rms_norm
 from lmlab.timing import median_time
 from lmlab.training.hardware import peak_bandwidth, peak_flops
 from lmlab.training.losses import cross_entropy
@@ -49,7 +51,7 @@ class Case:
     op: str
     shape: str
     inputs: Callable[[], list[torch.Tensor]]  # fresh leaf tensors, floating ones requiring grad
-    impls: dict[str, Callable[..., torch.Tensor]]  # name -> fn(*inputs) -> one tensor to differentiate
+    impls: dict[str, Callable[..., torch.Tensor | tuple[torch.Tensor, ...]]]  # name -> fn(*inputs) -> output(s)
     baseline: str
     flops: tuple[float, float]  # forward, backward
     bytes: tuple[float, float]  # forward, backward (ideal traffic)
@@ -65,10 +67,11 @@ def _triton_impls() -> dict[str, Callable]:
         return {}
     from lmlab.kernels.cross_entropy_triton import cross_entropy_triton
     from lmlab.kernels.flash_triton import FlashAttentionTriton
-    from lmlab.kernels.rmsnorm_triton import rms_norm_triton
+    from lmlab.kernels.rmsnorm_triton import add_rms_norm_triton, rms_norm_triton
     from lmlab.kernels.swiglu_triton import swiglu_triton
 
     return {"rms_norm": lambda x, w: rms_norm_triton(x, w, 1e-6),
+            "add_rms_norm": lambda x, r, w: add_rms_norm_triton(x, r, w, 1e-6),
             "attention": lambda q, k, v: FlashAttentionTriton.apply(q, k, v, True),
             "swiglu": swiglu_triton,
             "cross_entropy": lambda logits, t: cross_entropy_triton(logits, t)[0]}
@@ -100,6 +103,14 @@ def cases(device: torch.device, compile: bool) -> list[Case]:
                {"F.rms_norm": lambda x, w: F.rms_norm(x, (d,), w, 1e-6)}, compile, triton),
         "F.rms_norm",
         flops=(4 * n * d, 8 * n * d), bytes=(2 * n * d * BF16, 3 * n * d * BF16)))
+    # The pre-norm block's residual add fused in: forward reads x, r and writes s, y; backward reads s, dy,
+    # ds and writes dx (the same gradient for x and r). The sum and the norm both reach the loss.
+    out.append(Case(
+        "add_rms_norm", f"{n}x{d}",
+        lambda: [_leaf(n, d, device=device), _leaf(n, d, device=device), _leaf(d, device=device)],
+        _impls("add_rms_norm", lambda x, r, w: add_rms_norm(x, r, w, 1e-6), {}, compile, triton),
+        "reference+compile" if compile else "reference",
+        flops=(5 * n * d, 9 * n * d), bytes=(4 * n * d * BF16, 4 * n * d * BF16)))
 
     shapes = [(4, 16, 4096, 128), (1, 16, 16384, 64)] if big else [(1, 2, 256, 64)]
     for b, h, s, hd in shapes:
@@ -131,13 +142,35 @@ def cases(device: torch.device, compile: bool) -> list[Case]:
     return out
 
 
-def median_seconds(fn: Callable[[], object], repeats: int, warmup: int, device: torch.device) -> float:
+def _graphed(fn: Callable[[], object], device: torch.device) -> Callable[[], object]:
+    """fn captured in a CUDA graph (after the warm-up it has had): replaying it launches one graph."""
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):  # capture wants the allocator to have seen the calls on a side stream
+        fn()
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
+def copy_seconds(nbytes: int, repeats: int, device: torch.device) -> float:
+    """Median time of a device-to-device copy of `nbytes` (read once, written once)."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    return median_seconds(lambda: dst.copy_(src), repeats, 5, device)
+
+
+def median_seconds(fn: Callable[[], object], repeats: int, warmup: int, device: torch.device,
+                   graphs: bool = False) -> float:
     """Median time of `fn`: its GPU time between CUDA events on a GPU, the wall clock on a CPU.
 
     The warm-up lasts at least `warmup` calls and 50 ms, so the GPU's clocks have ramped up. On a
     GPU each timed call is preceded by a write of 256 MB, which empties the L2 cache (every call
     starts cold, as in training), and by a 1 ms spin of the GPU, during which the CPU queues the
-    call: the events time the kernels, not the Python launch overhead in front of them.
+    call: the events time the kernels, not the Python launch overhead in front of them. `graphs`:
+    each timed call replays fn from a CUDA graph.
     """
     start, calls = time.perf_counter(), 0
     while calls < warmup or time.perf_counter() - start < 0.05:
@@ -147,6 +180,8 @@ def median_seconds(fn: Callable[[], object], repeats: int, warmup: int, device: 
         calls += 1
     if device.type != "cuda":
         return median_time(fn, repeats, warmup=0)[0]
+    if graphs:
+        fn = _graphed(fn, device)
     flush = torch.empty(256 * 2**20, dtype=torch.int8, device=device)
     events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(repeats)]
     torch.cuda.synchronize(device)
@@ -168,32 +203,39 @@ def _forward(impl: Callable, inputs: list[torch.Tensor]) -> Callable[[], object]
 
 
 def _forward_backward(impl: Callable, inputs: list[torch.Tensor]) -> Callable[[], object]:
+    """A call that runs impl and back-propagates ones from every output it returns."""
     leaves = [t for t in inputs if t.requires_grad]
-    grad = None
+    grads = None
 
     def run():
-        nonlocal grad
+        nonlocal grads
         for t in leaves:
             t.grad = None
         out = impl(*inputs)
-        grad = torch.ones_like(out) if grad is None else grad
-        out.backward(grad)
+        outs = out if isinstance(out, tuple) else (out,)
+        grads = [torch.ones_like(o) for o in outs] if grads is None else grads
+        torch.autograd.backward(outs, grads)
     return run
 
 
-def measure(case: Case, repeats: int, warmup: int, device: torch.device) -> list[dict]:
+def measure(case: Case, repeats: int, warmup: int, device: torch.device, graphs: bool = False,
+            copy_bandwidth: float | None = None) -> list[dict]:
+    """The case's rows; `copy_bandwidth` (bytes/s of a device copy measured in the same run) adds each
+    row's traffic as a fraction of it."""
     flops_peak, bandwidth = peak_flops(device), peak_bandwidth(device)
     inputs = case.inputs()
     rows = []
     for pass_name, make, flops, nbytes in (("fwd", _forward, case.flops[0], case.bytes[0]),
                                            ("fwd+bwd", _forward_backward, sum(case.flops), sum(case.bytes))):
-        times = {name: median_seconds(make(impl, inputs), repeats, warmup, device) for name, impl in case.impls.items()}
+        times = {name: median_seconds(make(impl, inputs), repeats, warmup, device, graphs)
+                 for name, impl in case.impls.items()}
         for name, seconds in times.items():
             intensity = flops / nbytes
             row = {"op": case.op, "shape": case.shape, "pass": pass_name, "impl": name, "ms": seconds * 1e3,
                    "tflops": flops / seconds / 1e12, "gbps": nbytes / seconds / 1e9, "flop_per_byte": intensity,
                    "speedup": times[case.baseline] / seconds if case.baseline in times else None,
-                   "bound": None, "roofline_fraction": None}
+                   "bound": None, "roofline_fraction": None,
+                   "of_copy": nbytes / seconds / copy_bandwidth if copy_bandwidth else None}
             if flops_peak and bandwidth:
                 row["bound"] = "compute" if intensity > flops_peak / bandwidth else "memory"
                 row["roofline_fraction"] = flops / seconds / min(flops_peak, intensity * bandwidth)
@@ -203,14 +245,16 @@ def measure(case: Case, repeats: int, warmup: int, device: torch.device) -> list
 
 def format_table(rows: list[dict]) -> str:
     header = (f"{'op':<14} {'shape':<26} {'pass':<8} {'impl':<18} {'ms':>9} {'TFLOP/s':>8} {'GB/s':>8} "
-              f"{'FLOP/B':>7} {'bound':>8} {'roofline':>9} {'speed-up':>9}")
+              f"{'FLOP/B':>7} {'bound':>8} {'roofline':>9} {'of copy':>8} {'speed-up':>9}")
     lines = [header]
     for r in rows:
         bound = r["bound"] or "-"
         roof = f"{r['roofline_fraction']:.0%}" if r["roofline_fraction"] is not None else "-"
         speed = f"{r['speedup']:.2f}x" if r["speedup"] is not None else "-"
+        of_copy = f"{r['of_copy']:.0%}" if r.get("of_copy") is not None else "-"
         lines.append(f"{r['op']:<14} {r['shape']:<26} {r['pass']:<8} {r['impl']:<18} {r['ms']:>9.3f} "
-                     f"{r['tflops']:>8.1f} {r['gbps']:>8.0f} {r['flop_per_byte']:>7.1f} {bound:>8} {roof:>9} {speed:>9}")
+                     f"{r['tflops']:>8.1f} {r['gbps']:>8.0f} {r['flop_per_byte']:>7.1f} {bound:>8} {roof:>9} "
+                     f"{of_copy:>8} {speed:>9}")
     return "\n".join(lines)
 
 
@@ -220,6 +264,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--repeats", type=int, default=30, help="timed runs per implementation (default 30)")
     parser.add_argument("--warmup", type=int, default=5, help="untimed runs first (default 5)")
     parser.add_argument("--no-compile", action="store_true", help="leave out the torch.compile'd references")
+    parser.add_argument("--graphs", action="store_true", help="replay each timed call from a CUDA graph (GPU)")
     parser.add_argument("--json", type=Path, default=None, help="also write the rows here")
     args = parser.parse_args(argv)
     if args.repeats < 1 or args.warmup < 1:
@@ -236,11 +281,17 @@ def main(argv: list[str]) -> int:
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     missing = triton_unavailable()
     print(f"lmlab bench kernels on {name}" + (f" (Triton rows skipped: {missing})" if missing else ""))
+    copy_bandwidth = None
+    if device.type == "cuda":
+        copy_bytes = 256 * 2**20
+        copy_bandwidth = 2 * copy_bytes / copy_seconds(copy_bytes, args.repeats, device)
+        print(f"device copy of {copy_bytes >> 20} MiB: {copy_bandwidth / 1e9:.0f} GB/s (read + write)")
     rows = []
     for case in selected:
         print(f"timing {case.op} {case.shape} ...", file=sys.stderr, flush=True)
-        rows += measure(case, args.repeats, args.warmup, device)
+        rows += measure(case, args.repeats, args.warmup, device, args.graphs and device.type == "cuda", copy_bandwidth)
     print(format_table(rows))
     if args.json:
-        args.json.write_text(json.dumps({"device": name, "torch": torch.__version__, "rows": rows}, indent=2))
+        args.json.write_text(json.dumps({"device": name, "torch": torch.__version__, "graphs": args.graphs,
+                                         "copy_gbps": copy_bandwidth and copy_bandwidth / 1e9, "rows": rows}, indent=2))
     return 0

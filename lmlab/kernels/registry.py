@@ -38,6 +38,7 @@ class KernelOps:
     """Replacements for the reference operations; None keeps the module's reference."""
 
     rms_norm: Callable | None = None  # (x, weight, eps) -> y
+    add_rms_norm: Callable | None = None  # (x, residual, weight, eps) -> (x + residual, y): pre-norm blocks
     attention: Callable | None = None  # (q, k, v, causal, scale) -> out, (batch, heads, seq, head_dim)
     attention_head_dims: tuple[int, ...] = ()  # head dims `attention` supports
     swiglu: Callable | None = None  # (gate, up) -> silu(gate) * up
@@ -55,6 +56,7 @@ def reference_kernels(cfg) -> KernelOps:
 @dataclass
 class TritonKernelsConfig:
     rms_norm: bool = True  # fused RMSNorm: one pass forward, dx and a two-stage weight gradient backward
+    add_rms_norm: bool = True  # a pre-norm block's residual add fused into the RMSNorm after it
     attention: bool = True  # FlashAttention-2 (causal layers without window, softcap, dropout or ALiBi)
     swiglu: bool = True  # silu(gate) * up in one pass each way
     cross_entropy: bool = True  # never materialises float32 logits or probabilities
@@ -64,7 +66,7 @@ class TritonKernelsConfig:
 
 @KERNELS.register("triton", config=TritonKernelsConfig)
 def triton_kernels(cfg: TritonKernelsConfig) -> KernelOps:
-    """Triton kernels for RMSNorm, attention, SwiGLU, cross-entropy and Adam (CUDA; else the references)."""
+    """Triton kernels for RMSNorm (and add + RMSNorm), attention, SwiGLU, cross-entropy and Adam (CUDA; else the references)."""
     missing = triton_unavailable()
     if missing:
         if cfg.strict:
@@ -75,11 +77,12 @@ def triton_kernels(cfg: TritonKernelsConfig) -> KernelOps:
     from lmlab.kernels.adam_triton import adam_update_triton
     from lmlab.kernels.cross_entropy_triton import cross_entropy_triton
     from lmlab.kernels.flash_triton import SUPPORTED_HEAD_DIMS, flash_attention_triton
-    from lmlab.kernels.rmsnorm_triton import rms_norm_triton
+    from lmlab.kernels.rmsnorm_triton import add_rms_norm_triton, rms_norm_triton
     from lmlab.kernels.swiglu_triton import swiglu_triton
 
     return KernelOps(
         rms_norm=rms_norm_triton if cfg.rms_norm else None,
+        add_rms_norm=add_rms_norm_triton if cfg.add_rms_norm else None,
         attention=flash_attention_triton if cfg.attention else None,
         attention_head_dims=SUPPORTED_HEAD_DIMS,
         swiglu=swiglu_triton if cfg.swiglu else None,

@@ -17,7 +17,7 @@ from torch import nn
 from lmlab.nn.attention import ATTENTION
 from lmlab.nn.hybrid import layer_attention
 from lmlab.nn.moe.layer import build_mlp
-from lmlab.nn.norms import NORMS
+from lmlab.nn.norms import NORMS, add_and_norm
 from lmlab.nn.positions import PositionEncoding
 from lmlab.registry import Registry
 
@@ -59,8 +59,9 @@ class PreNormBlock(Block):
     norm_names = ("input_layernorm", "post_attention_layernorm")
 
     def forward(self, x: torch.Tensor, position: PositionEncoding, positions: torch.Tensor, cache=None) -> torch.Tensor:
-        x = x + self.attend(self.input_layernorm(x), position, positions, cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        x, h = add_and_norm(self.post_attention_layernorm, x,
+                            self.attend(self.input_layernorm(x), position, positions, cache))
+        return x + self.mlp(h)
 
 
 @BLOCKS.register("postnorm")

@@ -20,6 +20,23 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return (x32 * inv_rms).type_as(x) * weight
 
 
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The reference of the fused residual add + RMSNorm: (s, rms_norm(s)) with s = x + residual."""
+    s = x + residual
+    return s, rms_norm(s, weight, eps)
+
+
+def add_and_norm(norm: nn.Module, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x + residual, norm(x + residual)): a pre-norm block's residual add and the next norm, in one
+    fused kernel where the norm offers one (`add_and_norm`), as two operations otherwise."""
+    fused = getattr(norm, "add_and_norm", None)
+    if fused is not None:
+        return fused(x, residual)
+    s = x + residual
+    return s, norm(s)
+
+
 @NORMS.register("rmsnorm")
 class RMSNorm(nn.Module):
     """Root-mean-square norm with a learned gain (no mean subtraction, no bias)."""
@@ -33,13 +50,20 @@ class RMSNorm(nn.Module):
         self.eps = cfg.eps
         self.weight = nn.Parameter(torch.ones(dim))
         self.kernel = rms_norm  # (x, weight, eps) -> y; `kernels=` may swap in a fused one
+        self.add_kernel = add_rms_norm  # (x, residual, weight, eps) -> (x + residual, y)
 
     def use_kernels(self, ops) -> None:
         if ops.rms_norm is not None:
             self.kernel = ops.rms_norm
+        if ops.add_rms_norm is not None:
+            self.add_kernel = ops.add_rms_norm
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.kernel(x, self.weight, self.eps)
+
+    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + residual, this norm of it), in one pass when `kernels=` installed the fused kernel."""
+        return self.add_kernel(x, residual, self.weight, self.eps)
 
 
 @NORMS.register("layernorm")

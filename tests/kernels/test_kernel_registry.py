@@ -10,7 +10,7 @@ from lmlab.errors import ConfigError
 from lmlab.kernels import FlashAttentionReference
 from lmlab.kernels.registry import KERNELS, KernelOps, _warn_fallback, install_kernels, triton_unavailable
 from lmlab.nn.ffn import swiglu
-from lmlab.nn.norms import rms_norm
+from lmlab.nn.norms import add_rms_norm, rms_norm
 from lmlab.nn.transformer import Transformer
 from lmlab.training.losses import LOSSES, cross_entropy
 
@@ -66,12 +66,14 @@ def test_installed_ops_run_in_every_module_and_match_the_reference(make_cfg, tin
     expected = loss(model(tokens), tokens)
     calls = {}
     ops = KernelOps(rms_norm=counting(rms_norm, calls, "rms_norm"), attention=counting(sdpa, calls, "attention"),
+                    add_rms_norm=counting(add_rms_norm, calls, "add_rms_norm"),
                     attention_head_dims=(16,), swiglu=counting(swiglu, calls, "swiglu"),
                     cross_entropy=counting(cross_entropy, calls, "cross_entropy"))
     assert install_kernels(ops, model, loss) == []
     got = loss(model(tokens), tokens)
-    # 2 layers: two norms each plus the final norm; one attention and one FFN each; one loss.
-    assert calls == {"rms_norm": 5, "attention": 2, "swiglu": 2, "cross_entropy": 1}
+    # 2 pre-norm layers: a norm before attention, the attention residual add fused into the norm before
+    # the FFN, one attention and one FFN each; the final norm; one loss.
+    assert calls == {"rms_norm": 3, "add_rms_norm": 2, "attention": 2, "swiglu": 2, "cross_entropy": 1}
     for key in expected:
         torch.testing.assert_close(got[key], expected[key])
 

@@ -7,7 +7,8 @@ from torch import nn
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 pytest.importorskip("triton")
 
-from lmlab.kernels.rmsnorm_triton import rms_norm_triton  # noqa: E402
+from lmlab.kernels.rmsnorm_triton import add_rms_norm_triton, rms_norm_triton  # noqa: E402
+from lmlab.nn.norms import add_rms_norm  # noqa: E402
 from tests.kernels.common import assert_compiles_like_eager  # noqa: E402
 
 # Relative to the largest reference value: low-precision outputs may land one rounding step apart,
@@ -75,4 +76,43 @@ class _Norm(nn.Module):
 def test_torch_compile_matches_eager():
     torch.manual_seed(0)
     model = _Norm(1000).cuda()
+    assert_compiles_like_eager(model, torch.randn(3, 50, 1000, device="cuda"), grad_rtol=1e-4, grad_atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype,shape", [(torch.float32, (4, 37, 1000)), (torch.bfloat16, (300, 4096)),
+                                         (torch.float16, (129, 768))])
+@pytest.mark.parametrize("used", ["both", "norm", "sum"])
+def test_add_rms_norm_matches_reference(dtype, shape, used):
+    """Forward (sum and norm) and the gradients of x, residual and weight, whichever outputs the loss uses."""
+    torch.manual_seed(0)
+    x = (3 * torch.randn(shape, device="cuda")).to(dtype).requires_grad_()
+    r = torch.randn(shape, device="cuda").to(dtype).requires_grad_()
+    w = (1 + 0.1 * torch.randn(shape[-1], device="cuda")).to(dtype).requires_grad_()
+    (s, y), (s_ref, y_ref) = add_rms_norm_triton(x, r, w, 1e-6), add_rms_norm(x, r, w, 1e-6)
+    torch.testing.assert_close(s, s_ref, rtol=0, atol=0)  # the same rounded add
+    assert_close(y, y_ref, dtype)
+    ds, dy = torch.randn_like(s), torch.randn_like(y)
+
+    def loss(s, y):
+        return {"both": (s * ds).sum() + (y * dy).sum(), "norm": (y * dy).sum(), "sum": (s * ds).sum()}[used]
+
+    inputs = (x, r, w) if used != "sum" else (x, r)
+    for got, want in zip(torch.autograd.grad(loss(s, y), inputs), torch.autograd.grad(loss(s_ref, y_ref), inputs)):
+        assert_close(got, want, dtype)
+
+
+class _AddNorm(nn.Module):
+    def __init__(self, dim: int):
+        super().__init__()
+        self.proj = nn.Linear(dim, dim)
+        self.weight = nn.Parameter(1 + 0.1 * torch.randn(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        s, y = add_rms_norm_triton(x, self.proj(x), self.weight, 1e-6)
+        return s.mean() + y.square().mean()
+
+
+def test_add_rms_norm_compiles_like_eager():
+    torch.manual_seed(0)
+    model = _AddNorm(1000).cuda()
     assert_compiles_like_eager(model, torch.randn(3, 50, 1000, device="cuda"), grad_rtol=1e-4, grad_atol=1e-5)
