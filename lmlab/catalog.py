@@ -31,6 +31,15 @@ BUILTIN_MODULES = (
     "lmlab.curation.corpus_filters",
     "lmlab.curation.readers",
     "lmlab.curation.executors",
+    "lmlab.multimodal.codebook",
+    "lmlab.multimodal.vqvae_task",
+    "lmlab.multimodal.early_fusion_task",
+    "lmlab.multimodal.vit",
+    "lmlab.multimodal.contrastive",
+    "lmlab.multimodal.data",
+    "lmlab.multimodal.contrastive_task",
+    "lmlab.multimodal.projector",
+    "lmlab.multimodal.vlm_task",
     "lmlab.training.config",  # the schema of train.yaml
 )
 

@@ -245,6 +245,8 @@ def mha_cache(attn: MultiHeadAttention, state: CacheState, batch_size: int, max_
               lookahead: int = 0) -> LayerCache:
     """A ring of window + lookahead slots for a local layer whose window is shorter than the generation,
     else every slot; a CLA layer reads the cache of the layer whose keys and values it shares."""
+    if not attn.causal:
+        raise ValueError("a bidirectional attention layer (causal=false, an encoder's) cannot generate token by token")
     if attn.kv_source is not None:
         return SharedKVCache(state.by_attention[attn.kv_source])
     if attn.window is not None and attn.window + lookahead < max_len:

@@ -128,20 +128,22 @@ class Engine:
         return all(cache.rewindable for cache in self.caches)
 
     # -- forward passes -----------------------------------------------------------------------
-    def _hidden(self, ids: torch.Tensor) -> torch.Tensor:
+    def _hidden(self, ids: torch.Tensor, embeds: torch.Tensor | None = None) -> torch.Tensor:
         model, positions = self.model, self.state.positions()
         model._route_by("layers.", ids)
-        return model.run_layers(model.position.embed(model.embed_tokens(ids), positions), positions, self.caches)
+        x = model.position.embed(model.token_embeddings(ids, embeds), positions)
+        return model.run_layers(x, positions, self.caches)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.model._head(self.model.norm(hidden)).float()
 
     @torch.inference_mode()
-    def extend(self, ids: torch.Tensor, all_logits: bool = False) -> torch.Tensor:
-        """Run ids (B, S) at the next S slots: float32 logits (B, S, V), or of the last token only (B, V)."""
+    def extend(self, ids: torch.Tensor, all_logits: bool = False, embeds: torch.Tensor | None = None) -> torch.Tensor:
+        """Run ids (B, S) at the next S slots: float32 logits (B, S, V), or of the last token only (B, V).
+        `embeds` (B, S, d_model): the inputs in place of the ids' embeddings (a VLM prompt's image features)."""
         self._check_room(ids.shape[1])
         self.state.slots = torch.arange(self.next_slot, self.next_slot + ids.shape[1], device=self.device)
-        hidden = self._hidden(ids.to(self.device))
+        hidden = self._hidden(ids.to(self.device), None if embeds is None else embeds.to(self.device, self.dtype))
         self.last_hidden = hidden
         self.next_slot += ids.shape[1]
         return self.logits(hidden if all_logits else hidden[:, -1])

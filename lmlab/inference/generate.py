@@ -145,9 +145,12 @@ def tokenizer_vocab_size(tokenizer) -> int | None:
 def generate(engine, prompts: Sequence[Sequence[int]], sampler=None, max_new_tokens: int = 256,
              stop_token_ids: Sequence[int] = (), stop_strings: Sequence[str] = (), tokenizer=None,
              stream: StreamCallback | None = None, truncate: bool = False, sync_every: int = 16,
-             include_stop_str_in_output: bool = False) -> Generation:
+             include_stop_str_in_output: bool = False,
+             embed: Callable[[torch.Tensor], torch.Tensor] | None = None) -> Generation:
     """Generate from each prompt (token ids) until a stop token or string, or `max_new_tokens`. The texts
-    end before the stop string that ended them, or after it with `include_stop_str_in_output`."""
+    end before the stop string that ended them, or after it with `include_stop_str_in_output`. `embed` maps
+    the left-padded prompt ids (B, P) to the embeddings the prefill runs on instead (B, P, d_model): a VLM's,
+    with image features at its marker positions; the generated tokens are embedded as usual."""
     from lmlab.inference.samplers import SAMPLERS  # registry entries load with the engine's users
 
     model, device = engine.model, engine.device
@@ -168,7 +171,7 @@ def generate(engine, prompts: Sequence[Sequence[int]], sampler=None, max_new_tok
     sync()
     began = time.perf_counter()
     engine.begin(batch, ids.shape[1] + max_new_tokens, start)
-    logits = engine.extend(ids)
+    logits = engine.extend(ids, embeds=None if embed is None else embed(ids))
     ttft = decode_began = None
     n = 0
     host_done = [False] * batch

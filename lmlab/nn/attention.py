@@ -42,7 +42,8 @@ def attention_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None,
     return mask if bias is None else bias + mask
 
 
-def softcapped_attention(q, k, v, mask: torch.Tensor | None, cap: float, scale: float | None = None) -> torch.Tensor:
+def softcapped_attention(q, k, v, mask: torch.Tensor | None, cap: float, scale: float | None = None,
+                         causal: bool = True) -> torch.Tensor:
     """Attention whose scores are squashed by cap * tanh(s / cap) before the softmax (Gemma 2).
 
     Written out because the fused kernels have no hook between the scores and the softmax.
@@ -51,15 +52,16 @@ def softcapped_attention(q, k, v, mask: torch.Tensor | None, cap: float, scale: 
     k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
     scores = (q @ k.transpose(-2, -1)).float() * (scale or q.shape[-1] ** -0.5)
     scores = cap * torch.tanh(scores / cap)
-    if mask is None:
+    if mask is None and causal:
         mask = attention_mask(torch.arange(q.shape[2], device=q.device), torch.arange(k.shape[2], device=q.device),
                               None, None)
-    return (scores + mask).softmax(dim=-1).to(v.dtype) @ v
+    scores = scores if mask is None else scores + mask
+    return scores.softmax(dim=-1).to(v.dtype) @ v
 
 
 @ATTENTION.register("mha")
 class MultiHeadAttention(nn.Module):
-    """Causal multi-head attention; n_kv_heads < n_heads gives GQA, n_kv_heads=1 gives MQA."""
+    """Multi-head attention, causal unless causal=false; n_kv_heads < n_heads gives GQA, n_kv_heads=1 gives MQA."""
 
     fusable_projections = ("q_proj", "k_proj", "v_proj")  # read the same input (lmlab.nn.fused)
     supports_documents = True  # packed documents (positions (batch, seq)) get a block-diagonal causal mask
@@ -73,6 +75,7 @@ class MultiHeadAttention(nn.Module):
         global_every: int | None = None  # with a window: every k-th layer attends globally (k=2 alternates)
         qk_norm: bool = False  # RMSNorm on each head's queries and keys before RoPE
         softcap: float | None = None  # squash scores with softcap * tanh(score / softcap)
+        causal: bool = True  # false: every token attends to every token (an encoder's, e.g. a ViT's; no KV cache)
 
     def __init__(self, d_model: int, cfg: Config, layer_idx: int = 0):
         super().__init__()
@@ -84,6 +87,9 @@ class MultiHeadAttention(nn.Module):
             raise ConfigError(f"attention.n_heads={self.n_heads} is not divisible by attention.n_kv_heads={self.n_kv_heads}")
         if cfg.global_every is not None and cfg.window is None:
             raise ConfigError("attention.global_every needs attention.window (the local layers' window)")
+        if not cfg.causal and cfg.window is not None:
+            raise ConfigError("attention.window is a causal sliding window; set attention.causal=true or window=null")
+        self.causal = cfg.causal
         self.head_dim = d_model // self.n_heads
         self.dropout = cfg.dropout
         is_global = cfg.global_every is not None and (layer_idx + 1) % cfg.global_every == 0
@@ -174,7 +180,7 @@ class MultiHeadAttention(nn.Module):
         q, k, v = self.project(x, position, positions)
         bias = position.attn_bias(positions, positions)
         if self.kernel is not None and bias is None and positions.dim() == 1:
-            out = self.kernel(q, k, v, True, self.score_scale)
+            out = self.kernel(q, k, v, self.causal, self.score_scale)
         else:
             out = self._reference_attention(q, k, v, positions, bias)
         return self.o_proj(rearrange(out, "b h s d -> b s (h d)"))
@@ -182,14 +188,19 @@ class MultiHeadAttention(nn.Module):
     def _reference_attention(self, q, k, v, positions: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """SDPA (or the soft-capped scores written out) with the window and position bias as a mask."""
         mask = None
-        if self.window is not None or bias is not None or positions.dim() == 2:
+        if not self.causal:
+            if positions.dim() == 2:
+                raise ValueError("packed documents (positions (batch, seq)) need causal attention; "
+                                 "give a bidirectional (causal=false) layer one sequence per row")
+            mask = None if bias is None else bias.to(q.dtype)
+        elif self.window is not None or bias is not None or positions.dim() == 2:
             mask = attention_mask(positions, positions, self.window, bias).to(q.dtype)
         if self.softcap is not None:
-            return softcapped_attention(q, k, v, mask, self.softcap, self.score_scale)
+            return softcapped_attention(q, k, v, mask, self.softcap, self.score_scale, self.causal)
         return F.scaled_dot_product_attention(
             q, k, v,
             attn_mask=mask,
-            is_causal=mask is None,
+            is_causal=self.causal and mask is None,
             dropout_p=self.dropout if self.training else 0.0,
             scale=self.score_scale,
             enable_gqa=self.n_kv_heads != self.n_heads,

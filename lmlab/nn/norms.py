@@ -50,7 +50,7 @@ class RMSNorm(nn.Module):
         self.eps = cfg.eps
         self.weight = nn.Parameter(torch.ones(dim))
         self.kernel = rms_norm  # (x, weight, eps) -> y; `kernels=` may swap in a fused one
-        self.add_kernel = add_rms_norm  # (x, residual, weight, eps) -> (x + residual, y)
+        self.add_kernel = None  # `kernels=` may install a fused (x, residual, weight, eps) -> (x + residual, y)
 
     def use_kernels(self, ops) -> None:
         if ops.rms_norm is not None:
@@ -62,7 +62,11 @@ class RMSNorm(nn.Module):
         return self.kernel(x, self.weight, self.eps)
 
     def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(x + residual, this norm of it), in one pass when `kernels=` installed the fused kernel."""
+        """(x + residual, this norm of it), in one pass when `kernels=` installed the fused kernel. Otherwise
+        through `forward`, so hooks on the module (tensor parallelism's sequence sharding) still apply."""
+        if self.add_kernel is None:
+            s = x + residual
+            return s, self(s)
         return self.add_kernel(x, residual, self.weight, self.eps)
 
 

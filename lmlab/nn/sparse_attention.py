@@ -99,6 +99,8 @@ class TopKSparseAttention(MultiHeadAttention):
         super().__init__(d_model, cfg, layer_idx)
         at_least("attention", cfg, 1, "top_k", "index_heads", "index_dim")
         at_least("attention", cfg, 0, "indexer_loss_weight")
+        if not cfg.causal:
+            raise ConfigError("topk_sparse attention picks each query's past keys; causal=false is for mha")
         if cfg.index_dim % 2:
             raise ConfigError(f"attention.index_dim={cfg.index_dim} must be even (the indexer's RoPE turns "
                               "feature pairs)")

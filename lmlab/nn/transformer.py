@@ -183,21 +183,26 @@ class Transformer(nn.Module):
         """Bytes of keys and values cached per generated token, over all layers (bf16 by default)."""
         return bytes_per_element * sum(layer.self_attn.kv_cache_elements_per_token() for layer in self.applied_layers())
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
+                embeds: torch.Tensor | None = None) -> torch.Tensor:
         """Logits of the next token (the main head only: MTP modules are not run). `positions` (batch, seq)
         marks packed documents, each restarting at 0: a token attends only within its document. `positions`
-        (seq,) are every row's tokens' places in their sequence (a context-parallel slice's); None: 0..seq-1."""
-        return self._head(self.hidden_states(input_ids, positions))
+        (seq,) are every row's tokens' places in their sequence (a context-parallel slice's); None: 0..seq-1.
+        `embeds` (batch, seq, d_model): the inputs in place of the token embeddings (a VLM's image features
+        at its marker positions); `input_ids` still name the tokens, for routers that hash them."""
+        return self._head(self.hidden_states(input_ids, positions, embeds))
 
-    def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+    def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
+                      embeds: torch.Tensor | None = None) -> torch.Tensor:
         """The final norm's output at each position (batch, seq, d_model): what the head reads, and what a
         reward or value head reads instead."""
-        hidden, _ = self._hidden(input_ids, positions)
+        hidden, _ = self._hidden(input_ids, positions, embeds)
         return self.norm(hidden)
 
-    def forward_train(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None) -> ModelOutput:
+    def forward_train(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
+                      embeds: torch.Tensor | None = None) -> ModelOutput:
         """Logits of the main head and of every MTP depth, and the MoE layers' auxiliary losses."""
-        hidden, positions = self._hidden(input_ids, positions)
+        hidden, positions = self._hidden(input_ids, positions, embeds)
         logits = self._head(self.norm(hidden))
         mtp_logits = []
         for d, module in enumerate(self.mtp_layers, start=1):
@@ -207,7 +212,8 @@ class Transformer(nn.Module):
             mtp_logits.append(self._head(module.norm(hidden)))
         return ModelOutput(logits, mtp_logits, self._aux_losses())
 
-    def _hidden(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def _hidden(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
+                embeds: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         seq_len = input_ids.shape[1]
         if seq_len > self.max_seq_len:
             raise ValueError(f"sequence length {seq_len} exceeds model.max_seq_len={self.max_seq_len}")
@@ -219,8 +225,17 @@ class Transformer(nn.Module):
             raise ValueError(f"positions {tuple(positions.shape)}: (seq,) for every row, or (batch, seq) for packed "
                              f"documents, with seq = {seq_len}")
         self._route_by("layers.", input_ids)
-        x = self.position.embed(self.embed_tokens(input_ids), positions)
+        x = self.position.embed(self.token_embeddings(input_ids, embeds), positions)
         return self.run_layers(x, positions), positions
+
+    def token_embeddings(self, input_ids: torch.Tensor, embeds: torch.Tensor | None = None) -> torch.Tensor:
+        """The embedded tokens (batch, seq, d_model), or `embeds` given in their place (checked against the ids)."""
+        if embeds is None:
+            return self.embed_tokens(input_ids)
+        expected = (*input_ids.shape, self.embed_tokens.embedding_dim)
+        if tuple(embeds.shape) != expected:
+            raise ValueError(f"embeds {tuple(embeds.shape)} must be (batch, seq, d_model) = {expected}, one per input id")
+        return embeds
 
     def _check_documents(self, input_ids: torch.Tensor, positions: torch.Tensor) -> None:
         if positions.shape != input_ids.shape:

@@ -43,10 +43,11 @@ from lmlab.atomic import atomic_write_text
 from lmlab.nn.transformer import ModelConfig, Transformer
 from lmlab.optim import AdamW
 from lmlab.parallel.bucketed_ddp import BucketedDDP
+from lmlab.parallel.comm import average_gradients
 from lmlab.parallel.fsdp import FSDP
 from lmlab.parallel.launch import device_for, run_processes
 from lmlab.parallel.context_parallel import apply_context_parallel, context_positions
-from lmlab.parallel.expert_parallel import shard_experts
+from lmlab.parallel.expert_parallel import ExpertParallel
 from lmlab.parallel.naive_ddp import NaiveDDP
 from lmlab.parallel.pipeline import build_pipeline, stage_bounds
 from lmlab.parallel.ring_attention import zigzag_shard
@@ -120,18 +121,6 @@ def _pipeline(model):
     return model, _adamw(params), lambda: None, train_chunk
 
 
-def _average_gradients(params: list[torch.Tensor], world: int) -> None:
-    """Data parallelism's step for `params`: their gradients averaged over the ranks, in one flat all-reduce."""
-    import torch.distributed as dist
-
-    grads = [p.grad for p in params if p.grad is not None]
-    flat = torch.cat([g.flatten() for g in grads])
-    dist.all_reduce(flat)
-    flat.div_(world)
-    for g, new in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
-        g.copy_(new)
-
-
 def _context_parallel(model):
     """Ring attention over the ranks, each on its zigzag slice of every sequence; gradients averaged."""
     import torch.distributed as dist
@@ -145,29 +134,14 @@ def _context_parallel(model):
             logits = model(inputs, context_positions(chunk.shape[1] - 1, device=chunk.device))
         _cross_entropy(model, logits.flatten(0, 1), targets.flatten()).backward()
 
-    return model, _adamw(model.parameters()), lambda: _average_gradients(list(model.parameters()), world), train_chunk
+    return model, _adamw(model.parameters()), lambda: average_gradients(list(model.parameters())), train_chunk
 
 
 def _expert_parallel(model):
     """Each rank holds 1/world of every MoE layer's experts (all-to-all dispatch); the rest is data parallel:
-    its gradients averaged in one flat all-reduce, the experts' (already summed over every rank's tokens)
-    divided by the world size."""
-    import torch.distributed as dist
-
-    experts = shard_experts(model)
-    if not experts:
-        raise ValueError("strategy ep needs an MoE model: pass --experts")
-    mine = {id(p) for e in experts for p in e.parameters()}
-    world = dist.get_world_size()
-
-    def synchronize():
-        _average_gradients([p for p in model.parameters() if id(p) not in mine], world)
-        for e in experts:
-            for p in e.parameters():
-                if p.grad is not None:
-                    p.grad.div_(world)
-
-    return model, _adamw(model.parameters()), synchronize
+    lmlab-train's `parallel=nd parallel.ep=N` with N the world size."""
+    wrapped = ExpertParallel(model)
+    return wrapped, _adamw(model.parameters()), wrapped.finish_gradient_synchronization
 
 
 def _tensor_parallel(model):

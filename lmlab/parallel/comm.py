@@ -1,5 +1,5 @@
 """Collective-communication helpers: the four collectives data parallelism is built from, their
-bandwidth formulas, a timer, and broadcasting a module's weights.
+bandwidth formulas, a timer, broadcasting a module's weights and averaging gradients over the ranks.
 
 Bandwidth follows nccl-tests' conventions. `size` is the bytes of the whole buffer (for
 all-gather the gathered output, for reduce-scatter the input), and
@@ -121,3 +121,41 @@ def broadcast_module(module: nn.Module, src: int = 0) -> None:
     """
     for tensor in [*module.parameters(), *module.buffers()]:  # parameters() lists a shared one once
         dist.broadcast(tensor.detach(), src=src)
+
+
+@torch.no_grad()
+def average_gradients(params: list[torch.Tensor], group=None) -> None:
+    """Replace each parameter's gradient by its mean over the ranks of `group` (default: all), in one flat all-reduce.
+
+    A parameter that got no gradient on some ranks (a branch their data did not take) counts as a zero gradient
+    there; one that got none on any rank keeps `.grad` None, as in one process, so the optimizer skips it the same
+    way. Which ranks have a gradient travels in the same buffer, so every rank makes the same single call.
+    """
+    if not params:
+        return
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+    has_grad = torch.tensor([p.grad is not None for p in params], dtype=grads[0].dtype, device=grads[0].device)
+    flat = torch.cat([*(g.flatten() for g in grads), has_grad])
+    dist.all_reduce(flat, group=group)
+    flat.div_(dist.get_world_size(group))
+    anywhere = (flat[-len(params):] > 0).tolist()
+    offset = 0
+    for p, grad, used in zip(params, grads, anywhere):
+        if used:
+            p.grad = grad.copy_(flat[offset:offset + grad.numel()].view_as(grad))
+        offset += grad.numel()
+
+
+@torch.no_grad()
+def load_whole_tensors(module: nn.Module, state: dict[str, torch.Tensor], strict: bool,
+                       local_part: Callable[[torch.Tensor, torch.Tensor], torch.Tensor | None]) -> None:
+    """Copy whole tensors (a gathered or unsharded state dict) into a sharding wrapper's module: each of its
+    tensors t takes `local_part(t, whole)`, the rows this rank holds, or the whole tensor where that is None."""
+    current = module.state_dict(keep_vars=True)
+    if strict and (missing := current.keys() ^ state.keys()):
+        raise KeyError(f"the state dict and the model disagree on keys: {sorted(missing)[:5]}")
+    for name, t in current.items():
+        if name in state:
+            whole = state[name].to(t.device)
+            part = local_part(t, whole)
+            t.data.copy_(whole if part is None else part)

@@ -45,7 +45,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from lmlab.parallel.comm import all_gather_single, broadcast_module, reduce_scatter_single
+from lmlab.parallel.comm import all_gather_single, broadcast_module, load_whole_tensors, reduce_scatter_single
 
 
 class _ReduceWhenReached(torch.autograd.Function):
@@ -247,6 +247,9 @@ class FSDP(nn.Module):
                 unit.reduce_gradients()
 
     # -- whole tensors: checkpoints and the global gradient norm (collectives: every rank calls them) ------
+    def clip_grad_norm_(self, params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
+        return clip_sharded_grad_norm_(params, max_norm)
+
     @torch.no_grad()
     def gather_full_params(self, of: nn.Module | None = None) -> dict[str, torch.Tensor]:
         """The state dict of `of` (default: the wrapped module; or a module inside it, for its names) with
@@ -263,18 +266,13 @@ class FSDP(nn.Module):
     def load_full_state_dict(self, state: dict[str, torch.Tensor], of: nn.Module | None = None,
                              strict: bool = True) -> None:
         """Load whole tensors (a gathered or an unsharded state dict): each rank keeps its rows."""
-        of = self.module if of is None else of
-        current = of.state_dict(keep_vars=True)
-        if strict and (missing := current.keys() ^ state.keys()):
-            raise KeyError(f"the state dict and the model disagree on keys: {sorted(missing)[:5]}")
-        for name, t in current.items():
-            if name in state:
-                whole = state[name].to(t.device)
-                if id(t) in self.place:
-                    unit, i = self.place[id(t)]
-                    t.data.copy_(unit.rows_of(i, whole))
-                else:
-                    t.data.copy_(whole)
+        def local_part(t: torch.Tensor, whole: torch.Tensor) -> torch.Tensor | None:
+            if id(t) not in self.place:
+                return None
+            unit, i = self.place[id(t)]
+            return unit.rows_of(i, whole)
+
+        load_whole_tensors(self.module if of is None else of, state, strict, local_part)
 
     @torch.no_grad()
     def full_optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:

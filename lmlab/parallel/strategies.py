@@ -23,9 +23,11 @@ from torch import nn
 from lmlab.errors import ConfigError
 from lmlab.optim import OPTIMIZERS
 from lmlab.parallel.bucketed_ddp import BucketedDDP
-from lmlab.parallel.fsdp import FSDP, clip_sharded_grad_norm_
+from lmlab.parallel.fsdp import FSDP
 from lmlab.parallel.context_parallel import apply_context_parallel, context_positions
 from lmlab.parallel.context_parallel import problems as context_problems
+from lmlab.parallel.expert_parallel import ExpertParallel
+from lmlab.parallel.expert_parallel import problems as expert_problems
 from lmlab.parallel.naive_ddp import NaiveDDP
 from lmlab.parallel.ring_attention import zigzag_shard
 from lmlab.parallel.tensor_parallel import apply_tensor_parallel, problems
@@ -127,22 +129,25 @@ class WrappedDDPStrategy(DDPStrategy):
         return ZeRO1.from_registry(optim_cfg, model) if self._shard_optimizer else OPTIMIZERS.build(optim_cfg, model)
 
     def teardown(self) -> None:
-        if isinstance(self.model, (NaiveDDP, BucketedDDP, FSDP)):
+        if isinstance(self.model, (NaiveDDP, BucketedDDP, FSDP, ExpertParallel)):
             self.model = self.lightning_module
         super().teardown()
 
 
-class OwnFSDPStrategy(WrappedDDPStrategy):
-    """Lightning's DDP plumbing with lmlab's FSDP: checkpoints hold whole weights and whole optimizer state
-    (gathered by every rank, written by rank 0), and the gradient norm is the global one."""
+class ShardedWrapperStrategy(WrappedDDPStrategy):
+    """Lightning's DDP plumbing with an lmlab wrapper that leaves each rank part of the weights (FSDP,
+    ExpertParallel): checkpoints hold whole weights and whole optimizer state (gathered by every rank, written by
+    rank 0; loadable by one process), and the gradient norm is the whole model's. The wrapper offers
+    gather_full_params, load_full_state_dict, full_optimizer_state_dict, load_full_optimizer_state_dict and
+    clip_grad_norm_."""
 
-    def __init__(self, compute_dtype: torch.dtype | None, **kwargs):
+    def __init__(self, shard: Callable[[nn.Module], FSDP | ExpertParallel], **kwargs):
         super().__init__(self._shard, shard_optimizer=False, **kwargs)
-        self.compute_dtype = compute_dtype
-        self.sharded: FSDP | None = None  # kept after teardown: the run's last checkpoint is saved after fit
+        self._make_sharded = shard
+        self.sharded: FSDP | ExpertParallel | None = None  # kept after teardown: the last checkpoint is saved after fit
 
-    def _shard(self, model: nn.Module) -> FSDP:
-        self.sharded = FSDP(model, compute_dtype=self.compute_dtype)
+    def _shard(self, model: nn.Module) -> FSDP | ExpertParallel:
+        self.sharded = self._make_sharded(model)
         return self.sharded
 
     def lightning_module_state_dict(self) -> dict:
@@ -162,7 +167,7 @@ class OwnFSDPStrategy(WrappedDDPStrategy):
             self.sharded.load_full_optimizer_state_dict(optimizer, state)
 
     def clip_grad_norm(self, params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
-        return clip_sharded_grad_norm_(params, max_norm)
+        return self.sharded.clip_grad_norm_(params, max_norm)
 
 
 @PARALLEL.register("zero3")
@@ -186,7 +191,8 @@ class ZeroStage3(Parallel):
         self.compute_dtype = dtypes[getattr(cfg, "compute_dtype", None)]
 
     def lightning_strategy(self, world_size: int, cuda: bool) -> Strategy:
-        return OwnFSDPStrategy(self.compute_dtype, process_group_backend=self.backend_for(cuda))
+        return ShardedWrapperStrategy(partial(FSDP, compute_dtype=self.compute_dtype),
+                                      process_group_backend=self.backend_for(cuda))
 
 
 @PARALLEL.register("naive_ddp")
@@ -313,41 +319,48 @@ class ContextParallelStrategy(DDPStrategy):
 
 @PARALLEL.register("nd")
 class MeshParallel(Parallel):
-    """Several kinds of parallelism on one layout of the ranks, dp x tp x cp = the world size: Megatron tensor +
+    """Several kinds of parallelism on one layout of the ranks, dp x tp x cp x ep = the world size: Megatron tensor +
     sequence parallelism within each group of tp ranks with FSDP2 (ZeRO-3) across the dp groups, or context
-    parallelism (ring attention) within each group of cp ranks with DDP across all. The ranks of one tp or cp
-    group train on the same rows; data.batch_size splits over the dp groups."""
+    parallelism (ring attention) within each group of cp ranks with DDP across all, or expert parallelism: every
+    MoE layer's experts split within each group of ep ranks, the rest replicated and data parallel over all ranks
+    (lmlab.parallel.expert_parallel). The ranks of one tp or cp group train on the same rows, those of an ep group
+    each on their own: data.batch_size splits over dp x ep."""
 
     shards_parameters = True
     supports_compile = False  # trainer.compile's per-block compile is not set up for DTensor-split blocks
 
     @dataclass
     class Config(DistributedConfig):
-        dp: int = -1  # -1: the world size over tp x cp
+        dp: int = -1  # -1: the world size over tp x cp x ep
         tp: int = 1
         cp: int = 1  # context parallel: ranks that split each sequence (ring attention); not with tp > 1 yet
+        ep: int = 1  # expert parallel: ranks that split every MoE layer's experts, each on its own rows; alone only
 
     def __init__(self, cfg: Config | None = None):
         super().__init__(cfg)
-        self.tp, self.cp, self.dp = (cfg.tp, cfg.cp, cfg.dp) if cfg else (1, 1, -1)
-        if self.tp < 1 or self.cp < 1 or (self.dp < 1 and self.dp != -1):
-            raise ConfigError(f"parallel.dp={self.dp}, parallel.tp={self.tp} and parallel.cp={self.cp} must be >= 1 "
-                              "(dp may be -1: the world size over tp x cp)")
+        self.tp, self.cp, self.ep, self.dp = (cfg.tp, cfg.cp, cfg.ep, cfg.dp) if cfg else (1, 1, 1, -1)
+        if self.tp < 1 or self.cp < 1 or self.ep < 1 or (self.dp < 1 and self.dp != -1):
+            raise ConfigError(f"parallel.dp={self.dp}, parallel.tp={self.tp}, parallel.cp={self.cp} and parallel.ep="
+                              f"{self.ep} must be >= 1 (dp may be -1: the world size over tp x cp x ep)")
         if self.tp > 1 and self.cp > 1:
             raise ConfigError(f"parallel.tp={self.tp} with parallel.cp={self.cp}: tensor and context parallelism do "
                               "not compose yet; use one of them")
+        if self.ep > 1 and (self.tp > 1 or self.cp > 1):
+            raise ConfigError(f"parallel.ep={self.ep} with parallel.tp={self.tp} and parallel.cp={self.cp}: expert "
+                              "parallelism does not compose with tensor or context parallelism yet; set tp=1 and cp=1 "
+                              "(ep combines with data parallelism: dp = the world size / ep)")
 
     def _sizes(self, world_size: int) -> tuple[int, int]:
-        """(data-parallel size, model-splitting size: tp or cp)."""
-        split = self.tp * self.cp
+        """(data-parallel size, model-splitting size: tp, cp or ep)."""
+        split = self.tp * self.cp * self.ep
         dp = world_size // split if self.dp == -1 else self.dp
         if dp * split != world_size:
-            raise ConfigError(f"parallel.dp={self.dp} x parallel.tp={self.tp} x parallel.cp={self.cp} must equal the "
-                              f"world size {world_size} (trainer.devices x trainer.num_nodes)")
+            raise ConfigError(f"parallel.dp={self.dp} x parallel.tp={self.tp} x parallel.cp={self.cp} x parallel.ep="
+                              f"{self.ep} must equal the world size {world_size} (trainer.devices x trainer.num_nodes)")
         return dp, split
 
     def data_parallel_size(self, world_size: int) -> int:
-        return self._sizes(world_size)[0]
+        return self._sizes(world_size)[0] * self.ep  # the ranks of an ep group split the experts, not the rows
 
     def check(self, cfg, world_size: int) -> None:
         from lmlab.nn.transformer import Transformer
@@ -366,9 +379,14 @@ class MeshParallel(Parallel):
                              "(the zigzag layout's chunks)")
             if found:
                 raise ConfigError("parallel.cp: " + "; ".join(found))
+        if self.ep > 1 and (found := expert_problems(model, self.ep)):
+            raise ConfigError(f"parallel.ep={self.ep}: " + "; ".join(found))
 
     def lightning_strategy(self, world_size: int, cuda: bool) -> Strategy:
         dp, split = self._sizes(world_size)
+        if self.ep > 1:
+            return ShardedWrapperStrategy(partial(ExpertParallel, ep=self.ep),
+                                          process_group_backend=self.backend_for(cuda))
         if self.cp > 1:
             return ContextParallelStrategy(self.cp, process_group_backend=self.backend_for(cuda))
         return MeshStrategy(dp, split, self.backend_for(cuda))

@@ -68,6 +68,11 @@ class TrainConfig:
     rl_loss: Any = MISSING  # the policy-gradient loss of task=grpo/ppo
     pref_loss: Any = MISSING  # the preference loss of task=dpo
     reward: Any = MISSING  # the verifier that scores task=grpo/ppo rollouts
+    vision_encoder: Any = MISSING  # the image encoder of task=contrastive and task=vlm
+    contrastive_loss: Any = MISSING  # task=contrastive: clip, siglip
+    image_data: Any = MISSING  # task=contrastive: image-text pairs (synthetic, folder, tar)
+    projector: Any = MISSING  # task=vlm: vision features -> LM embeddings
+    codebook: Any = MISSING  # the VQ-VAE codebook of task=vqvae: ema, straight_through
     eval: Any = field(default_factory=dict)  # evaluation tasks run during training (eval=[mmlu,gsm8k]) and eval.limit
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     seed: int = 0

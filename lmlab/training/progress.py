@@ -35,7 +35,7 @@ def quiet_library_noise() -> None:
 
 # Post-training adds its own: the rollouts' mean reward, held-out accuracy, the preference accuracy.
 SHOWN = ("train/loss", "train/reward", "lr", "val/loss", "val/bpb", "val/accuracy", "val/reward_accuracy",
-         "perf/tokens_per_s")
+         "val/answer_acc", "val/recon_mse", "val/codebook_usage", "val/caption_accuracy", "perf/tokens_per_s")
 
 
 def _metrics(trainer: L.Trainer) -> dict[str, float]:

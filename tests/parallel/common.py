@@ -58,6 +58,15 @@ def tiny_transformer() -> Transformer:
     return Transformer(cfg, VOCAB)
 
 
+def tiny_moe_transformer() -> Transformer:
+    """tiny_transformer with MoE FFNs: 4 experts of which each token takes 2, chosen by the aux-loss-free router
+    (its balancing bias steps with the batch's expert load), and a shared expert."""
+    cfg = ModelConfig(d_model=32, n_layers=2, max_seq_len=16, norm="rmsnorm", ffn={"name": "swiglu", "d_ff": 64},
+                      position="rope", attention={"name": "mha", "n_heads": 2}, block="prenorm", vocab_size=VOCAB,
+                      moe={"name": "aux_free", "n_experts": 4, "k": 2, "d_ff": 32, "n_shared_experts": 1})
+    return Transformer(cfg, VOCAB)
+
+
 def _toy_batches(g: torch.Generator) -> list[tuple[torch.Tensor, torch.Tensor]]:
     # Rows taking the branch, per step: only rank 0's, none (no gradient anywhere), only the last rank's, all.
     routed = [[0], [], [GLOBAL_BATCH - 1], list(range(GLOBAL_BATCH))]
@@ -83,6 +92,7 @@ def _next_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tenso
 MODELS: dict[str, tuple[Callable[[], nn.Module], Callable, Callable]] = {
     "toy": (Toy, _toy_batches, F.mse_loss),
     "transformer": (tiny_transformer, _token_batches, _next_token_loss),
+    "moe": (tiny_moe_transformer, _token_batches, _next_token_loss),
 }
 
 

@@ -16,6 +16,7 @@ import math
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from lmlab.errors import ConfigError
@@ -78,6 +79,9 @@ class Router(nn.Module):
 
     learned = True
     causal = True
+    # The process group whose ranks' tokens make up the batch, set by data parallelism (ExpertParallel): statistics
+    # of the batch that steer training (the load behind bias_update_rate's step) are summed over it. None: this process.
+    load_group = None
 
     def __init__(self, cfg: MoEConfig):
         super().__init__()
@@ -157,6 +161,8 @@ class TopKRouter(Router):
     def _update_bias(self, expert_index: torch.Tensor) -> None:
         """Raise the bias of under-loaded experts and lower it for over-loaded ones, by a fixed step."""
         load = count_per_expert(expert_index, self.n_experts).float()
+        if self.load_group is not None:  # the whole batch's load: every rank takes the step one process would
+            dist.all_reduce(load, group=self.load_group)
         self.expert_bias += self.cfg.bias_update_rate * torch.sign(load.mean() - load)
 
 
