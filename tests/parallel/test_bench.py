@@ -3,12 +3,14 @@ parallelism halve the optimizer state per rank; a strategy that runs out of memo
 
 import json
 
+import pytest
 import torch
 
 from lmlab.parallel import bench
 from lmlab.parallel.bench import main
 
 
+@pytest.mark.slow  # eight process groups, one per strategy: about 90 s on 2 CPU cores
 def test_bench_parallel_reports_every_strategy(tmp_path, capsys):
     out = tmp_path / "bench.json"
     args = ["--d-model", "32", "--n-layers", "2", "--n-heads", "2", "--seq", "16", "--batch", "4", "--steps", "3",
