@@ -43,7 +43,7 @@ RGB = {
     "orange": (245, 140, 30),
 }
 BACKGROUND = (0, 0, 0)
-_NUMBER_WORDS = {1: "a", 2: "two", 3: "three", 4: "four"}
+_NUMBER_WORDS = {2: "two", 3: "three", 4: "four"}  # one shape takes "a" or "an", by its colour's first letter
 _PLURALS = {"cross": "crosses"}
 # Each position's box as fractions (left, top, right, bottom) of the image.
 _BOXES = {
@@ -94,7 +94,8 @@ class Scene:
         if self.glyph is not None:
             return f"the {self.shape} {self.glyph} in {self.color} {where}"
         noun = self.shape if self.count == 1 else _PLURALS.get(self.shape, self.shape + "s")
-        return f"{_NUMBER_WORDS[self.count]} {self.color} {noun} {where}"
+        number = _NUMBER_WORDS.get(self.count) or ("an" if self.color[0] in "aeiou" else "a")
+        return f"{number} {self.color} {noun} {where}"
 
 
 def render(scene: Scene, size: int = 32, rng: random.Random | None = None) -> Image.Image:

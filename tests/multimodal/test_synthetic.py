@@ -22,6 +22,7 @@ def test_captions_are_exact():
     assert Scene("circle", "red", "top left", 2).caption() == "two red circles at the top left"
     assert Scene("cross", "green", "bottom right", 3).caption() == "three green crosses at the bottom right"
     assert Scene("square", "blue", "center").caption() == "a blue square in the center"
+    assert Scene("circle", "orange", "top left").caption() == "an orange circle at the top left"
     assert Scene("digit", "blue", "center", glyph="7").caption() == "the digit 7 in blue in the center"
     assert Scene("letter", "orange", "top right", glyph="Q").caption() == "the letter Q in orange at the top right"
 
