@@ -36,6 +36,7 @@ from torch import nn
 
 from lmlab.nn.moe.experts import Experts
 from lmlab.nn.moe.layer import MoELayer
+from lmlab.nn.moe.routers import sum_router_load_over
 from lmlab.parallel.comm import average_gradients, broadcast_module, load_whole_tensors
 
 
@@ -145,9 +146,7 @@ class ExpertParallel(nn.Module):
         self.replicated = [p for p in module.parameters() if p.requires_grad and id(p) not in self.owner]
         for p in self.expert_params:
             p.register_hook(lambda grad: grad / ep)  # the sum over the ep ranks' mean losses -> their mean
-        for layer in module.modules():
-            if isinstance(layer, MoELayer):
-                layer.router.load_group = dist.group.WORLD  # every rank's tokens make the batch
+        sum_router_load_over(module, dist.group.WORLD)  # every rank's tokens make the batch
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.module(*args, **kwargs)

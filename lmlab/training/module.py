@@ -10,6 +10,7 @@ import math
 
 import lightning as L
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 import torchmetrics
 from omegaconf import DictConfig, OmegaConf
@@ -19,6 +20,7 @@ from torch.optim.lr_scheduler import LambdaLR
 from lmlab.errors import ConfigError
 from lmlab.inference.quant.qat import QATS
 from lmlab.kernels.registry import KERNELS, install_kernels
+from lmlab.nn.moe.routers import sum_router_load_over
 from lmlab.nn.transformer import Transformer
 from lmlab.optim import OPTIMIZERS, SCHEDULERS, describe_groups
 from lmlab.optim.schedules import warmup_steps
@@ -212,6 +214,10 @@ class LanguageModelTask(L.LightningModule):
         parallelize = getattr(self.trainer.strategy, "parallelize_model", None)
         if parallelize is not None:
             parallelize(self.model)
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            # Ranks train on different rows (or slices of them): routers balance on the whole batch's load. Ranks
+            # that share rows (tensor parallelism) only scale the sum, which the sign-only bias step ignores.
+            sum_router_load_over(self.model, dist.group.WORLD)
         group = getattr(self.model, "vocab_parallel_group", None)
         if group is not None:  # tensor parallelism left each rank a slice of the vocabulary's logits
             self._use_vocab_parallel_loss(group)

@@ -97,3 +97,23 @@ def test_bad_expert_parallel_plans_fail_before_any_process_starts(make_cfg, tiny
     with pytest.raises(ConfigError, match=match):
         launch(make_cfg([*tiny_overrides, *extra]), tmp_path / "run")
     assert not (tmp_path / "run").exists()
+
+
+@pytest.fixture(scope="module")
+def single_moe_run(tmp_path_factory):
+    base = tmp_path_factory.mktemp("dp_moe")
+    common = [*TINY, f"cache_dir={base / 'cache'}", *MOE, *STEPS]
+    launch(compose_config(common), base / "single")
+    return base, common
+
+
+@pytest.mark.parametrize("strategy", ["naive_ddp", "fsdp"])
+def test_data_parallel_moe_runs_keep_the_router_bias_of_one_process(single_moe_run, strategy):
+    """Under data parallelism each rank routes its own rows; the aux-free router's balancing bias must step with
+    the whole batch's expert load on every rank (Router.load_group), or the replicas drift apart."""
+    base, common = single_moe_run
+    launch(compose_config([*common, f"parallel={strategy}", "trainer.devices=2"]), base / strategy)
+    single, split = final_state(base / "single"), final_state(base / strategy)
+    assert single["model.layers.0.mlp.router.expert_bias"].abs().sum() > 0  # the bias moved
+    for key, value in single.items():
+        torch.testing.assert_close(split[key], value, rtol=1e-4, atol=1e-5, msg=key)

@@ -166,6 +166,14 @@ class TopKRouter(Router):
         self.expert_bias += self.cfg.bias_update_rate * torch.sign(load.mean() - load)
 
 
+def sum_router_load_over(model: nn.Module, group) -> None:
+    """Every router of `model` takes the batch statistics that steer training (the expert load behind
+    bias_update_rate's step) summed over `group`'s ranks: the step one process takes on their rows together."""
+    for module in model.modules():
+        if isinstance(module, Router):
+            module.load_group = group
+
+
 @ROUTERS.register("aux_free")
 class AuxLossFreeRouter(TopKRouter):
     """Top-k with sigmoid scores balanced by a per-expert selection bias instead of an aux loss."""
