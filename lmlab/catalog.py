@@ -20,6 +20,7 @@ BUILTIN_MODULES = (
     "lmlab.parallel.strategies",
     "lmlab.training",
     "lmlab.training.tasks",
+    "lmlab.training.fp8",
     "lmlab.training.loggers",
     "lmlab.inference.quant",
     "lmlab.inference.samplers",

@@ -63,6 +63,7 @@ class TrainConfig:
     parallel: Any = MISSING
     kernels: Any = MISSING
     qat: Any = MISSING  # quantization-aware training: none, int8, int4
+    fp8: Any = MISSING  # float8 training of the block matmuls: none, tensorwise, rowwise (torchao)
     logger: Any = MISSING
     task: Any = MISSING  # pretrain, or a post-training stage from init_from (sft, dpo, reward_model, grpo, ppo)
     rl_loss: Any = MISSING  # the policy-gradient loss of task=grpo/ppo

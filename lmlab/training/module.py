@@ -28,6 +28,7 @@ from lmlab.parallel.strategies import data_parallel_rank
 from lmlab.tokenizers.base import Tokenizer, pack_tokenizer
 from lmlab.training.checkpoints import CONFIG_KEY, TOKENIZER_KEY
 from lmlab.training.compile import compile_for_training
+from lmlab.training.fp8 import FP8
 from lmlab.training.losses import LOSSES
 from lmlab.training.noise_scale import NoiseScale
 from lmlab.training.objective import training_terms
@@ -72,7 +73,11 @@ class LanguageModelTask(L.LightningModule):
         self.tokenizer = tokenizer  # saved in every checkpoint: the weights mean nothing without its ids
         self.model = Transformer(cfg.model, tokenizer.vocab_size)
         self.qat = QATS.build(cfg.qat)
-        self.qat.install(self.model)  # qat=int8/int4: Linears train fake-quantised; none: unchanged
+        self.fp8 = FP8.build(cfg.fp8)
+        if self.qat.install(self.model) and cfg.fp8.name != "none":  # qat=int8/int4: Linears train fake-quantised
+            raise ConfigError(f"qat={cfg.qat.name} and fp8={cfg.fp8.name} both replace the model's Linears; pick one")
+        if n := self.fp8.install(self.model):  # fp8=tensorwise/rowwise: the blocks' matmuls in float8
+            log.info("fp8=%s: %d block Linears train with float8 matmuls", cfg.fp8.name, n)
         self.loss_fn = LOSSES.build(cfg.loss)
         self.kernel_ops = KERNELS.build(cfg.kernels)
         for note in install_kernels(self.kernel_ops, self.model, self.loss_fn):
