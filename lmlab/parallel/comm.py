@@ -159,3 +159,16 @@ def load_whole_tensors(module: nn.Module, state: dict[str, torch.Tensor], strict
             whole = state[name].to(t.device)
             part = local_part(t, whole)
             t.data.copy_(whole if part is None else part)
+
+
+def map_optimizer_state(optimizer: torch.optim.Optimizer, state_dict: dict,
+                        convert: Callable[[torch.Tensor, torch.Tensor], torch.Tensor | None]) -> dict:
+    """`state_dict` (of `optimizer`, or one to load into it) with each state tensor v of parameter p replaced by
+    `convert(p, v)`, or kept where that is None: how sharding wrappers make state whole and slice it again."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    state = {}
+    for index, entry in state_dict["state"].items():
+        p = params[int(index)]
+        state[index] = {k: v if not isinstance(v, torch.Tensor) or (new := convert(p, v)) is None else new
+                        for k, v in entry.items()}
+    return {**state_dict, "state": state}

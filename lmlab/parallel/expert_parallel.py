@@ -37,7 +37,7 @@ from torch import nn
 from lmlab.nn.moe.experts import Experts
 from lmlab.nn.moe.layer import MoELayer
 from lmlab.nn.moe.routers import sum_router_load_over
-from lmlab.parallel.comm import average_gradients, broadcast_module, load_whole_tensors
+from lmlab.parallel.comm import average_gradients, broadcast_module, load_whole_tensors, map_optimizer_state
 
 
 def problems(model: nn.Module, ep: int) -> list[str]:
@@ -192,27 +192,18 @@ class ExpertParallel(nn.Module):
     def full_optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """The optimizer's state dict with each expert shard's state made whole: what the same optimizer holds
         unsharded (loadable by `load_full_optimizer_state_dict` under another ep, or by one process)."""
-        state_dict = optimizer.state_dict()
-        params = [p for group in optimizer.param_groups for p in group["params"]]
-        for index, state in state_dict["state"].items():
-            owner = self.owner.get(id(params[index]))
-            if owner is not None:
-                state_dict["state"][index] = {k: owner.whole_of(v) if _shaped_like(v, params[index].shape) else v
-                                              for k, v in state.items()}
-        return state_dict
+        def whole(p: torch.Tensor, value: torch.Tensor) -> torch.Tensor | None:
+            owner = self.owner.get(id(p))
+            return owner.whole_of(value) if owner is not None and value.shape == p.shape else None
+
+        return map_optimizer_state(optimizer, optimizer.state_dict(), whole)
 
     @torch.no_grad()
     def load_full_optimizer_state_dict(self, optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> None:
-        params = [p for group in optimizer.param_groups for p in group["params"]]
-        state = {}
-        for index, entry in state_dict["state"].items():
-            p = params[int(index)]
+        def rows(p: torch.Tensor, value: torch.Tensor) -> torch.Tensor | None:
             owner = self.owner.get(id(p))
-            whole_shape = None if owner is None else (owner.total_experts, *p.shape[1:])
-            state[index] = {k: owner.rows_of(v) if owner is not None and _shaped_like(v, whole_shape) else v
-                            for k, v in entry.items()}
-        optimizer.load_state_dict({**state_dict, "state": state})
+            if owner is None or value.shape != (owner.total_experts, *p.shape[1:]):
+                return None
+            return owner.rows_of(value)
 
-
-def _shaped_like(value: Any, shape: torch.Size | tuple) -> bool:
-    return isinstance(value, torch.Tensor) and value.shape == shape
+        optimizer.load_state_dict(map_optimizer_state(optimizer, state_dict, rows))

@@ -45,7 +45,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from lmlab.parallel.comm import all_gather_single, broadcast_module, load_whole_tensors, reduce_scatter_single
+from lmlab.parallel.comm import (all_gather_single, broadcast_module, load_whole_tensors, map_optimizer_state,
+                                 reduce_scatter_single)
 
 
 class _ReduceWhenReached(torch.autograd.Function):
@@ -278,34 +279,23 @@ class FSDP(nn.Module):
     def full_optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """The optimizer's state dict with each shard-shaped state tensor made whole: what the same optimizer
         would hold unsharded (loadable by `load_full_optimizer_state_dict` at another world size)."""
-        state_dict = optimizer.state_dict()
-        params = [p for group in optimizer.param_groups for p in group["params"]]
-        for index, state in state_dict["state"].items():
-            p = params[index]
-            if id(p) in self.place:
-                unit, i = self.place[id(p)]
-                state_dict["state"][index] = {k: unit.whole_of(i, v) if _shard_shaped(v, p) else v
-                                              for k, v in state.items()}
-        return state_dict
+        def whole(p: torch.Tensor, value: torch.Tensor) -> torch.Tensor | None:
+            if id(p) not in self.place or value.shape != p.shape:
+                return None
+            unit, i = self.place[id(p)]
+            return unit.whole_of(i, value)
+
+        return map_optimizer_state(optimizer, optimizer.state_dict(), whole)
 
     @torch.no_grad()
     def load_full_optimizer_state_dict(self, optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> None:
-        params = [p for group in optimizer.param_groups for p in group["params"]]
-        state = {}
-        for index, entry in state_dict["state"].items():
-            p = params[int(index)]
+        def rows(p: torch.Tensor, value: torch.Tensor) -> torch.Tensor | None:
             place = self.place.get(id(p))
-            state[index] = {k: place[0].rows_of(place[1], v) if place and _whole_shaped(v, place) else v
-                            for k, v in entry.items()}
-        optimizer.load_state_dict({**state_dict, "state": state})
+            if place is None or value.shape != place[0].shapes[place[1]]:
+                return None
+            return place[0].rows_of(place[1], value)
 
-
-def _shard_shaped(value: Any, p: torch.Tensor) -> bool:
-    return isinstance(value, torch.Tensor) and value.shape == p.shape
-
-
-def _whole_shaped(value: Any, place: tuple[_Unit, int]) -> bool:
-    return isinstance(value, torch.Tensor) and value.shape == place[0].shapes[place[1]]
+        optimizer.load_state_dict(map_optimizer_state(optimizer, state_dict, rows))
 
 
 @torch.no_grad()
