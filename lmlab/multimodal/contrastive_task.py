@@ -28,14 +28,13 @@ from lmlab.errors import ConfigError
 from lmlab.multimodal.data import IMAGE_DATA, ImageTextSplits
 from lmlab.multimodal.dual_encoder import CaptionTokens, DualEncoder, zero_shot_accuracy
 from lmlab.multimodal.image_task import CaptionSource, fit
-from lmlab.parallel.strategies import PARALLEL
 from lmlab.tokenizers import TOKENIZERS
 from lmlab.tokenizers.base import Tokenizer, pack_tokenizer
 from lmlab.training.checkpoints import CONFIG_KEY, TOKENIZER_KEY
 from lmlab.training.module import METRICS_KEY, optimizer_and_schedule
 from lmlab.training.progress import quiet_library_noise
 from lmlab.training.resume import resolve_auto_resume
-from lmlab.training.tasks import TASKS, Task
+from lmlab.training.tasks import TASKS, Task, check_single_process
 
 log = logging.getLogger(__name__)
 
@@ -129,8 +128,7 @@ class Contrastive(Task):
             at_least("task", self, 0, "num_workers")
 
     def check(self, cfg: DictConfig, data: ImageTextSplits) -> None:
-        if PARALLEL.build(cfg.parallel).distributed or cfg.trainer.devices != 1 or cfg.trainer.num_nodes != 1:
-            raise ConfigError("task=contrastive runs in one process on one device; use parallel=single trainer.devices=1")
+        check_single_process(cfg)
         if cfg.init_from:
             raise ConfigError("task=contrastive trains both towers from scratch; init_from is not used (unset it)")
         if len(data.train) < self.cfg.batch_size:

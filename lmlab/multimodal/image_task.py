@@ -19,13 +19,13 @@ from lmlab.checks import at_least
 from lmlab.data.sources import TextSource
 from lmlab.errors import ConfigError
 from lmlab.multimodal.synthetic import SyntheticImageText
-from lmlab.parallel.strategies import PARALLEL
 from lmlab.training.checkpoints import CONFIG_KEY
 from lmlab.training.loggers import build_logger
 from lmlab.training.module import METRICS_KEY, optimizer_and_schedule
 from lmlab.training.progress import quiet_library_noise
 from lmlab.training.resume import resolve_auto_resume
 from lmlab.training.run import build_trainer
+from lmlab.training.tasks import check_single_process
 
 log = logging.getLogger(__name__)
 
@@ -68,12 +68,6 @@ def synthetic_images(n: int, size: int, seed: int, glyph_fraction: float) -> Ima
 def train_and_val_images(t: SyntheticImagesConfig, size: int, seed: int) -> tuple[ImageSet, ImageSet]:
     return (synthetic_images(t.train_images, size, seed, t.glyph_fraction),
             synthetic_images(t.val_images, size, seed + VAL_SEED_OFFSET, t.glyph_fraction))
-
-
-def check_single_process(cfg: DictConfig) -> None:
-    if PARALLEL.build(cfg.parallel).distributed or cfg.trainer.devices != 1 or cfg.trainer.num_nodes != 1:
-        raise ConfigError(f"task={cfg.task.name} runs in one process on one device; use parallel=single "
-                          "trainer.devices=1")
 
 
 class ImageTaskModule(L.LightningModule):

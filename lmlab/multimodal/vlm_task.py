@@ -35,14 +35,13 @@ from lmlab.multimodal.placement import IGNORE_INDEX
 from lmlab.multimodal.questions import QUESTIONS, SceneQA, check_question_types, qa_items
 from lmlab.multimodal.vlm import VLM, check_stage
 from lmlab.nn.transformer import Transformer
-from lmlab.parallel.strategies import PARALLEL
 from lmlab.tokenizers import ByteTokenizer
 from lmlab.tokenizers.base import unpack_tokenizer
 from lmlab.training.checkpoints import CONFIG_KEY, TOKENIZER_KEY, load, read_checkpoint
 from lmlab.training.losses import LOSSES
 from lmlab.training.progress import quiet_library_noise
 from lmlab.training.resume import resolve_auto_resume
-from lmlab.training.tasks import TASKS, Task
+from lmlab.training.tasks import TASKS, Task, check_single_process
 
 log = logging.getLogger(__name__)
 
@@ -129,8 +128,7 @@ class VLMTask(Task):
             check_question_types(self.questions)
 
     def check(self, cfg: DictConfig) -> None:
-        if PARALLEL.build(cfg.parallel).distributed or cfg.trainer.devices != 1 or cfg.trainer.num_nodes != 1:
-            raise ConfigError("task=vlm runs in one process on one device; use parallel=single trainer.devices=1")
+        check_single_process(cfg)
         loss = LOSSES.resolve(cfg.loss)[1]
         if cfg.loss.name != "cross_entropy" or loss.ignore_index != IGNORE_INDEX:
             raise ConfigError(f"task=vlm trains with loss=cross_entropy and its ignore_index={IGNORE_INDEX} (which masks "

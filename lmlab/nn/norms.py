@@ -28,11 +28,12 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
 
 
 def add_and_norm(norm: nn.Module, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(x + residual, norm(x + residual)): a pre-norm block's residual add and the next norm, in one
-    fused kernel where the norm offers one (`add_and_norm`), as two operations otherwise."""
-    fused = getattr(norm, "add_and_norm", None)
+    """(x + residual, norm(x + residual)): a pre-norm block's residual add and the next norm, in one fused kernel
+    where `kernels=` installed one on the norm (`add_kernel`), as two operations otherwise. The unfused path goes
+    through the norm's `forward`, so hooks on the module (tensor parallelism's sequence sharding) still apply."""
+    fused = getattr(norm, "add_kernel", None)
     if fused is not None:
-        return fused(x, residual)
+        return fused(x, residual, norm.weight, norm.eps)
     s = x + residual
     return s, norm(s)
 
@@ -60,14 +61,6 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.kernel(x, self.weight, self.eps)
-
-    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(x + residual, this norm of it), in one pass when `kernels=` installed the fused kernel. Otherwise
-        through `forward`, so hooks on the module (tensor parallelism's sequence sharding) still apply."""
-        if self.add_kernel is None:
-            s = x + residual
-            return s, self(s)
-        return self.add_kernel(x, residual, self.weight, self.eps)
 
 
 @NORMS.register("layernorm")

@@ -11,6 +11,8 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
+from lmlab.errors import ConfigError
+from lmlab.parallel.strategies import PARALLEL
 from lmlab.registry import Registry
 from lmlab.training.launch import launch
 
@@ -25,6 +27,13 @@ class Task:
 
     def run(self, cfg: DictConfig, output_dir: str | Path) -> dict[str, float]:
         raise NotImplementedError
+
+
+def check_single_process(cfg: DictConfig) -> None:
+    """One clear error for a task that trains in one process on one device, asked for more."""
+    if PARALLEL.build(cfg.parallel).distributed or cfg.trainer.devices != 1 or cfg.trainer.num_nodes != 1:
+        raise ConfigError(f"task={cfg.task.name} runs in one process on one device; use parallel=single "
+                          "trainer.devices=1")
 
 
 @TASKS.register("pretrain")

@@ -24,7 +24,6 @@ from torch.utils.data import DataLoader
 from lmlab.alignment.chat import CHAT_TEMPLATES, ChatTemplate
 from lmlab.checks import in_open_interval
 from lmlab.errors import ConfigError
-from lmlab.parallel.strategies import PARALLEL
 from lmlab.tokenizers.base import Tokenizer, pack_tokenizer
 from lmlab.training.checkpoints import CONFIG_KEY, TOKENIZER_KEY, load
 from lmlab.training.loggers import build_logger
@@ -32,7 +31,7 @@ from lmlab.training.module import METRICS_KEY, optimizer_and_schedule
 from lmlab.training.progress import quiet_library_noise
 from lmlab.training.resume import resolve_auto_resume
 from lmlab.training.run import build_trainer
-from lmlab.training.tasks import Task
+from lmlab.training.tasks import Task, check_single_process
 
 log = logging.getLogger(__name__)
 
@@ -72,8 +71,7 @@ class PostTraining(Task):
         name = cfg.task.name
         if not cfg.init_from:
             raise ConfigError(f"task={name} starts from a trained model: set init_from=PATH/TO/last.ckpt")
-        if PARALLEL.build(cfg.parallel).distributed or cfg.trainer.devices != 1 or cfg.trainer.num_nodes != 1:
-            raise ConfigError(f"task={name} runs in one process on one device; use parallel=single trainer.devices=1")
+        check_single_process(cfg)
         if not Path(self.cfg.data).is_file():
             raise ConfigError(f"task.data={self.cfg.data} is not a file")
         self.check(cfg)
