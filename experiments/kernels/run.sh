@@ -5,7 +5,12 @@
 #   kernels lmlab bench kernels: every kernel against its references, table + JSON
 #   train   lmlab bench train on the ~400M config: the compiled reference against the kernel
 #           variants, with profiles and lmlab-train's own tokens/s
-# Usage: experiments/kernels/run.sh OUT_DIR [tests|kernels|train ...]   (all parts by default)
+#   fp8     lmlab bench train on the ~1.4B config (d_model 2048, 24 layers, 16 heads of 128), 8 x 2048
+#           tokens per step: bf16 against fp8 tensorwise and rowwise, compiled (FP8_VARIANTS)
+#   fp8-loss  lmlab-train of the ~1.4B config on tinyshakespeare (CORPUS, bytes) for FP8_STEPS steps,
+#           bf16 then fp8=tensorwise then fp8=rowwise: the validation loss after the same tokens
+# fp8 needs torchao: carry its wheel. Env: CORPUS (outputs/data/tinyshakespeare.txt), FP8_STEPS (300).
+# Usage: experiments/kernels/run.sh OUT_DIR [tests|kernels|train|fp8|fp8-loss ...]   (tests kernels train by default)
 set -euo pipefail
 D=${1:?usage: run.sh OUT_DIR [tests|kernels|train ...]}
 shift
@@ -14,6 +19,9 @@ mkdir -p "$D"
 LMLAB="python -m lmlab.cli.main"  # runs from a checkout without installing, as on the GPU machine
 M="model=llama400m tokenizer=byte model.vocab_size=50304 data.context_length=2048 data.batch_size=16"
 VARIANTS=${VARIANTS:-reference+compile,triton+compile,triton-attention-rms_norm-swiglu+compile}
+B14="model=llama400m model.d_model=2048 model.attention.n_heads=16 data.context_length=2048"
+# Three at most: the bench keeps every variant's model and AdamW state (~23 GB each at 1.4B) resident
+FP8_VARIANTS=${FP8_VARIANTS:-reference+compile,reference+compile+fp8-tensorwise,reference+compile+fp8-rowwise}
 for part in $PARTS; do
     echo "== $part -> $D" >&2
     case $part in
@@ -27,6 +35,16 @@ for part in $PARTS; do
                # One profile table per variant, renamed without '+': the device tool returns only
                # files with plain names.
                for f in "$D"/profiles/*+*; do mv "$f" "${f//+/_}"; done ;;
-        *) echo "unknown part '$part'; parts: tests kernels train" >&2; exit 2 ;;
+        fp8) $LMLAB bench train $B14 tokenizer=byte model.vocab_size=50304 data.batch_size=8 --variants "$FP8_VARIANTS" \
+                 --steps 6 --warmup 3 --json "$D/train-1.4b-fp8.json" | tee "$D/train-1.4b-fp8.txt" ;;
+        fp8-loss)
+            for recipe in none tensorwise rowwise; do
+                python -m lmlab.cli.train $B14 data=text_files "data.paths=[${CORPUS:-outputs/data/tinyshakespeare.txt}]" \
+                    tokenizer=byte data.context_length=1024 data.batch_size=8 trainer.compile=true fp8=$recipe \
+                    trainer.max_steps=${FP8_STEPS:-300} trainer.val_every=${FP8_STEPS:-300} trainer.val_batches=20 \
+                    trainer.progress_bar=false trainer.checkpoint_every=100000 cache_dir="$D/cache" \
+                    hydra.run.dir="$D/fp8-loss-$recipe" 2>&1 | grep -v -i warn | tail -3 | tee "$D/fp8-loss-$recipe.txt"
+            done ;;
+        *) echo "unknown part '$part'; parts: tests kernels train fp8 fp8-loss" >&2; exit 2 ;;
     esac
 done

@@ -6,7 +6,8 @@
 Takes the same overrides as `lmlab-train` and times a bare training loop (no Lightning) of that
 model, loss and optimizer on random tokens of the configured batch and context, for each
 variant: the reference PyTorch path and `kernels=triton`, each eager and under torch.compile
-(`trainer.compile`'s per-block compile). A step is forward, loss, backward, gradient clipping and
+(`trainer.compile`'s per-block compile), optionally with float8 block matmuls (`+fp8-rowwise`,
+`+fp8-tensorwise`: the `fp8` config group). A step is forward, loss, backward, gradient clipping and
 the optimizer step, under bf16 autocast on a GPU as `lmlab-train` runs it. Variants are timed in
 turns (median step after warm-up), from the same initial weights. Reported per variant: step
 time, tokens/s, MFU (the model's training FLOPs per token, 6 N plus attention scores, against the
@@ -25,6 +26,7 @@ import logging
 import sys
 import tempfile
 from contextlib import nullcontext
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -37,6 +39,7 @@ from lmlab.optim import OPTIMIZERS
 from lmlab.timing import interleaved_medians, sync
 from lmlab.tokenizers.base import expected_vocab_size
 from lmlab.training.compile import compile_for_training
+from lmlab.training.fp8 import FP8
 from lmlab.training.hardware import peak_flops
 from lmlab.training.losses import LOSSES
 from lmlab.training.objective import training_terms
@@ -45,19 +48,37 @@ from lmlab.training.profile import profiler_for
 VARIANTS = ("reference", "triton", "reference+compile", "triton+compile")
 
 
-def parse_variant(variant: str) -> tuple[dict, bool]:
-    """`KERNELS[-OP...][+compile]` -> (kernels config, compiled); `-OP` turns one kernel off,
-    e.g. `triton-attention+compile` is kernels=triton kernels.attention=false under torch.compile."""
-    spec, _, compiled = variant.partition("+")
+@dataclass(frozen=True)
+class Variant:
+    """What one variant runs: a `kernels` config, trainer.compile, and an `fp8` entry."""
+
+    kernels: dict
+    compiled: bool
+    fp8: str = "none"
+
+    def overrides(self) -> list[str]:
+        """The same settings as lmlab-train overrides."""
+        kernels = dict(self.kernels)
+        return [f"kernels={kernels.pop('name')}", *(f"kernels.{op}=false" for op in kernels),
+                f"trainer.compile={self.compiled}", f"fp8={self.fp8}"]
+
+
+def parse_variant(variant: str) -> Variant:
+    """`KERNELS[-OP...][+compile][+fp8-RECIPE]` -> Variant; `-OP` turns one kernel off, e.g.
+    `triton-attention+compile` is kernels=triton kernels.attention=false under torch.compile, and
+    `reference+compile+fp8-rowwise` adds fp8=rowwise."""
+    spec, *options = variant.split("+")
     name, *off = spec.split("-")
-    if name not in KERNELS or compiled not in ("", "compile"):
-        raise SystemExit(f"lmlab bench train: unknown variant '{variant}'; use KERNELS[-OP...][+compile] with KERNELS "
-                         f"in {', '.join(KERNELS.names())}")
+    fp8 = [o.removeprefix("fp8-") for o in options if o.startswith("fp8-")]
+    unknown = [o for o in options if o != "compile" and not o.startswith("fp8-")]
+    if name not in KERNELS or unknown or len(fp8) > 1 or any(f not in FP8 for f in fp8):
+        raise SystemExit(f"lmlab bench train: unknown variant '{variant}'; use KERNELS[-OP...][+compile][+fp8-RECIPE] "
+                         f"with KERNELS in {', '.join(KERNELS.names())} and RECIPE in {', '.join(FP8.names())}")
     fields = {f.name for f in KERNELS.get(name).fields()}
     if set(off) - fields:
         raise SystemExit(f"lmlab bench train: variant '{variant}': {name} has no kernel "
                          f"{', '.join(sorted(set(off) - fields))}; its fields: {', '.join(sorted(fields))}")
-    return {"name": name, **{op: False for op in off}}, bool(compiled)
+    return Variant({"name": name, **{op: False for op in off}}, "compile" in options, fp8[0] if fp8 else "none")
 
 
 class Contender:
@@ -66,13 +87,14 @@ class Contender:
     def __init__(self, variant: str, cfg, vocab: int, device: torch.device):
         from lmlab.nn.transformer import Transformer
 
-        kernels, compiled = parse_variant(variant)
+        chosen = parse_variant(variant)
         torch.manual_seed(cfg.seed)  # every variant starts from the same weights
         self.model = Transformer(cfg.model, vocab).to(device)
+        FP8.build(chosen.fp8).install(self.model)  # before compiling, as lmlab-train does
         self.loss_fn = LOSSES.build(cfg.loss)
-        ops = KERNELS.build(kernels)
+        ops = KERNELS.build(chosen.kernels)
         install_kernels(ops, self.model, self.loss_fn)
-        if compiled:
+        if chosen.compiled:
             compile_for_training(self.model, self.loss_fn)
         self.optimizer = OPTIMIZERS.build(cfg.optim, self.model)
         install_kernels(ops, self.optimizer)
@@ -151,9 +173,7 @@ def lmlab_train_tokens_per_s(overrides: list[str], variant: str, steps: int) -> 
     """tokens/s that `lmlab-train` itself logs over `steps` steps, after `steps` steps of warm-up."""
     from lmlab.training.run import train
 
-    kernels, compiled = parse_variant(variant)
-    run_overrides = [*overrides, f"kernels={kernels.pop('name')}", *(f"kernels.{op}=false" for op in kernels),
-                     f"trainer.compile={compiled}",
+    run_overrides = [*overrides, *parse_variant(variant).overrides(),
                      f"trainer.max_steps={2 * steps}", f"trainer.log_every={steps}", f"trainer.val_every={2 * steps}",
                      "trainer.val_batches=1", f"trainer.checkpoint_every={10 * steps}", "trainer.progress_bar=false",
                      "sched.warmup_steps=1"]
@@ -164,12 +184,12 @@ def lmlab_train_tokens_per_s(overrides: list[str], variant: str, steps: int) -> 
 
 
 def format_table(result: dict) -> str:
-    rows = [f"{'variant':<20} {'step ms':>9} {'tokens/s':>11} {'MFU':>6} {'peak GiB':>9} {'vs reference':>13}"]
+    rows = [f"{'variant':<30} {'step ms':>9} {'tokens/s':>11} {'MFU':>6} {'peak GiB':>9} {'vs reference':>13}"]
     base = result["variants"].get("reference", next(iter(result["variants"].values())))["step_ms"]
     for name, r in result["variants"].items():
         mfu = f"{r['mfu']:.1%}" if r["mfu"] is not None else "-"
         mem = f"{r['step_peak_gib']:.1f}" if r["step_peak_gib"] is not None else "-"
-        rows.append(f"{name:<20} {r['step_ms']:>9.1f} {r['tokens_per_s']:>11,.0f} {mfu:>6} {mem:>9} "
+        rows.append(f"{name:<30} {r['step_ms']:>9.1f} {r['tokens_per_s']:>11,.0f} {mfu:>6} {mem:>9} "
                     f"{base / r['step_ms']:>12.2f}x")
     return "\n".join(rows)
 
@@ -178,7 +198,7 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="lmlab bench train", description=__doc__.splitlines()[0])
     parser.add_argument("overrides", nargs="*", help="lmlab-train overrides, e.g. model=llama400m")
     parser.add_argument("--variants", default=",".join(VARIANTS),
-                        help=f"comma-separated KERNELS[-OP...][+compile], e.g. triton-attention+compile "
+                        help=f"comma-separated KERNELS[-OP...][+compile][+fp8-RECIPE], e.g. triton-attention+compile "
                              f"(default: {','.join(VARIANTS)})")
     parser.add_argument("--steps", type=int, default=10, help="timed steps per variant (default 10)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps per variant first (default 3)")

@@ -38,10 +38,10 @@ def test_bench_train_times_each_variant_and_profiles(tmp_path, capsys):
     out = tmp_path / "train.json"
     assert train_bench.main(["model.d_model=32", "model.n_layers=1", "model.attention.n_heads=2",
                              "data.context_length=32", "data.batch_size=2", "tokenizer.vocab_size=320",
-                             "--variants", "reference,triton", "--steps", "2", "--warmup", "1",
+                             "--variants", "reference,triton,reference+fp8-tensorwise", "--steps", "2", "--warmup", "1",
                              "--profile", str(tmp_path / "prof"), "--json", str(out)]) == 0
     result = json.loads(out.read_text())
-    assert set(result["variants"]) == {"reference", "triton"}
+    assert set(result["variants"]) == {"reference", "triton", "reference+fp8-tensorwise"}
     assert all(v["tokens_per_s"] > 0 for v in result["variants"].values())
     assert result["flops_per_token"] > 6 * result["parameters"] * 0.5
     assert "aten::mm" in (tmp_path / "prof" / "reference.txt").read_text()
@@ -50,3 +50,17 @@ def test_bench_train_times_each_variant_and_profiles(tmp_path, capsys):
 
 def test_no_roofline_without_a_known_gpu():
     assert peak_bandwidth(torch.device("cpu")) is None and peak_flops(torch.device("cpu")) is None
+
+
+def test_bench_train_variants_name_kernels_compile_and_fp8():
+    variant = train_bench.parse_variant("triton-attention+compile+fp8-rowwise")
+    assert variant == train_bench.Variant({"name": "triton", "attention": False}, True, "rowwise")
+    assert variant.overrides() == ["kernels=triton", "kernels.attention=false", "trainer.compile=True", "fp8=rowwise"]
+    assert train_bench.parse_variant("reference") == train_bench.Variant({"name": "reference"}, False, "none")
+    for bad in ("reference+fast", "reference+fp8-fancy", "triton-nothing", "cuda"):
+        try:
+            train_bench.parse_variant(bad)
+        except SystemExit as exit:
+            assert bad in str(exit.code)
+        else:
+            raise AssertionError(f"{bad} was accepted")
