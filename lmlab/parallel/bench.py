@@ -49,7 +49,7 @@ from lmlab.parallel.launch import device_for, run_processes
 from lmlab.parallel.context_parallel import apply_context_parallel, context_positions
 from lmlab.parallel.expert_parallel import ExpertParallel
 from lmlab.parallel.naive_ddp import NaiveDDP
-from lmlab.parallel.pipeline import build_pipeline, stage_bounds
+from lmlab.parallel.pipeline import build_pipeline, stage_owners
 from lmlab.parallel.ring_attention import zigzag_shard
 from lmlab.parallel.tensor_parallel import apply_tensor_parallel
 from lmlab.parallel.vocab_parallel import vocab_parallel_cross_entropy
@@ -110,10 +110,8 @@ def _pipeline(model):
         last = {"target": chunk[:, 1:], "losses": []} if rank == world - 1 else {}
         built["schedule"].step(*([chunk[:, :-1]] if rank == 0 else []), **last)
 
-    keep = {id(p) for start, end in stage_bounds(len(model.layers), world)[rank:rank + 1]
-            for layer in model.layers[start:end] for p in layer.parameters()}
-    keep |= {id(p) for p in (model.embed_tokens if rank == 0 else nn.Identity()).parameters()}
-    keep |= {id(p) for m in ((model.norm, model.lm_head) if rank == world - 1 else ()) for p in m.parameters()}
+    owners = stage_owners(model, world)
+    keep = {id(p) for p in model.parameters() if owners[id(p)] == rank}
     for param in model.parameters():  # other stages' weights: dropped, so memory is this stage's
         if id(param) not in keep:
             param.data = param.data.new_empty(0)

@@ -29,6 +29,8 @@ from lmlab.parallel.context_parallel import problems as context_problems
 from lmlab.parallel.expert_parallel import ExpertParallel
 from lmlab.parallel.expert_parallel import problems as expert_problems
 from lmlab.parallel.naive_ddp import NaiveDDP
+from lmlab.parallel.pipeline import plan_problems
+from lmlab.parallel.pipeline import problems as pipeline_problems
 from lmlab.parallel.ring_attention import zigzag_shard
 from lmlab.parallel.tensor_parallel import apply_tensor_parallel, problems
 from lmlab.parallel.zero1 import ZeRO1
@@ -319,29 +321,41 @@ class ContextParallelStrategy(DDPStrategy):
 
 @PARALLEL.register("nd")
 class MeshParallel(Parallel):
-    """Several kinds of parallelism on one layout of the ranks, dp x tp x cp x ep = the world size: Megatron tensor +
-    sequence parallelism within each group of tp ranks with FSDP2 (ZeRO-3) across the dp groups, or context
+    """Several kinds of parallelism on one layout of the ranks, dp x tp x cp x ep x pp = the world size: Megatron
+    tensor + sequence parallelism within each group of tp ranks with FSDP2 (ZeRO-3) across the dp groups, or context
     parallelism (ring attention) within each group of cp ranks with DDP across all, or expert parallelism: every
     MoE layer's experts split within each group of ep ranks, the rest replicated and data parallel over all ranks
-    (lmlab.parallel.expert_parallel). The ranks of one tp or cp group train on the same rows, those of an ep group
-    each on their own: data.batch_size splits over dp x ep."""
+    (lmlab.parallel.expert_parallel), or pipeline parallelism: the layers cut into pp x pp_stages_per_rank
+    consecutive stages over pp ranks, run over pp_microbatches micro-batches by pp_schedule, in dp replicas
+    (lmlab.parallel.pipeline_parallel; pipeline ranks outermost: rank = stage rank x dp + replica). The ranks of
+    one tp, cp or pipeline group train on the same rows, those of an ep group each on their own: data.batch_size
+    splits over dp x ep."""
 
     shards_parameters = True
-    supports_compile = False  # trainer.compile's per-block compile is not set up for DTensor-split blocks
+    supports_compile = False  # trainer.compile's per-block compile is not set up for DTensor-split blocks or stages
 
     @dataclass
     class Config(DistributedConfig):
-        dp: int = -1  # -1: the world size over tp x cp x ep
+        dp: int = -1  # -1: the world size over tp x cp x ep x pp
         tp: int = 1
         cp: int = 1  # context parallel: ranks that split each sequence (ring attention); not with tp > 1 yet
         ep: int = 1  # expert parallel: ranks that split every MoE layer's experts, each on its own rows; alone only
+        pp: int = 1  # pipeline parallel: ranks that split the layers into consecutive stages; with dp only
+        pp_schedule: str = "1f1b"  # gpipe, 1f1b, or interleaved_1f1b (with pp_stages_per_rank >= 2)
+        pp_microbatches: int = 0  # micro-batches each replica's rows are cut into per step; 0: pp
+        pp_stages_per_rank: int = 1  # stages each rank runs: 1, or >= 2 for interleaved_1f1b (a smaller bubble)
 
     def __init__(self, cfg: Config | None = None):
         super().__init__(cfg)
         self.tp, self.cp, self.ep, self.dp = (cfg.tp, cfg.cp, cfg.ep, cfg.dp) if cfg else (1, 1, 1, -1)
+        self.pp = cfg.pp if cfg else 1
         if self.tp < 1 or self.cp < 1 or self.ep < 1 or (self.dp < 1 and self.dp != -1):
             raise ConfigError(f"parallel.dp={self.dp}, parallel.tp={self.tp}, parallel.cp={self.cp} and parallel.ep="
-                              f"{self.ep} must be >= 1 (dp may be -1: the world size over tp x cp x ep)")
+                              f"{self.ep} must be >= 1 (dp may be -1: the world size over tp x cp x ep x pp)")
+        if self.pp < 1:
+            raise ConfigError(f"parallel.pp={self.pp} must be >= 1")
+        if self.pp > 1:
+            self._check_pipeline_plan(cfg)
         if self.tp > 1 and self.cp > 1:
             raise ConfigError(f"parallel.tp={self.tp} with parallel.cp={self.cp}: tensor and context parallelism do "
                               "not compose yet; use one of them")
@@ -350,13 +364,29 @@ class MeshParallel(Parallel):
                               "parallelism does not compose with tensor or context parallelism yet; set tp=1 and cp=1 "
                               "(ep combines with data parallelism: dp = the world size / ep)")
 
+    def _check_pipeline_plan(self, cfg: Config) -> None:
+        if self.tp > 1 or self.cp > 1 or self.ep > 1:
+            raise ConfigError(f"parallel.pp={self.pp} with parallel.tp={self.tp}, parallel.cp={self.cp} and parallel.ep="
+                              f"{self.ep}: pipeline parallelism does not compose with tensor, context or expert "
+                              "parallelism yet; set tp=1, cp=1 and ep=1 (pp combines with data parallelism: dp = the "
+                              "world size / pp)")
+        if cfg.pp_microbatches < 0 or cfg.pp_stages_per_rank < 1:
+            raise ConfigError(f"parallel.pp_microbatches={cfg.pp_microbatches} must be >= 0 (0: pp) and "
+                              f"parallel.pp_stages_per_rank={cfg.pp_stages_per_rank} >= 1")
+        self.pp_schedule, self.pp_stages_per_rank = cfg.pp_schedule, cfg.pp_stages_per_rank
+        self.pp_microbatches = cfg.pp_microbatches or self.pp  # the fewest that keep every stage busy
+        if found := plan_problems(self.pp_schedule, self.pp, self.pp_stages_per_rank, self.pp_microbatches):
+            raise ConfigError("; ".join(found))
+
     def _sizes(self, world_size: int) -> tuple[int, int]:
-        """(data-parallel size, model-splitting size: tp, cp or ep)."""
-        split = self.tp * self.cp * self.ep
+        """(data-parallel size, model-splitting size: tp, cp, ep or pp)."""
+        split = self.tp * self.cp * self.ep * self.pp
         dp = world_size // split if self.dp == -1 else self.dp
         if dp * split != world_size:
+            pp = f" x parallel.pp={self.pp}" if self.pp > 1 else ""
             raise ConfigError(f"parallel.dp={self.dp} x parallel.tp={self.tp} x parallel.cp={self.cp} x parallel.ep="
-                              f"{self.ep} must equal the world size {world_size} (trainer.devices x trainer.num_nodes)")
+                              f"{self.ep}{pp} must equal the world size {world_size} (trainer.devices x "
+                              "trainer.num_nodes)")
         return dp, split
 
     def data_parallel_size(self, world_size: int) -> int:
@@ -381,9 +411,37 @@ class MeshParallel(Parallel):
                 raise ConfigError("parallel.cp: " + "; ".join(found))
         if self.ep > 1 and (found := expert_problems(model, self.ep)):
             raise ConfigError(f"parallel.ep={self.ep}: " + "; ".join(found))
+        if self.pp > 1:
+            self._check_pipeline_run(cfg, model, self._sizes(world_size)[0])
+
+    def _check_pipeline_run(self, cfg, model: nn.Module, dp: int) -> None:
+        from lmlab.data import SOURCES  # lmlab.data imports this module
+
+        stages = self.pp * self.pp_stages_per_rank
+        if found := pipeline_problems(model, stages):
+            raise ConfigError(f"parallel.pp={self.pp} x parallel.pp_stages_per_rank={self.pp_stages_per_rank} = "
+                              f"{stages} stages: " + "; ".join(found))
+        t = cfg.trainer
+        if t.grad_noise_scale:
+            raise ConfigError("trainer.grad_noise_scale with parallel.pp > 1: the micro-batch gradient it measures is "
+                              "spread over the stages; set trainer.grad_noise_scale=false")
+        if str(t.precision) in ("16", "16-mixed"):
+            raise ConfigError(f"trainer.precision={t.precision} with parallel.pp > 1: the schedule's backward runs "
+                              "outside the fp16 loss scaler; use bf16-mixed or 32-true")
+        batch = SOURCES.resolve(cfg.data)[1].batch_size
+        parts = dp * t.accumulate_grad_batches
+        if batch % parts == 0 and (rows := batch // parts) % self.pp_microbatches:  # else the common check says so
+            raise ConfigError(f"data.batch_size={batch} leaves each pipeline {rows} rows per micro-step (over "
+                              f"parallel.dp={dp} replicas x trainer.accumulate_grad_batches={t.accumulate_grad_batches}"
+                              f"), not divisible by parallel.pp_microbatches={self.pp_microbatches}; make them divide")
 
     def lightning_strategy(self, world_size: int, cuda: bool) -> Strategy:
         dp, split = self._sizes(world_size)
+        if self.pp > 1:
+            from lmlab.parallel.pipeline_strategy import PipelineStrategy  # it builds on this module's strategies
+
+            return PipelineStrategy(self.pp, self.pp_schedule, self.pp_microbatches, self.pp_stages_per_rank,
+                                    process_group_backend=self.backend_for(cuda))
         if self.ep > 1:
             return ShardedWrapperStrategy(partial(ExpertParallel, ep=self.ep),
                                           process_group_backend=self.backend_for(cuda))

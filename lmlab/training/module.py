@@ -104,8 +104,12 @@ class LanguageModelTask(L.LightningModule):
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         self.qat.at_step(self.model, self.global_step)  # qat.start_step: full precision before it
         inputs, targets, positions = self._slice(batch)
-        terms = training_terms(self.loss_fn, self.model.forward_train(inputs, positions), targets,
-                               self.model.mtp_loss_weight)
+        pipeline_step = getattr(self.trainer.strategy, "pipeline_step", None)
+        if pipeline_step is not None:  # pipeline parallelism: its schedule runs the forward and the backward
+            terms = pipeline_step(inputs, targets, self.loss_fn)
+        else:
+            terms = training_terms(self.loss_fn, self.model.forward_train(inputs, positions), targets,
+                                   self.model.mtp_loss_weight)
         self._micro_terms.append({name: value.detach() for name, value in terms.items()})
         if len(self._micro_terms) == self.cfg.trainer.accumulate_grad_batches:  # the optimizer steps after this one
             self._log_step_terms()
@@ -196,8 +200,12 @@ class LanguageModelTask(L.LightningModule):
 
     def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
         inputs, targets, positions = self._slice(batch)
-        logits = self.model(inputs, positions)
-        self.val_loss.update(self.token_cross_entropy(logits.flatten(0, 1), targets.flatten()), weight=targets.numel())
+        pipeline_eval = getattr(self.trainer.strategy, "pipeline_eval", None)
+        if pipeline_eval is not None:  # pipeline parallelism: no rank holds the whole model
+            loss = pipeline_eval(inputs, targets)
+        else:
+            loss = self.token_cross_entropy(self.model(inputs, positions).flatten(0, 1), targets.flatten())
+        self.val_loss.update(loss, weight=targets.numel())
 
     def on_validation_epoch_end(self) -> None:
         loss = self.val_loss.compute()
