@@ -26,6 +26,7 @@ from lmlab.catalog import load_catalog
 from lmlab.errors import ConfigError, RunInterrupted
 from lmlab.parallel.launch import run_processes
 from lmlab.parallel.strategies import PARALLEL
+from lmlab.training.evaluation import eval_tasks
 from lmlab.training.resume import resolve_auto_resume
 from lmlab.training.run import check_parallel, load_data, preflight, train, uses_cuda
 
@@ -42,6 +43,7 @@ def launch(cfg: DictConfig, output_dir: str | Path) -> dict[str, float]:
     cfg = resolve_auto_resume(cfg, Path(output_dir))  # once, so every rank resumes from the same checkpoint
     source, data_cfg = preflight(cfg)  # before any process starts
     parallel = check_parallel(cfg, data_cfg.batch_size)
+    eval_tasks(cfg, parallel)  # e.g. a missing eval data path, or a strategy that leaves no rank the whole model
     if cfg.trainer.num_nodes > 1:
         raise ConfigError(f"trainer.num_nodes={cfg.trainer.num_nodes}: start one lmlab-train per node with torchrun "
                           "or srun (SLURM); lmlab starts processes on this machine only")

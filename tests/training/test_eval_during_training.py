@@ -14,6 +14,7 @@ from lmlab.errors import ConfigError
 from lmlab.parallel.strategies import PARALLEL
 from lmlab.training import train
 from lmlab.training.evaluation import eval_tasks
+from lmlab.training.launch import launch
 
 MMLU = Path(__file__).parents[1] / "eval" / "fixtures" / "mmlu"
 EVAL = ["eval=[mmlu]", f"eval.mmlu.path={MMLU}", "eval.mmlu.shots=0", "eval.limit=2"]
@@ -39,6 +40,14 @@ def test_bad_eval_settings_fail_before_training(make_cfg, tiny_overrides, tmp_pa
     assert not (tmp_path / "checkpoints").exists()
     with pytest.raises(ConfigError, match="leaves no room"):  # TINY's context is 32 tokens
         train(make_cfg([*tiny_overrides, "eval=[mmlu_generative]", f"eval.mmlu_generative.path={MMLU}"]), tmp_path)
+
+
+def test_a_distributed_job_checks_its_eval_tasks_before_any_process_starts(make_cfg, tiny_overrides, tmp_path):
+    with pytest.raises(ConfigError, match="eval.mmlu.path"):
+        launch(make_cfg([*tiny_overrides, "eval=[mmlu]", "parallel=ddp", "trainer.devices=2"]), tmp_path / "run")
+    with pytest.raises(ConfigError, match="parallel=zero3 shards its parameters"):
+        launch(make_cfg([*tiny_overrides, *EVAL, "parallel=zero3", "trainer.devices=2"]), tmp_path / "run")
+    assert not (tmp_path / "run").exists()
 
 
 def test_a_strategy_that_shards_the_weights_is_refused(make_cfg, tiny_overrides):
