@@ -23,7 +23,7 @@ from torch import nn
 from lmlab.errors import ConfigError
 from lmlab.nn.attention import MultiHeadAttention
 from lmlab.nn.positions import PositionEncoding
-from lmlab.parallel.ring_attention import ring_attention, zigzag_positions
+from lmlab.parallel.ring_attention import ring_attention, zigzag_positions, zigzag_shard
 
 
 def problems(model: nn.Module) -> list[str]:
@@ -61,3 +61,10 @@ def apply_context_parallel(model: nn.Module, group=None) -> None:
 def context_positions(length: int, group=None, device=None) -> torch.Tensor:
     """Positions in the whole sequence of this rank's zigzag slice of a `length`-token sequence."""
     return zigzag_positions(length, dist.get_rank(group), dist.get_world_size(group), device)
+
+
+def context_slice(inputs: torch.Tensor, targets: torch.Tensor, group=None):
+    """This rank's zigzag slice of a batch's rows (batch, seq): (inputs, targets, positions in the whole sequences)."""
+    rank, world, length = dist.get_rank(group), dist.get_world_size(group), inputs.shape[1]
+    inputs, targets = (zigzag_shard(t, rank, world, dim=1) for t in (inputs, targets))
+    return inputs, targets, context_positions(length, group, inputs.device)

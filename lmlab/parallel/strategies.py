@@ -24,14 +24,13 @@ from lmlab.errors import ConfigError
 from lmlab.optim import OPTIMIZERS
 from lmlab.parallel.bucketed_ddp import BucketedDDP
 from lmlab.parallel.fsdp import FSDP
-from lmlab.parallel.context_parallel import apply_context_parallel, context_positions
+from lmlab.parallel.context_parallel import apply_context_parallel, context_slice
 from lmlab.parallel.context_parallel import problems as context_problems
 from lmlab.parallel.expert_parallel import ExpertParallel
 from lmlab.parallel.expert_parallel import problems as expert_problems
 from lmlab.parallel.naive_ddp import NaiveDDP
 from lmlab.parallel.pipeline import plan_problems
 from lmlab.parallel.pipeline import problems as pipeline_problems
-from lmlab.parallel.ring_attention import zigzag_shard
 from lmlab.parallel.tensor_parallel import apply_tensor_parallel, problems
 from lmlab.parallel.zero1 import ZeRO1
 from lmlab.registry import Registry
@@ -314,16 +313,16 @@ class ContextParallelStrategy(DDPStrategy):
 
     def context_slice(self, inputs: torch.Tensor, targets: torch.Tensor):
         """This rank's slice of a batch's rows: (inputs, targets, positions in the whole sequences)."""
-        rank, length = self.global_rank % self.cp, inputs.shape[1]
-        inputs, targets = (zigzag_shard(t, rank, self.cp, dim=1) for t in (inputs, targets))
-        return inputs, targets, context_positions(length, self.cp_group, inputs.device)
+        return context_slice(inputs, targets, self.cp_group)
 
 
 @PARALLEL.register("nd")
 class MeshParallel(Parallel):
     """Several kinds of parallelism on one layout of the ranks, dp x tp x cp x ep x pp = the world size: Megatron
     tensor + sequence parallelism within each group of tp ranks with FSDP2 (ZeRO-3) across the dp groups, or context
-    parallelism (ring attention) within each group of cp ranks with DDP across all, or expert parallelism: every
+    parallelism (ring attention) within each group of cp ranks with DDP across all, or both: a (dp, cp, tp) mesh, tp
+    innermost, each cp group ringing the heads its tp rank holds, FSDP2 over the dp x cp ranks of each tp rank
+    (lmlab.parallel.tensor_context_strategy; rank = (d x cp + c) x tp + t), or expert parallelism: every
     MoE layer's experts split within each group of ep ranks, the rest replicated and data parallel over all ranks
     (lmlab.parallel.expert_parallel), or pipeline parallelism: the layers cut into pp x pp_stages_per_rank
     consecutive stages over pp ranks, run over pp_microbatches micro-batches by pp_schedule, in dp replicas
@@ -337,8 +336,8 @@ class MeshParallel(Parallel):
     @dataclass
     class Config(DistributedConfig):
         dp: int = -1  # -1: the world size over tp x cp x ep x pp
-        tp: int = 1
-        cp: int = 1  # context parallel: ranks that split each sequence (ring attention); not with tp > 1 yet
+        tp: int = 1  # tensor (+ sequence) parallel: consecutive ranks that split every layer's heads and FFN
+        cp: int = 1  # context parallel: ranks that split each sequence (ring attention); with tp > 1, of tp groups
         ep: int = 1  # expert parallel: ranks that split every MoE layer's experts, each on its own rows; alone only
         pp: int = 1  # pipeline parallel: ranks that split the layers into consecutive stages; with dp only
         pp_schedule: str = "1f1b"  # gpipe, 1f1b, or interleaved_1f1b (with pp_stages_per_rank >= 2)
@@ -356,9 +355,6 @@ class MeshParallel(Parallel):
             raise ConfigError(f"parallel.pp={self.pp} must be >= 1")
         if self.pp > 1:
             self._check_pipeline_plan(cfg)
-        if self.tp > 1 and self.cp > 1:
-            raise ConfigError(f"parallel.tp={self.tp} with parallel.cp={self.cp}: tensor and context parallelism do "
-                              "not compose yet; use one of them")
         if self.ep > 1 and (self.tp > 1 or self.cp > 1):
             raise ConfigError(f"parallel.ep={self.ep} with parallel.tp={self.tp} and parallel.cp={self.cp}: expert "
                               "parallelism does not compose with tensor or context parallelism yet; set tp=1 and cp=1 "
@@ -404,9 +400,14 @@ class MeshParallel(Parallel):
             found = context_problems(model)
             if len(model.mtp_layers):
                 found.append("model.mtp.depth > 0: multi-token prediction shifts tokens across the slices")
-            if cfg.data.context_length % (2 * self.cp):
-                found.append(f"data.context_length={cfg.data.context_length} is not a multiple of 2 x cp = {2 * self.cp} "
+            length = cfg.data.context_length
+            if length % (2 * self.cp):
+                found.append(f"data.context_length={length} is not a multiple of 2 x cp = {2 * self.cp} "
                              "(the zigzag layout's chunks)")
+            elif length // self.cp % self.tp:
+                found.append(f"data.context_length={length} leaves each rank a slice of {length // self.cp} tokens, "
+                             f"not divisible by parallel.tp={self.tp} (sequence parallelism splits the slice again); "
+                             f"make it a multiple of {2 * self.cp} and of cp x tp = {self.cp * self.tp}")
             if found:
                 raise ConfigError("parallel.cp: " + "; ".join(found))
         if self.ep > 1 and (found := expert_problems(model, self.ep)):
@@ -445,6 +446,10 @@ class MeshParallel(Parallel):
         if self.ep > 1:
             return ShardedWrapperStrategy(partial(ExpertParallel, ep=self.ep),
                                           process_group_backend=self.backend_for(cuda))
+        if self.cp > 1 and self.tp > 1:
+            from lmlab.parallel.tensor_context_strategy import TensorContextStrategy  # it builds on MeshStrategy
+
+            return TensorContextStrategy(dp, self.cp, self.tp, self.backend_for(cuda))
         if self.cp > 1:
             return ContextParallelStrategy(self.cp, process_group_backend=self.backend_for(cuda))
         return MeshStrategy(dp, split, self.backend_for(cuda))

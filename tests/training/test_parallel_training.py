@@ -52,7 +52,7 @@ def test_two_processes_match_one(make_cfg, tiny_overrides, tmp_path, single_run,
     (["parallel=nd", "parallel.tp=2", "trainer.devices=2", "model.attention.n_heads=1"], "n_heads=1 and n_kv_heads=1 must be divisible"),
     (["parallel=nd", "parallel.tp=2", "trainer.devices=2", "model/position=alibi"], "position=ALiBi"),
     (["parallel=nd", "parallel.tp=2", "trainer.devices=2", "model/moe=topk"], "MoE layers take expert parallelism"),
-    (["parallel=nd", "parallel.tp=2", "parallel.cp=2", "trainer.devices=2"], "do not compose yet"),
+    (["parallel=nd", "parallel.tp=2", "parallel.cp=2", "trainer.devices=2"], r"parallel.tp=2 x parallel.cp=2 x parallel.ep=1 must equal the world size 2"),
     (["parallel=nd", "parallel.cp=2", "trainer.devices=2", "data.context_length=30"], "not a multiple of 2 x cp = 4"),
     (["parallel=nd", "parallel.cp=2", "trainer.devices=2", "model/position=alibi"], "ring attention has no bias"),
 ])
