@@ -16,6 +16,8 @@ time. BucketedDDP is the version that hides it behind backward.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -38,6 +40,12 @@ class NaiveDDP(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.module(*args, **kwargs)
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside only accumulate into .grad (nothing communicates during backward here anyway):
+        skip finish_gradient_synchronization after them, and call it once after the last micro-batch."""
+        yield
 
     @torch.no_grad()
     def finish_gradient_synchronization(self) -> None:

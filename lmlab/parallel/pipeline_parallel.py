@@ -26,7 +26,8 @@ Checkpoints hold whole tensors: each is broadcast from the rank of its stage ove
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -178,6 +179,11 @@ class PipelineParallel:
                 grad = grad.mul_(scale) if scale != 1 else grad
                 p.grad = grad if p.grad is None else p.grad.add_(grad)
         self._pending = []
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Micro-batches inside only accumulate into .grad: call finish_gradient_synchronization once after the last."""
+        yield
 
     @torch.no_grad()
     def finish_gradient_synchronization(self) -> None:

@@ -12,8 +12,6 @@ targets)`, a forward-only pass through the pipeline.
 
 from __future__ import annotations
 
-from contextlib import contextmanager
-
 import torch
 from lightning.pytorch.strategies import Strategy
 from torch import nn
@@ -30,7 +28,6 @@ class PipelineStrategy(ShardedWrapperStrategy):
     def __init__(self, pp: int, schedule: str, n_microbatches: int, stages_per_rank: int, **kwargs):
         super().__init__(shard=None, **kwargs)  # no wrapper module: the pipeline is built by parallelize_model
         self.pp, self.schedule, self.n_microbatches, self.stages_per_rank = pp, schedule, n_microbatches, stages_per_rank
-        self._synchronize = True  # False while Lightning accumulates micro-batches
 
     @property
     def distributed_sampler_kwargs(self) -> dict:
@@ -60,18 +57,8 @@ class PipelineStrategy(ShardedWrapperStrategy):
         self.post_backward(closure_loss)
         return closure_loss
 
-    @contextmanager
-    def block_backward_sync(self):
-        """Lightning's accumulation: replicas average their gradients after the step's last micro-batch only."""
-        self._synchronize = False
-        try:
-            yield
-        finally:
-            self._synchronize = True
-
-    def post_backward(self, closure_loss: torch.Tensor) -> None:
-        if self._synchronize:
-            self.sharded.finish_gradient_synchronization()
+    def synchronizer(self) -> PipelineParallel:
+        return self.sharded  # no wrapper module: the pipeline averages each stage's gradients over its replicas
 
     def _setup_model(self, model: nn.Module) -> nn.Module:
         return model  # the schedule runs the stages; nothing wraps the LightningModule

@@ -12,7 +12,8 @@ LightningModule only asks its strategy, if the strategy offers it, to build the 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
 
@@ -116,6 +117,7 @@ class WrappedDDPStrategy(DDPStrategy):
         super().__init__(**kwargs)
         self._wrap = wrap
         self._shard_optimizer = shard_optimizer
+        self._synchronize = True  # False inside block_backward_sync: the step's last micro-batch synchronizes
 
     def _setup_model(self, model: nn.Module) -> nn.Module:
         return self._wrap(model)
@@ -123,8 +125,29 @@ class WrappedDDPStrategy(DDPStrategy):
     def _register_ddp_hooks(self) -> None:
         """torch DDP's communication hooks do not apply to lmlab's wrappers."""
 
+    def synchronizer(self):
+        """What averages the gradients over the ranks (`finish_gradient_synchronization`): the wrapper."""
+        return self.model
+
+    @contextmanager
+    def block_backward_sync(self) -> Iterator[None]:
+        """Lightning's gradient accumulation: a synchronizer with `no_sync` (NaiveDDP, BucketedDDP, the pipeline) only
+        accumulates the micro-batches but the last, which synchronizes the sums once; without it, every micro-batch
+        synchronizes."""
+        no_sync = getattr(self.synchronizer(), "no_sync", None)
+        if no_sync is None:
+            yield
+            return
+        self._synchronize = False
+        try:
+            with no_sync():
+                yield
+        finally:
+            self._synchronize = True
+
     def post_backward(self, closure_loss: torch.Tensor) -> None:
-        self.model.finish_gradient_synchronization()  # before clipping and the optimizer step
+        if self._synchronize:
+            self.synchronizer().finish_gradient_synchronization()  # before clipping and the optimizer step
 
     def build_optimizer(self, optim_cfg, model: nn.Module) -> torch.optim.Optimizer:
         return ZeRO1.from_registry(optim_cfg, model) if self._shard_optimizer else OPTIMIZERS.build(optim_cfg, model)
@@ -423,9 +446,6 @@ class MeshParallel(Parallel):
             raise ConfigError(f"parallel.pp={self.pp} x parallel.pp_stages_per_rank={self.pp_stages_per_rank} = "
                               f"{stages} stages: " + "; ".join(found))
         t = cfg.trainer
-        if t.grad_noise_scale:
-            raise ConfigError("trainer.grad_noise_scale with parallel.pp > 1: the micro-batch gradient it measures is "
-                              "spread over the stages; set trainer.grad_noise_scale=false")
         if str(t.precision) in ("16", "16-mixed"):
             raise ConfigError(f"trainer.precision={t.precision} with parallel.pp > 1: the schedule's backward runs "
                               "outside the fp16 loss scaler; use bf16-mixed or 32-true")

@@ -121,6 +121,11 @@ def check_parallel(cfg: DictConfig, batch_size: int) -> Parallel:
     if not parallel.distributed and world > 1:
         raise ConfigError(f"parallel=single runs one process, but trainer.devices={t.devices} and trainer.num_nodes="
                           f"{t.num_nodes}; pick a data-parallel strategy, e.g. parallel=ddp")
+    if t.grad_noise_scale and parallel.shards_parameters and world > 1:
+        raise ConfigError(f"trainer.grad_noise_scale measures one rank's gradient of its first micro-batch, before the "
+                          f"ranks combine theirs; parallel={cfg.parallel.name} shards or reduces the gradients during "
+                          "backward (or splits the model or the sequences), so no rank holds that gradient. Use ddp, "
+                          "naive_ddp, bucketed_ddp or zero1, or set trainer.grad_noise_scale=false")
     if t.compile and not parallel.supports_compile:
         raise ConfigError(f"trainer.compile=true does not work with parallel={cfg.parallel.name}; set "
                           "trainer.compile=false")

@@ -40,6 +40,16 @@ def test_two_processes_match_one(make_cfg, tiny_overrides, tmp_path, single_run,
         torch.testing.assert_close(state[key], value, rtol=1e-4, atol=1e-5, msg=key)
 
 
+@pytest.mark.parametrize("strategy", ["naive_ddp", "bucketed_ddp"])
+def test_accumulating_ranks_match_one_process(make_cfg, tiny_overrides, tmp_path, single_run, strategy):
+    """Micro-batches but the last only accumulate (the wrapper's no_sync); the last synchronizes the sums."""
+    out = tmp_path / strategy
+    launch(make_cfg([*tiny_overrides, *STEPS, f"parallel={strategy}", "trainer.devices=2",
+                     "trainer.accumulate_grad_batches=2", *SETTINGS.get(strategy, [])]), out)
+    for key, value in single_run.items():
+        torch.testing.assert_close(final_state(out)[key], value, rtol=1e-4, atol=1e-5, msg=key)
+
+
 @pytest.mark.parametrize("extra,match", [
     (["parallel=ddp", "trainer.devices=2", "data.batch_size=7"], r"data.batch_size=7 is not divisible by 2 \(2 data-parallel ranks of world size 2"),
     (["parallel=ddp", "trainer.devices=4096"], "more than the"),
@@ -48,6 +58,8 @@ def test_two_processes_match_one(make_cfg, tiny_overrides, tmp_path, single_run,
     (["parallel=zero1", "parallel.bucket_size_mb=0"], "bucket_size_mb must be > 0"),
     (["parallel=zero3", "trainer.devices=2", "trainer.compile=true"], "does not work with parallel=zero3"),
     (["parallel=zero3", "parallel.compute_dtype=int8"], "compute_dtype must be"),
+    (["parallel=fsdp", "trainer.devices=2", "trainer.accumulate_grad_batches=2", "trainer.grad_noise_scale=true"],
+     "parallel=fsdp shards or reduces the gradients during backward"),
     (["parallel=nd", "parallel.tp=2", "parallel.dp=2", "trainer.devices=2"], r"dp=2 x parallel.tp=2 x parallel.cp=1 x parallel.ep=1 must equal the world size 2"),
     (["parallel=nd", "parallel.tp=2", "trainer.devices=2", "model.attention.n_heads=1"], "n_heads=1 and n_kv_heads=1 must be divisible"),
     (["parallel=nd", "parallel.tp=2", "trainer.devices=2", "model/position=alibi"], "position=ALiBi"),
