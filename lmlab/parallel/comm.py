@@ -146,16 +146,25 @@ def average_gradients(params: list[torch.Tensor], group=None) -> None:
         offset += grad.numel()
 
 
+def own_group(groups: list[list[int]], rank: int):
+    """Make a process group of each list of ranks (every rank must make all of them, in the same order) and return
+    the one that holds `rank`."""
+    made = [dist.new_group(ranks) for ranks in groups]
+    return next(group for group, ranks in zip(made, groups) if rank in ranks)
+
+
 @torch.no_grad()
 def load_whole_tensors(module: nn.Module, state: dict[str, torch.Tensor], strict: bool,
-                       local_part: Callable[[torch.Tensor, torch.Tensor], torch.Tensor | None]) -> None:
+                       local_part: Callable[[torch.Tensor, torch.Tensor], torch.Tensor | None],
+                       holds: Callable[[torch.Tensor], bool] = lambda t: True) -> None:
     """Copy whole tensors (a gathered or unsharded state dict) into a sharding wrapper's module: each of its
-    tensors t takes `local_part(t, whole)`, the rows this rank holds, or the whole tensor where that is None."""
+    tensors t takes `local_part(t, whole)`, the rows this rank holds, or the whole tensor where that is None;
+    tensors the rank does not hold at all (`holds(t)` false: another pipeline stage's) are left alone."""
     current = module.state_dict(keep_vars=True)
     if strict and (missing := current.keys() ^ state.keys()):
         raise KeyError(f"the state dict and the model disagree on keys: {sorted(missing)[:5]}")
     for name, t in current.items():
-        if name in state:
+        if name in state and holds(t):
             whole = state[name].to(t.device)
             part = local_part(t, whole)
             t.data.copy_(whole if part is None else part)

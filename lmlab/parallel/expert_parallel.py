@@ -37,7 +37,8 @@ from torch import nn
 from lmlab.nn.moe.experts import Experts
 from lmlab.nn.moe.layer import MoELayer
 from lmlab.nn.moe.routers import sum_router_load_over
-from lmlab.parallel.comm import average_gradients, broadcast_module, load_whole_tensors, map_optimizer_state
+from lmlab.parallel.comm import (average_gradients, broadcast_module, load_whole_tensors, map_optimizer_state,
+                                 own_group)
 
 
 def problems(model: nn.Module, ep: int) -> list[str]:
@@ -120,9 +121,8 @@ def shard_experts(model: nn.Module, group=None) -> list[ExpertParallelExperts]:
 
 def _groups(world: int, ep: int, rank: int) -> tuple[Any, Any]:
     """(this rank's expert group, its replica group); every rank makes every group, in the same order."""
-    expert_groups = [dist.new_group(list(range(first, first + ep))) for first in range(0, world, ep)]
-    replica_groups = [dist.new_group(list(range(i, world, ep))) for i in range(ep)]
-    return expert_groups[rank // ep], replica_groups[rank % ep]
+    return (own_group([list(range(first, first + ep)) for first in range(0, world, ep)], rank),
+            own_group([list(range(i, world, ep)) for i in range(ep)], rank))
 
 
 class ExpertParallel(nn.Module):

@@ -36,7 +36,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from lmlab.parallel.comm import average_gradients, load_whole_tensors
+from lmlab.parallel.comm import average_gradients, load_whole_tensors, own_group
 from lmlab.parallel.pipeline import build_pipeline, stage_owners
 
 IGNORE = -100  # the target of validation's padding rows
@@ -50,12 +50,6 @@ def rank_layout(world: int, pp: int) -> tuple[list[list[int]], list[list[int]]]:
     dp = world // pp
     return ([[s * dp + d for s in range(pp)] for d in range(dp)],
             [[s * dp + d for d in range(dp)] for s in range(pp)])
-
-
-def _own_group(groups: list[list[int]], rank: int):
-    """Make every group (every rank makes all of them, in the same order); return the one holding `rank`."""
-    made = [dist.new_group(ranks) for ranks in groups]
-    return next(group for group, ranks in zip(made, groups) if rank in ranks)
 
 
 def _placeholder(p: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -83,7 +77,7 @@ class PipelineParallel:
         self.module, self.pp, self.dp, self.n_microbatches = model, pp, world // pp, n_microbatches
         self.stage_rank, self.dp_rank = divmod(rank, self.dp)
         self.pipeline_ranks = pipelines[self.dp_rank]
-        self.pp_group, self.dp_group = _own_group(pipelines, rank), _own_group(dp_groups, rank)
+        self.pp_group, self.dp_group = own_group(pipelines, rank), own_group(dp_groups, rank)
         self.device = device or next(model.parameters()).device
         self.owner = stage_owners(model, pp, stages_per_rank)
         self.held = [p for p in model.parameters() if self.owner[id(p)] == self.stage_rank]
@@ -95,7 +89,7 @@ class PipelineParallel:
         with torch.no_grad():
             if self.dp > 1:  # every replica of a stage starts from the same weights
                 for t in [*self.held, *model.buffers()]:
-                    t.copy_(self._broadcast(t, dp_groups[self.stage_rank][0], self.dp_group))
+                    dist.broadcast(t.detach(), src=dp_groups[self.stage_rank][0], group=self.dp_group)
             for p in self.dropped:
                 p.data = _placeholder(p, p.device)
         self._loss_now: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
@@ -148,7 +142,7 @@ class PipelineParallel:
             self._term_names = names[0]
         means = (torch.stack([torch.stack([t[name] for t in micro_terms]).mean() for name in self._term_names])
                  if self.holds_last else torch.empty(len(self._term_names)))
-        return dict(zip(self._term_names, self._broadcast(means, last, self.pp_group).to(self.device)))
+        return dict(zip(self._term_names, self._broadcast(means, last, self.pp_group)))
 
     @torch.no_grad()
     def eval_loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -169,7 +163,7 @@ class PipelineParallel:
                                                                  ignore_index=IGNORE, reduction="sum")
         losses = self._run(self.schedule.eval, inputs, targets)
         total = torch.stack(losses).sum() if self.holds_last else torch.empty(())
-        return self._broadcast(total, self.pipeline_ranks[-1], self.pp_group).to(count.device) / count
+        return self._broadcast(total, self.pipeline_ranks[-1], self.pp_group) / count
 
     @torch.no_grad()
     def accumulate_gradients(self, scale: float = 1.0) -> None:
@@ -210,22 +204,23 @@ class PipelineParallel:
             for p in self.dropped:
                 p.data = _placeholder(p, device)
 
-    # -- whole tensors for checkpoints (collectives: every rank calls them, in the same order) ------------------
     def _broadcast(self, t: torch.Tensor | None, src: int, group, spec: _TensorSpec | None = None) -> torch.Tensor:
-        """Rank `src`'s `t` on every rank of `group` (on the CPU); the others pass a tensor or spec of its shape."""
+        """Rank `src`'s `t` on every rank of `group`, on this rank's device; the others pass a tensor or spec of its
+        shape. A collective: every rank of the group calls it, in the same order."""
         if dist.get_rank() == src:
             buffer = t.detach().to(self.device, copy=True)
         else:
             spec = spec or _TensorSpec(tuple(t.shape), t.dtype)
             buffer = torch.empty(spec.shape, dtype=spec.dtype, device=self.device)
         dist.broadcast(buffer, src=src, group=group)
-        return buffer.cpu()
+        return buffer
 
+    # -- whole tensors for checkpoints, on the CPU (collectives: every rank calls them, in the same order) ------
     def _from_stage(self, t: torch.Tensor) -> torch.Tensor:
         owner = self.owner.get(id(t))
         if owner is None:  # not on a stage: every rank holds it
             return t.detach()
-        return self._broadcast(t, self.pipeline_ranks[owner], self.pp_group)
+        return self._broadcast(t, self.pipeline_ranks[owner], self.pp_group).cpu()
 
     @torch.no_grad()
     def gather_full_params(self, of: nn.Module | None = None) -> dict[str, torch.Tensor]:
@@ -238,13 +233,9 @@ class PipelineParallel:
     def load_full_state_dict(self, state: dict[str, torch.Tensor], of: nn.Module | None = None,
                              strict: bool = True) -> None:
         """Load whole tensors (a gathered or one process's state dict): each rank keeps its stages'."""
-        of = self.module if of is None else of
-        current = of.state_dict(keep_vars=True)
-        if strict and (missing := current.keys() ^ state.keys()):
-            raise KeyError(f"the state dict and the model disagree on keys: {sorted(missing)[:5]}")
         dropped = {id(p) for p in self.dropped}
-        kept = {name: value for name, value in state.items() if name in current and id(current[name]) not in dropped}
-        load_whole_tensors(of, kept, False, lambda t, whole: None)
+        load_whole_tensors(self.module if of is None else of, state, strict, lambda t, whole: None,
+                           holds=lambda t: id(t) not in dropped)
 
     @torch.no_grad()
     def full_optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
@@ -262,7 +253,7 @@ class PipelineParallel:
             src = self.pipeline_ranks[owner]
             for index, entry in layout.items():
                 local = state_dict["state"].get(index, {})
-                state[index] = {k: self._broadcast(local.get(k), src, self.pp_group, spec)
+                state[index] = {k: self._broadcast(local.get(k), src, self.pp_group, spec).cpu()
                                 if isinstance(spec, _TensorSpec) else spec for k, spec in entry.items()}
         return {**state_dict, "state": dict(sorted(state.items()))}
 

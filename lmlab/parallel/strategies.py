@@ -24,6 +24,7 @@ from torch import nn
 from lmlab.errors import ConfigError
 from lmlab.optim import OPTIMIZERS
 from lmlab.parallel.bucketed_ddp import BucketedDDP
+from lmlab.parallel.comm import own_group
 from lmlab.parallel.fsdp import FSDP
 from lmlab.parallel.context_parallel import apply_context_parallel, context_slice
 from lmlab.parallel.context_parallel import problems as context_problems
@@ -326,12 +327,8 @@ class ContextParallelStrategy(DDPStrategy):
         return {"num_replicas": self.world_size // self.cp, "rank": self.global_rank // self.cp}
 
     def parallelize_model(self, model: nn.Module) -> None:
-        import torch.distributed as dist
-
-        for first in range(0, self.world_size, self.cp):  # every rank makes every group, in the same order
-            group = dist.new_group(list(range(first, first + self.cp)))
-            if first <= self.global_rank < first + self.cp:
-                self.cp_group = group
+        self.cp_group = own_group([list(range(first, first + self.cp)) for first in range(0, self.world_size, self.cp)],
+                                  self.global_rank)
         apply_context_parallel(model, self.cp_group)
 
     def context_slice(self, inputs: torch.Tensor, targets: torch.Tensor):
