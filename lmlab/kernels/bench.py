@@ -98,16 +98,16 @@ def cases(device: torch.device, compile: bool) -> list[Case]:
     n, d = (16384, 4096) if big else (1024, 512)
     out.append(Case(
         "rms_norm", f"{n}x{d}",
-        lambda: [_leaf(n, d, device=device), _leaf(d, device=device)],
+        lambda n=n, d=d: [_leaf(n, d, device=device), _leaf(d, device=device)],
         _impls("rms_norm", lambda x, w: rms_norm(x, w, 1e-6),
-               {"F.rms_norm": lambda x, w: F.rms_norm(x, (d,), w, 1e-6)}, compile, triton),
+               {"F.rms_norm": lambda x, w: F.rms_norm(x, x.shape[-1:], w, 1e-6)}, compile, triton),
         "F.rms_norm",
         flops=(4 * n * d, 8 * n * d), bytes=(2 * n * d * BF16, 3 * n * d * BF16)))
     # The pre-norm block's residual add fused in: forward reads x, r and writes s, y; backward reads s, dy,
     # ds and writes dx (the same gradient for x and r). The sum and the norm both reach the loss.
     out.append(Case(
         "add_rms_norm", f"{n}x{d}",
-        lambda: [_leaf(n, d, device=device), _leaf(n, d, device=device), _leaf(d, device=device)],
+        lambda n=n, d=d: [_leaf(n, d, device=device), _leaf(n, d, device=device), _leaf(d, device=device)],
         _impls("add_rms_norm", lambda x, r, w: add_rms_norm(x, r, w, 1e-6), {}, compile, triton),
         "reference+compile" if compile else "reference",
         flops=(5 * n * d, 9 * n * d), bytes=(4 * n * d * BF16, 4 * n * d * BF16)))
@@ -128,14 +128,14 @@ def cases(device: torch.device, compile: bool) -> list[Case]:
     n, f = (32768, 2816) if big else (1024, 512)
     out.append(Case(
         "swiglu", f"{n}x{f}",
-        lambda: [_leaf(n, f, device=device), _leaf(n, f, device=device)],
+        lambda n=n, f=f: [_leaf(n, f, device=device), _leaf(n, f, device=device)],
         _impls("swiglu", swiglu, {}, compile, triton), "reference",
         flops=(5 * n * f, 10 * n * f), bytes=(3 * n * f * BF16, 5 * n * f * BF16)))
 
     n, v = (32768, 50304) if big else (512, 4096)
     out.append(Case(
         "cross_entropy", f"{n}x{v}",
-        lambda: [_leaf(n, v, device=device, scale=4.0), torch.randint(0, v, (n,), device=device)],
+        lambda n=n, v=v: [_leaf(n, v, device=device, scale=4.0), torch.randint(0, v, (n,), device=device)],
         _impls("cross_entropy", lambda logits, t: cross_entropy(logits, t, -100, 0.0, False)[0], {}, compile, triton),
         "reference",
         flops=(4 * n * v, 4 * n * v), bytes=(n * v * BF16, 2 * n * v * BF16)))
@@ -203,18 +203,21 @@ def _forward(impl: Callable, inputs: list[torch.Tensor]) -> Callable[[], object]
 
 
 def _forward_backward(impl: Callable, inputs: list[torch.Tensor]) -> Callable[[], object]:
-    """A call that runs impl and back-propagates ones from every output it returns."""
+    """A call that runs impl and back-propagates ones from every output it returns.
+
+    The gradients are returned (`autograd.grad`), not accumulated into the inputs' `.grad`: a leaf's
+    accumulation copies a gradient that another input also receives (add + RMSNorm gives x and the
+    residual one dx), traffic that the same op inside a model does not have.
+    """
     leaves = [t for t in inputs if t.requires_grad]
     grads = None
 
     def run():
         nonlocal grads
-        for t in leaves:
-            t.grad = None
         out = impl(*inputs)
         outs = out if isinstance(out, tuple) else (out,)
         grads = [torch.ones_like(o) for o in outs] if grads is None else grads
-        torch.autograd.backward(outs, grads)
+        return torch.autograd.grad(outs, leaves, grads)
     return run
 
 

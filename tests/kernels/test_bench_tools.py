@@ -26,6 +26,17 @@ def test_bench_kernels_reports_every_implementation_and_pass(tmp_path, capsys):
     assert "F.rms_norm" in capsys.readouterr().out
 
 
+def test_bench_kernel_cases_build_inputs_of_the_shape_they_report():
+    # Each case's inputs are built lazily: they must not see a later case's sizes.
+    for case in kernel_bench.cases(torch.device("cpu"), compile=False):
+        first = case.inputs()[0]
+        if case.op == "attention":
+            b, h, s, d = first.shape
+            assert case.shape.startswith(f"B{b} H{h} S{s} D{d}")
+        else:
+            assert case.shape == "x".join(map(str, first.shape)), case.op
+
+
 def test_bench_kernels_rejects_an_unknown_operation(capsys):
     try:
         kernel_bench.main(["--only", "layernorm"])
