@@ -4,7 +4,9 @@
 
 For every case (an operation at a fixed shape, bf16) the forward pass and forward+backward are
 timed for the Triton kernel, the plain-PyTorch reference, the reference under torch.compile, and
-the operation PyTorch ships where there is one (F.rms_norm, SDPA). Times are medians of
+the operation PyTorch ships where there is one (F.rms_norm; for attention SDPA as dispatched and,
+on a GPU, pinned to its flash and cuDNN backends, and compiled FlexAttention). An implementation
+that raises (a backend this GPU lacks) is reported and left out. Times are medians of
 `--repeats` runs bracketed by CUDA events, after warm-up, each from a cold L2 cache (see
 `median_seconds`). Each row reports achieved TFLOP/s and
 GB/s over the ideal traffic (every input read once, every output written once), the arithmetic
@@ -27,11 +29,13 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from lmlab.kernels.flash_reference import FlashAttentionReference
 from lmlab.kernels.registry import triton_unavailable
@@ -89,6 +93,38 @@ def _impls(op: str, reference: Callable | None, extra: dict[str, Callable], comp
     return {**impls, **extra}
 
 
+def _sdpa_with(backend: SDPBackend | None) -> Callable:
+    """Causal SDPA, on PyTorch's own choice of backend or pinned to `backend`."""
+    def run(q, k, v):
+        with sdpa_kernel(backend) if backend is not None else nullcontext():
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    return run
+
+
+def _flex_causal() -> Callable:
+    """FlexAttention (compiled, as it must be to be fast) with a causal block mask made once per shape."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    attend = torch.compile(flex_attention)
+    masks = {}
+
+    def run(q, k, v):
+        key = (q.shape[-2], k.shape[-2], q.device)
+        if key not in masks:
+            masks[key] = create_block_mask(lambda b, h, i, j: j <= i, None, None, *key)
+        return attend(q, k, v, block_mask=masks[key])
+    return run
+
+
+def _attention_peers(gpu: bool) -> dict[str, Callable]:
+    """SDPA as dispatched (the baseline) and, on a GPU, pinned to its flash and cuDNN backends, and FlexAttention."""
+    peers = {"sdpa": _sdpa_with(None)}
+    if gpu:
+        peers |= {"sdpa-flash": _sdpa_with(SDPBackend.FLASH_ATTENTION),
+                  "sdpa-cudnn": _sdpa_with(SDPBackend.CUDNN_ATTENTION), "flex": _flex_causal()}
+    return peers
+
+
 def cases(device: torch.device, compile: bool) -> list[Case]:
     """The benchmark's shapes: the issue's targets on a GPU, small ones on a CPU."""
     big = device.type == "cuda"
@@ -121,7 +157,7 @@ def cases(device: torch.device, compile: bool) -> list[Case]:
             lambda b=b, h=h, s=s, hd=hd: [_leaf(b, h, s, hd, device=device) for _ in range(3)],
             # The tiled PyTorch reference loops over blocks in Python: timed at the CPU's small size only.
             _impls("attention", None if big else lambda q, k, v: FlashAttentionReference.apply(q, k, v, True),
-                   {"sdpa": lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True)}, compile, triton),
+                   _attention_peers(big), compile, triton),
             "sdpa",
             flops=(fwd, 2.5 * fwd), bytes=(4 * io, 8 * io)))
 
@@ -230,8 +266,13 @@ def measure(case: Case, repeats: int, warmup: int, device: torch.device, graphs:
     rows = []
     for pass_name, make, flops, nbytes in (("fwd", _forward, case.flops[0], case.bytes[0]),
                                            ("fwd+bwd", _forward_backward, sum(case.flops), sum(case.bytes))):
-        times = {name: median_seconds(make(impl, inputs), repeats, warmup, device, graphs)
-                 for name, impl in case.impls.items()}
+        times = {}
+        for name, impl in case.impls.items():
+            try:
+                times[name] = median_seconds(make(impl, inputs), repeats, warmup, device, graphs)
+            except RuntimeError as err:  # e.g. an SDPA backend this GPU, build or shape lacks
+                print(f"{case.op} {case.shape} {pass_name}: {name} skipped ({str(err).splitlines()[0]})",
+                      file=sys.stderr)
         for name, seconds in times.items():
             intensity = flops / nbytes
             row = {"op": case.op, "shape": case.shape, "pass": pass_name, "impl": name, "ms": seconds * 1e3,

@@ -2,6 +2,7 @@
 
 import json
 
+import pytest
 import torch
 
 from lmlab.kernels import bench as kernel_bench
@@ -75,3 +76,23 @@ def test_bench_train_variants_name_kernels_compile_and_fp8():
             assert bad in str(exit.code)
         else:
             raise AssertionError(f"{bad} was accepted")
+
+
+def test_bench_kernels_reports_and_leaves_out_an_implementation_that_raises(capsys):
+    def unavailable(x, w):
+        raise RuntimeError("no such backend here\nmore detail")
+
+    case = kernel_bench.Case("rms_norm", "8x16", lambda: [torch.randn(8, 16, requires_grad=True),
+                                                          torch.ones(16, requires_grad=True)],
+                             {"F.rms_norm": lambda x, w: torch.nn.functional.rms_norm(x, (16,), w),
+                              "broken": unavailable}, "F.rms_norm", flops=(1, 1), bytes=(1, 1))
+    rows = kernel_bench.measure(case, repeats=1, warmup=1, device=torch.device("cpu"))
+    assert {r["impl"] for r in rows} == {"F.rms_norm"} and len(rows) == 2
+    assert "broken skipped (no such backend here)" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_flex_attention_peer_is_causal_attention():
+    q, k, v = (torch.randn(1, 2, 128, 64) for _ in range(3))
+    expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    torch.testing.assert_close(kernel_bench._flex_causal()(q, k, v), expected, atol=1e-5, rtol=1e-5)
