@@ -14,7 +14,8 @@ intensity (FLOP per byte of that traffic) and, against the detected GPU's bf16 p
 bandwidth, whether the operation is memory- or compute-bound and what fraction of its roofline
 the run attains. Speed-ups are against the case's baseline: F.rms_norm for RMSNorm, SDPA for
 attention, the eager reference otherwise. On a GPU the run also times a device-to-device copy and
-reports each row's traffic as a fraction of that measured bandwidth (`of copy`). `--graphs` replays
+reports each row's traffic as a fraction of that measured bandwidth (`of copy`), and the most memory
+one call holds above its inputs (`peak MiB`). `--graphs` replays
 each call from a CUDA graph, so no Python or launch time can reach the timed span.
 
 Without CUDA the Triton rows are skipped, the references run on the CPU at small sizes and no
@@ -37,6 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from lmlab.kernels.chunked_cross_entropy import linear_cross_entropy
 from lmlab.kernels.flash_reference import FlashAttentionReference
 from lmlab.kernels.registry import triton_unavailable
 from lmlab.nn.ffn import swiglu
@@ -168,6 +170,17 @@ def cases(device: torch.device, compile: bool) -> list[Case]:
         _impls("swiglu", swiglu, {}, compile, triton), "reference",
         flops=(5 * n * f, 10 * n * f), bytes=(3 * n * f * BF16, 5 * n * f * BF16)))
 
+    # The output projection with the loss: materialised logits against the fused, tiled kernel (no (n, v) tensor).
+    n, d, v = (32768, 1024, 50304) if big else (512, 64, 4096)
+    out.append(Case(
+        "linear_cross_entropy", f"{n}x{d}x{v}",
+        lambda n=n, d=d, v=v: [_leaf(n, d, device=device), _leaf(v, d, device=device, scale=d ** -0.5),
+                               torch.randint(0, v, (n,), device=device)],
+        _impls("linear_cross_entropy", lambda h, w, t: cross_entropy(F.linear(h, w), t, -100, 0.0, False)[0],
+               {"fused": lambda h, w, t: linear_cross_entropy(h, w, t)[0]}, compile, triton),
+        "reference",
+        flops=(2 * n * d * v, 4 * n * d * v), bytes=((n + v) * d * BF16, 2 * (n + v) * d * BF16)))
+
     n, v = (32768, 50304) if big else (512, 4096)
     out.append(Case(
         "cross_entropy", f"{n}x{v}",
@@ -231,6 +244,18 @@ def median_seconds(fn: Callable[[], object], repeats: int, warmup: int, device: 
     return statistics.median(begin.elapsed_time(end) for begin, end in events) / 1e3
 
 
+def peak_bytes(fn: Callable[[], object], device: torch.device) -> int | None:
+    """The most memory one call of `fn` holds above what was allocated before it (GPU only; None on a CPU)."""
+    if device.type != "cuda":
+        return None
+    torch.cuda.synchronize(device)
+    before = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    fn()
+    torch.cuda.synchronize(device)
+    return torch.cuda.max_memory_allocated(device) - before
+
+
 def _forward(impl: Callable, inputs: list[torch.Tensor]) -> Callable[[], object]:
     def run():
         with torch.no_grad():
@@ -266,20 +291,23 @@ def measure(case: Case, repeats: int, warmup: int, device: torch.device, graphs:
     rows = []
     for pass_name, make, flops, nbytes in (("fwd", _forward, case.flops[0], case.bytes[0]),
                                            ("fwd+bwd", _forward_backward, sum(case.flops), sum(case.bytes))):
-        times = {}
+        times, peaks = {}, {}
         for name, impl in case.impls.items():
             try:
                 times[name] = median_seconds(make(impl, inputs), repeats, warmup, device, graphs)
             except RuntimeError as err:  # e.g. an SDPA backend this GPU, build or shape lacks
                 print(f"{case.op} {case.shape} {pass_name}: {name} skipped ({str(err).splitlines()[0]})",
                       file=sys.stderr)
+                continue
+            peaks[name] = peak_bytes(make(impl, inputs), device)
         for name, seconds in times.items():
             intensity = flops / nbytes
             row = {"op": case.op, "shape": case.shape, "pass": pass_name, "impl": name, "ms": seconds * 1e3,
                    "tflops": flops / seconds / 1e12, "gbps": nbytes / seconds / 1e9, "flop_per_byte": intensity,
                    "speedup": times[case.baseline] / seconds if case.baseline in times else None,
                    "bound": None, "roofline_fraction": None,
-                   "of_copy": nbytes / seconds / copy_bandwidth if copy_bandwidth else None}
+                   "of_copy": nbytes / seconds / copy_bandwidth if copy_bandwidth else None,
+                   "peak_mib": peaks[name] / 2**20 if peaks[name] is not None else None}
             if flops_peak and bandwidth:
                 row["bound"] = "compute" if intensity > flops_peak / bandwidth else "memory"
                 row["roofline_fraction"] = flops / seconds / min(flops_peak, intensity * bandwidth)
@@ -288,17 +316,18 @@ def measure(case: Case, repeats: int, warmup: int, device: torch.device, graphs:
 
 
 def format_table(rows: list[dict]) -> str:
-    header = (f"{'op':<14} {'shape':<26} {'pass':<8} {'impl':<18} {'ms':>9} {'TFLOP/s':>8} {'GB/s':>8} "
-              f"{'FLOP/B':>7} {'bound':>8} {'roofline':>9} {'of copy':>8} {'speed-up':>9}")
+    header = (f"{'op':<20} {'shape':<26} {'pass':<8} {'impl':<18} {'ms':>9} {'TFLOP/s':>8} {'GB/s':>8} "
+              f"{'FLOP/B':>7} {'bound':>8} {'roofline':>9} {'of copy':>8} {'speed-up':>9} {'peak MiB':>9}")
     lines = [header]
     for r in rows:
         bound = r["bound"] or "-"
         roof = f"{r['roofline_fraction']:.0%}" if r["roofline_fraction"] is not None else "-"
         speed = f"{r['speedup']:.2f}x" if r["speedup"] is not None else "-"
         of_copy = f"{r['of_copy']:.0%}" if r.get("of_copy") is not None else "-"
-        lines.append(f"{r['op']:<14} {r['shape']:<26} {r['pass']:<8} {r['impl']:<18} {r['ms']:>9.3f} "
+        peak = f"{r['peak_mib']:.0f}" if r.get("peak_mib") is not None else "-"
+        lines.append(f"{r['op']:<20} {r['shape']:<26} {r['pass']:<8} {r['impl']:<18} {r['ms']:>9.3f} "
                      f"{r['tflops']:>8.1f} {r['gbps']:>8.0f} {r['flop_per_byte']:>7.1f} {bound:>8} {roof:>9} "
-                     f"{of_copy:>8} {speed:>9}")
+                     f"{of_copy:>8} {speed:>9} {peak:>9}")
     return "\n".join(lines)
 
 

@@ -55,13 +55,26 @@ class ModelConfig:
     loop_inject: bool = False  # looped depth: add the embeddings into the residual stream again before each loop
 
 
+@dataclass(frozen=True)
+class OutputHead:
+    """The output head's parts, for a loss that projects the final hidden states itself
+    (`loss.fused_head`, lmlab.kernels.chunked_cross_entropy): logits = softcap(multiplier * hidden @ weight.T)."""
+
+    weight: torch.Tensor  # (V, d): lm_head's (the token embedding when tied)
+    multiplier: float  # muP's output multiplier (1 otherwise)
+    softcap: float | None  # model.logit_softcap
+
+
 @dataclass
 class ModelOutput:
     """What a training step needs from the model."""
 
-    logits: torch.Tensor  # (B, S, V), predicting token t+1
-    mtp_logits: list[torch.Tensor]  # depth d (1-based): (B, S-d, V), predicting token t+d+1
+    logits: torch.Tensor | None  # (B, S, V), predicting token t+1; None from forward_train(logits=False)
+    mtp_logits: list[torch.Tensor]  # depth d (1-based): (B, S-d, V), predicting token t+d+1 (empty without logits)
     aux_losses: dict[str, tuple[float, torch.Tensor]]  # name -> (weight, unweighted value)
+    hidden: torch.Tensor  # (B, S, d): the final norm's output, which the head projects into `logits`
+    mtp_hidden: list[torch.Tensor]  # depth d: (B, S-d, d), its MTP module's normed output
+    head: OutputHead | None  # the head's parts (None from forward_train(logits=True))
 
 
 def padded_vocab_size(n: int, multiple: int = 64) -> int:
@@ -200,17 +213,31 @@ class Transformer(nn.Module):
         return self.norm(hidden)
 
     def forward_train(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
-                      embeds: torch.Tensor | None = None) -> ModelOutput:
-        """Logits of the main head and of every MTP depth, and the MoE layers' auxiliary losses."""
+                      embeds: torch.Tensor | None = None, logits: bool = True) -> ModelOutput:
+        """Logits of the main head and of every MTP depth, the hidden states they project, and the MoE layers'
+        auxiliary losses. `logits=False` leaves the projection to the loss (`loss.fused_head`): no logits, and the
+        head's parts instead (`output_head`)."""
         hidden, positions = self._hidden(input_ids, positions, embeds)
-        logits = self._head(self.norm(hidden))
-        mtp_logits = []
+        normed, mtp_hidden = self.norm(hidden), []
         for d, module in enumerate(self.mtp_layers, start=1):
             ahead = input_ids[:, d:]
             self._route_by(f"mtp_layers.{d - 1}.", ahead)
             hidden = module(hidden[:, :-1], self.embed_tokens(ahead), self.position, positions[..., :-d])
-            mtp_logits.append(self._head(module.norm(hidden)))
-        return ModelOutput(logits, mtp_logits, self._aux_losses())
+            mtp_hidden.append(module.norm(hidden))
+        if not logits:
+            return ModelOutput(None, [], self._aux_losses(), normed, mtp_hidden, self.output_head())
+        return ModelOutput(self._head(normed), [self._head(h) for h in mtp_hidden], self._aux_losses(), normed,
+                           mtp_hidden, None)
+
+    def output_head(self) -> OutputHead:
+        """The head as weight, multiplier and soft-cap, for a loss that fuses the projection in. Only a plain,
+        bias-free lm_head is that: one that fake-quantises its weight (qat with quantize_head) is refused."""
+        if type(self.lm_head) is not nn.Linear or self.lm_head.bias is not None:
+            raise ConfigError(f"loss.fused_head projects with lm_head's weight itself, but lm_head is a "
+                              f"{type(self.lm_head).__name__}{' with a bias' if self.lm_head.bias is not None else ''} "
+                              "(qat with quantize_head=true makes it one): set qat.quantize_head=false or "
+                              "loss.fused_head=false")
+        return OutputHead(self.lm_head.weight, self.output_multiplier, self.logit_softcap)
 
     def _hidden(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
                 embeds: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:

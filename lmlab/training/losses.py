@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lmlab.errors import ConfigError
 from lmlab.registry import Registry
 
 LOSSES = Registry("loss", group="loss", doc="training objectives on the output logits")
@@ -39,6 +40,9 @@ class CrossEntropy(nn.Module):
         ignore_index: int = -100
         label_smoothing: float = 0.0
         z_loss: float = 0.0  # weight of mean(logsumexp(logits)^2), which keeps the softmax normaliser near 1 (PaLM)
+        # Take the loss from the final hidden states with the head's matmul fused in, a (tokens x vocabulary) tile
+        # at a time (lmlab.kernels.chunked_cross_entropy): the logits, and their gradient, never exist whole.
+        fused_head: bool = False
 
     def __init__(self, cfg: Config):
         super().__init__()
@@ -53,12 +57,30 @@ class CrossEntropy(nn.Module):
         """Logits split by vocabulary over `group` (tensor parallelism): the loss all-reduces per row instead."""
         from lmlab.parallel.vocab_parallel import vocab_parallel_cross_entropy
 
+        if self.cfg.fused_head:
+            raise ConfigError("loss.fused_head needs the whole head on each rank; parallel.tp > 1 splits it by "
+                              "vocabulary. Set loss.fused_head=false")
         self.kernel = partial(vocab_parallel_cross_entropy, group=group)
+
+    @property
+    def takes_hidden(self) -> bool:
+        """Whether the loss wants the final hidden states and the head (`from_hidden`) instead of logits."""
+        return self.cfg.fused_head
 
     def forward(self, logits: torch.Tensor, targets: torch.Tensor) -> dict[str, torch.Tensor]:
         cfg = self.cfg
-        ce, z = self.kernel(logits.flatten(0, -2), targets.flatten(), cfg.ignore_index, cfg.label_smoothing,
-                            bool(cfg.z_loss))
+        return self._terms(*self.kernel(logits.flatten(0, -2), targets.flatten(), cfg.ignore_index,
+                                         cfg.label_smoothing, bool(cfg.z_loss)))
+
+    def from_hidden(self, hidden: torch.Tensor, head, targets: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The loss of `head`'s logits of `hidden` (an lmlab.nn.transformer.OutputHead), which are never made whole."""
+        from lmlab.kernels.chunked_cross_entropy import linear_cross_entropy
+
+        cfg = self.cfg
+        return self._terms(*linear_cross_entropy(hidden.flatten(0, -2), head.weight, targets.flatten(), cfg.ignore_index,
+                                                 cfg.label_smoothing, bool(cfg.z_loss), head.multiplier, head.softcap))
+
+    def _terms(self, ce: torch.Tensor, z: torch.Tensor | None) -> dict[str, torch.Tensor]:
         if z is None:
             return {"loss": ce}
-        return {"loss": ce + cfg.z_loss * z, "ce": ce, "z_loss": z}
+        return {"loss": ce + self.cfg.z_loss * z, "ce": ce, "z_loss": z}

@@ -126,6 +126,10 @@ def check_parallel(cfg: DictConfig, batch_size: int) -> Parallel:
                           f"ranks combine theirs; parallel={cfg.parallel.name} shards or reduces the gradients during "
                           "backward (or splits the model or the sequences), so no rank holds that gradient. Use ddp, "
                           "naive_ddp, bucketed_ddp or zero1, or set trainer.grad_noise_scale=false")
+    if cfg.loss.get("fused_head") and parallel.shards_parameters and world > 1:
+        raise ConfigError(f"loss.fused_head projects with the whole head's weight after the model's forward; "
+                          f"parallel={cfg.parallel.name} shards the weights (or splits the model or the sequences). "
+                          "Use ddp, naive_ddp, bucketed_ddp or zero1, or set loss.fused_head=false")
     if t.compile and not parallel.supports_compile:
         raise ConfigError(f"trainer.compile=true does not work with parallel={cfg.parallel.name}; set "
                           "trainer.compile=false")

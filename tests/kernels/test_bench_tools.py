@@ -35,7 +35,7 @@ def test_bench_kernel_cases_build_inputs_of_the_shape_they_report():
             b, h, s, d = first.shape
             assert case.shape.startswith(f"B{b} H{h} S{s} D{d}")
         else:
-            assert case.shape == "x".join(map(str, first.shape)), case.op
+            assert case.shape.split("x")[:first.dim()] == [str(n) for n in first.shape], case.op
 
 
 def test_bench_kernels_rejects_an_unknown_operation(capsys):

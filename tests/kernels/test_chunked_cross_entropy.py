@@ -1,4 +1,4 @@
-"""chunked_cross_entropy against F.cross_entropy on materialised logits, and its memory bound."""
+"""chunked_cross_entropy and linear_cross_entropy against the losses of materialised logits, and their memory bound."""
 
 from __future__ import annotations
 
@@ -9,6 +9,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from lmlab.kernels import chunked_cross_entropy
+from lmlab.kernels.chunked_cross_entropy import linear_cross_entropy
+from lmlab.training.losses import cross_entropy
 
 TOL = {torch.float64: dict(atol=1e-10, rtol=1e-10), torch.float32: dict(atol=1e-5, rtol=1e-5)}
 
@@ -25,8 +27,10 @@ def reference(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
     return F.cross_entropy(hidden @ weight.T, targets, ignore_index=ignore_index)
 
 
-def assert_matches(hidden, weight, targets, chunk_size: int, tol: dict, ignore_index: int = -100) -> None:
-    loss = chunked_cross_entropy(hidden, weight, targets, ignore_index=ignore_index, chunk_size=chunk_size)
+def assert_matches(hidden, weight, targets, chunk_size: int, tol: dict, ignore_index: int = -100,
+                   vocab_chunk_size: int = 8192) -> None:
+    loss = chunked_cross_entropy(hidden, weight, targets, ignore_index=ignore_index, chunk_size=chunk_size,
+                                 vocab_chunk_size=vocab_chunk_size)
     wide = torch.promote_types(hidden.dtype, torch.float32)  # bf16 is checked against a float32 reference
     leaves = [t.detach().to(wide).requires_grad_() for t in (hidden, weight)]
     ref = reference(*leaves, targets, ignore_index)
@@ -39,10 +43,35 @@ def assert_matches(hidden, weight, targets, chunk_size: int, tol: dict, ignore_i
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
-@pytest.mark.parametrize("chunk_size", [7, 16, 64, 1000])
-def test_matches_torch(dtype: torch.dtype, chunk_size: int) -> None:
+@pytest.mark.parametrize("chunk_size, vocab_chunk_size", [(7, 8192), (16, 10), (64, 97), (1000, 1), (13, 32)])
+def test_matches_torch(dtype: torch.dtype, chunk_size: int, vocab_chunk_size: int) -> None:
     hidden, weight, targets = make(50, 97, 24, dtype)
-    assert_matches(hidden, weight, targets, chunk_size, TOL[dtype])
+    assert_matches(hidden, weight, targets, chunk_size, TOL[dtype], vocab_chunk_size=vocab_chunk_size)
+
+
+@pytest.mark.parametrize("label_smoothing, z_loss, multiplier, softcap", [
+    (0.1, False, 1.0, None), (0.0, True, 1.0, None), (0.0, False, 0.25, None), (0.0, False, 1.0, 3.0),
+    (0.2, True, 0.5, 2.0)])
+def test_linear_cross_entropy_matches_the_training_loss_of_the_heads_logits(label_smoothing, z_loss, multiplier,
+                                                                          softcap) -> None:
+    """Against lmlab's reference loss on the model head's logits (muP multiplier, then soft-cap): both
+    outputs and both gradients, with ignored rows and tiles that split rows and vocabulary unevenly."""
+    hidden, weight, targets = make(40, 53, 16, torch.float32)  # the reference loss computes in float32
+    targets[[3, 17, 39]] = -100
+    ce, z = linear_cross_entropy(hidden, weight, targets, -100, label_smoothing, z_loss, multiplier, softcap,
+                                 chunk_size=9, vocab_chunk_size=12)
+    logits = (hidden @ weight.T) * multiplier
+    if softcap is not None:
+        logits = softcap * torch.tanh(logits / softcap)
+    ref_ce, ref_z = cross_entropy(logits, targets, -100, label_smoothing, z_loss)
+    torch.testing.assert_close(ce, ref_ce, **TOL[torch.float32])
+    total, ref_total = ce + 0.3 * z if z_loss else ce, ref_ce + 0.3 * ref_z if z_loss else ref_ce
+    if z_loss:
+        torch.testing.assert_close(z, ref_z, **TOL[torch.float32])
+    else:
+        assert z is None and ref_z is None
+    for g, r in zip(torch.autograd.grad(total, (hidden, weight)), torch.autograd.grad(ref_total, (hidden, weight))):
+        torch.testing.assert_close(g, r, **TOL[torch.float32])
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
@@ -96,11 +125,11 @@ def test_logits_never_materialised_for_the_whole_batch() -> None:
         return t
 
     with LargestTensor() as mode, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss = chunked_cross_entropy(hidden, weight, targets, chunk_size=chunk)
+        loss = chunked_cross_entropy(hidden, weight, targets, chunk_size=chunk, vocab_chunk_size=v // 4)
         loss.backward()
-    # Every op output (forward and backward) is at most one chunk of logits or a weight-sized tensor,
+    # Every op output (forward and backward) is at most one tile of logits or a weight-sized tensor,
     # and backward keeps only inputs and per-row statistics: nothing near N x V.
-    assert mode.largest <= max(chunk * v, v * d) < n * v
+    assert mode.largest <= max(chunk * v // 4, v * d, n * d) < n * v
     assert saved and max(saved) <= max(n * d, v * d)
 
     # The check has teeth: the materialised version produces (and saves) N x V tensors.
@@ -128,3 +157,9 @@ def test_value_errors() -> None:
         chunked_cross_entropy(hidden, weight, torch.zeros(4))
     with pytest.raises(ValueError, match="chunk_size"):
         chunked_cross_entropy(hidden, weight, torch.zeros(4, dtype=torch.long), chunk_size=0)
+    with pytest.raises(ValueError, match="vocab_chunk_size"):
+        chunked_cross_entropy(hidden, weight, torch.zeros(4, dtype=torch.long), vocab_chunk_size=0)
+    with pytest.raises(ValueError, match="label_smoothing"):
+        linear_cross_entropy(hidden, weight, torch.zeros(4, dtype=torch.long), label_smoothing=1.5)
+    with pytest.raises(ValueError, match="softcap"):
+        linear_cross_entropy(hidden, weight, torch.zeros(4, dtype=torch.long), softcap=0.0)
