@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import pytest
 import torch
 import torch.nn.functional as F
@@ -163,3 +164,44 @@ def test_value_errors() -> None:
         linear_cross_entropy(hidden, weight, torch.zeros(4, dtype=torch.long), label_smoothing=1.5)
     with pytest.raises(ValueError, match="softcap"):
         linear_cross_entropy(hidden, weight, torch.zeros(4, dtype=torch.long), softcap=0.0)
+
+
+@pytest.mark.slow
+def test_compiled_tiles_match_the_eager_ones(monkeypatch) -> None:
+    """CUDA tensors take the tiles through torch.compile; here the compiled tiles run on the CPU (Inductor's C++
+    backend) against the eager ones: the same lowering of every op, short of the GPU code generation."""
+    module = importlib.import_module("lmlab.kernels.chunked_cross_entropy")  # the package's name is the function's
+
+    hidden, weight, targets = make(40, 53, 16, torch.float32)
+    targets[[3, 17]] = -100
+    args = (hidden, weight, targets, -100, 0.1, True, 0.5, 3.0, 16, 24)
+    eager = linear_cross_entropy(*args)
+    eager_grads = torch.autograd.grad(eager[0] + 0.1 * eager[1], (hidden, weight))
+    for name in ("_tile_forward", "_tile_backward"):
+        monkeypatch.setattr(module, name, getattr(module, name).compiled)
+    compiled = linear_cross_entropy(*args)
+    torch.testing.assert_close(compiled, eager, **TOL[torch.float32])
+    for g, e in zip(torch.autograd.grad(compiled[0] + 0.1 * compiled[1], (hidden, weight)), eager_grads):
+        torch.testing.assert_close(g, e, **TOL[torch.float32])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("label_smoothing, z_loss, multiplier, softcap", [(0.0, False, 1.0, None), (0.1, True, 0.5, 30.0)])
+def test_cuda_bf16_autocast_matches_the_logits_loss(label_smoothing, z_loss, multiplier, softcap) -> None:
+    """The compiled CUDA tiles under bf16 autocast, as training runs them, against the head's logits and lmlab's loss."""
+    torch.manual_seed(0)
+    hidden = torch.randn(4096, 512, device="cuda", requires_grad=True)
+    weight = (torch.randn(20000, 512, device="cuda") / 512 ** 0.5).requires_grad_()
+    targets = torch.randint(0, 20000, (4096,), device="cuda")
+    targets[::7] = -100
+    with torch.autocast("cuda", torch.bfloat16):
+        ce, z = linear_cross_entropy(hidden, weight, targets, -100, label_smoothing, z_loss, multiplier, softcap)
+        logits = torch.nn.functional.linear(hidden, weight) * multiplier
+        if softcap is not None:
+            logits = softcap * torch.tanh(logits / softcap)
+        ref_ce, ref_z = cross_entropy(logits, targets, -100, label_smoothing, z_loss)
+    torch.testing.assert_close(ce, ref_ce, atol=2e-3, rtol=2e-3)
+    total, ref_total = (ce + 0.1 * z, ref_ce + 0.1 * ref_z) if z_loss else (ce, ref_ce)
+    for g, r in zip(torch.autograd.grad(total, (hidden, weight)), torch.autograd.grad(ref_total, (hidden, weight))):
+        assert ((g - r).norm() / r.norm()).item() < 2e-2
