@@ -293,13 +293,14 @@ def measure(case: Case, repeats: int, warmup: int, device: torch.device, graphs:
                                            ("fwd+bwd", _forward_backward, sum(case.flops), sum(case.bytes))):
         times, peaks = {}, {}
         for name, impl in case.impls.items():
+            call = make(impl, inputs)
             try:
-                times[name] = median_seconds(make(impl, inputs), repeats, warmup, device, graphs)
+                times[name] = median_seconds(call, repeats, warmup, device, graphs)
             except RuntimeError as err:  # e.g. an SDPA backend this GPU, build or shape lacks
                 print(f"{case.op} {case.shape} {pass_name}: {name} skipped ({str(err).splitlines()[0]})",
                       file=sys.stderr)
                 continue
-            peaks[name] = peak_bytes(make(impl, inputs), device)
+            peaks[name] = peak_bytes(call, device)
         for name, seconds in times.items():
             intensity = flops / nbytes
             row = {"op": case.op, "shape": case.shape, "pass": pass_name, "impl": name, "ms": seconds * 1e3,

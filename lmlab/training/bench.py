@@ -42,7 +42,7 @@ from lmlab.training.compile import compile_for_training
 from lmlab.training.fp8 import FP8
 from lmlab.training.hardware import peak_flops
 from lmlab.training.losses import LOSSES
-from lmlab.training.objective import takes_hidden, training_terms
+from lmlab.training.objective import model_terms
 from lmlab.training.profile import profiler_for
 
 VARIANTS = ("reference", "triton", "reference+compile", "triton+compile")
@@ -103,8 +103,7 @@ class Contender:
 
     def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> None:
         with self.autocast:
-            output = self.model.forward_train(inputs, logits=not takes_hidden(self.loss_fn))
-            terms = training_terms(self.loss_fn, output, targets, self.model.mtp_loss_weight)
+            terms = model_terms(self.model, self.loss_fn, inputs, targets)
         terms["loss"].backward()
         if self.grad_clip:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)

@@ -31,7 +31,7 @@ from lmlab.training.compile import compile_for_training
 from lmlab.training.fp8 import FP8
 from lmlab.training.losses import LOSSES
 from lmlab.training.noise_scale import NoiseScale
-from lmlab.training.objective import takes_hidden, training_terms
+from lmlab.training.objective import model_terms, takes_hidden
 from lmlab.training.step_guard import StepGuard
 
 log = logging.getLogger(__name__)
@@ -110,8 +110,7 @@ class LanguageModelTask(L.LightningModule):
         if pipeline_step is not None:  # pipeline parallelism: its schedule runs the forward and the backward
             terms = pipeline_step(inputs, targets, self.loss_fn)
         else:
-            output = self.model.forward_train(inputs, positions, logits=not takes_hidden(self.loss_fn))
-            terms = training_terms(self.loss_fn, output, targets, self.model.mtp_loss_weight)
+            terms = model_terms(self.model, self.loss_fn, inputs, targets, positions)
         self._micro_terms.append({name: value.detach() for name, value in terms.items()})
         if len(self._micro_terms) == self.cfg.trainer.accumulate_grad_batches:  # the optimizer steps after this one
             self._log_step_terms()

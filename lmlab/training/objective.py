@@ -5,12 +5,19 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from lmlab.nn.transformer import ModelOutput
+from lmlab.nn.transformer import ModelOutput, Transformer
 
 
 def takes_hidden(loss_fn: nn.Module) -> bool:
     """Whether `loss_fn` projects the hidden states itself (`loss.fused_head`): then ask the model for no logits."""
     return getattr(loss_fn, "takes_hidden", False)
+
+
+def model_terms(model: Transformer, loss_fn: nn.Module, inputs: torch.Tensor, targets: torch.Tensor,
+                positions: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    """`training_terms` of `model`'s forward on `inputs`, which makes logits only for a loss that wants them."""
+    output = model.forward_train(inputs, positions, logits=not takes_hidden(loss_fn))
+    return training_terms(loss_fn, output, targets, model.mtp_loss_weight)
 
 
 def training_terms(loss_fn: nn.Module, output: ModelOutput, targets: torch.Tensor,

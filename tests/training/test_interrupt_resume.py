@@ -25,7 +25,7 @@ def test_a_signal_saves_the_step_and_auto_resume_finishes_the_run_exactly(make_c
     train(make_cfg([*tiny_overrides, *STEPS]), straight)
 
     calls = {"n": 0}
-    real = module_lib.training_terms
+    real = module_lib.model_terms
 
     def signal_during_step_5(*args):
         calls["n"] += 1
@@ -35,7 +35,7 @@ def test_a_signal_saves_the_step_and_auto_resume_finishes_the_run_exactly(make_c
 
     run = tmp_path / "run"
     with monkeypatch.context() as patch:
-        patch.setattr(module_lib, "training_terms", signal_during_step_5)
+        patch.setattr(module_lib, "model_terms", signal_during_step_5)
         with pytest.raises(RunInterrupted, match=f"stopped by {signum.name} after step 5 of 12") as stopped:
             train(make_cfg([*tiny_overrides, *STEPS]), run)
     assert stopped.value.exit_code == 128 + signum.value

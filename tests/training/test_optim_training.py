@@ -44,7 +44,7 @@ def test_muon_run_prints_its_groups_and_logs_both_learning_rates(make_cfg, tiny_
 
 def test_a_nan_step_is_skipped_and_counted(make_cfg, tiny_overrides, tmp_path, monkeypatch, caplog):
     calls = {"n": 0}
-    real = module_lib.training_terms
+    real = module_lib.model_terms
 
     def nan_at_step_7(*args):
         terms = real(*args)
@@ -53,7 +53,7 @@ def test_a_nan_step_is_skipped_and_counted(make_cfg, tiny_overrides, tmp_path, m
             terms["loss"] = terms["loss"] * math.nan
         return terms
 
-    monkeypatch.setattr(module_lib, "training_terms", nan_at_step_7)
+    monkeypatch.setattr(module_lib, "model_terms", nan_at_step_7)
     results = train(make_cfg([*tiny_overrides, "trainer.max_steps=10", "trainer.log_every=1"]), tmp_path / "run")
     assert math.isfinite(results["val_loss"])
     skipped = scalars(tmp_path / "run", "train/skipped_steps")

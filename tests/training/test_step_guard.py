@@ -53,7 +53,7 @@ def test_a_run_whose_loss_level_jumps_for_good_keeps_training(make_cfg, tiny_ove
     """From step 12 the loss (and so the gradient norm) is 10x what it was, for good: before the fix,
     every later step was skipped and the run stopped learning without an error."""
     calls = {"n": 0}
-    real = module_lib.training_terms
+    real = module_lib.model_terms
 
     def tenfold_from_step_12(*args):
         terms = real(*args)
@@ -62,7 +62,7 @@ def test_a_run_whose_loss_level_jumps_for_good_keeps_training(make_cfg, tiny_ove
             terms["loss"] = terms["loss"] * 10
         return terms
 
-    monkeypatch.setattr(module_lib, "training_terms", tenfold_from_step_12)
+    monkeypatch.setattr(module_lib, "model_terms", tenfold_from_step_12)
     overrides = ["trainer.spike_factor=3", "trainer.max_consecutive_skips=3", "sched.warmup_steps=2"]
     results = train(make_cfg([*tiny_overrides, *overrides]), tmp_path / "run")
     assert results["skipped_steps"] <= 6  # the jump costs 3; before the fix all 18 steps after it were skipped
