@@ -14,6 +14,8 @@
 #      SHAPE (more shape rules for the sweep and the plan alike, e.g. "aspect=32 aspect_tolerance=1.3": one family of
 #      shapes, depth growing with width),
 #      METHOD (isoflop: the fit whose N* the prediction run trains),
+#      TRAIN (more lmlab-train overrides for every run, e.g. "trainer.compile=true trainer.cuda_graphs=true": small
+#      models' steps replayed from CUDA graphs),
 #      SWEEP (more `lmlab scaling sweep` settings, e.g. "spread=3 fit=FITS.json method=joint": sizes placed by an
 #      earlier fit instead of Chinchilla's law), SMALL=1 (a CPU-sized corpus, budgets and sweeps, to check the pipeline).
 # Usage: experiments/scaling-laws/run.sh OUT_DIR [corpus isoflop predict mup batch]
@@ -39,7 +41,7 @@ PREDICT_FLOPS=$(python -c "print(f'{10 * $largest:.3g}')")  # the prediction run
 TOKENIZER=$D/tokenizer
 CORPUS="data=text_files data.paths=[$D/corpus/corpus.jsonl] data.context_length=$CONTEXT tokenizer.path=$TOKENIZER
         cache_dir=$D/cache"  # what the token cache is keyed by
-DATA="$CORPUS data.batch_size=$BATCH model.max_seq_len=$CONTEXT trainer.progress_bar=false logger=csv"
+DATA="$CORPUS data.batch_size=$BATCH model.max_seq_len=$CONTEXT trainer.progress_bar=false logger=csv ${TRAIN:-}"
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}  # parallel runs share the CPU cores
 mkdir -p "$D"
 export DATA

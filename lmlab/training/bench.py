@@ -6,8 +6,9 @@
 Takes the same overrides as `lmlab-train` and times a bare training loop (no Lightning) of that
 model, loss and optimizer on random tokens of the configured batch and context, for each
 variant: the reference PyTorch path and `kernels=triton`, each eager and under torch.compile
-(`trainer.compile`'s per-block compile), optionally with float8 block matmuls (`+fp8-rowwise`,
-`+fp8-tensorwise`: the `fp8` config group). A step is forward, loss, backward, gradient clipping and
+(`trainer.compile`'s per-block compile, or with `+graphs` the whole step replayed from CUDA graphs:
+`trainer.cuda_graphs`), optionally with float8 block matmuls (`+fp8-rowwise`, `+fp8-tensorwise`: the
+`fp8` config group). A step is forward, loss, backward, gradient clipping and
 the optimizer step, under bf16 autocast on a GPU as `lmlab-train` runs it. Variants are timed in
 turns (median step after warm-up), from the same initial weights. Reported per variant: step
 time, tokens/s, MFU (the model's training FLOPs per token, 6 N plus attention scores, against the
@@ -27,6 +28,7 @@ import sys
 import tempfile
 from contextlib import nullcontext
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -38,7 +40,7 @@ from lmlab.kernels.registry import KERNELS, install_kernels
 from lmlab.optim import OPTIMIZERS
 from lmlab.timing import interleaved_medians, sync
 from lmlab.tokenizers.base import expected_vocab_size
-from lmlab.training.compile import compile_for_training
+from lmlab.training.compile import compile_for_training, graphed_model_terms
 from lmlab.training.fp8 import FP8
 from lmlab.training.hardware import peak_flops
 from lmlab.training.losses import LOSSES
@@ -50,35 +52,39 @@ VARIANTS = ("reference", "triton", "reference+compile", "triton+compile")
 
 @dataclass(frozen=True)
 class Variant:
-    """What one variant runs: a `kernels` config, trainer.compile, and an `fp8` entry."""
+    """What one variant runs: a `kernels` config, trainer.compile and trainer.cuda_graphs, and an `fp8` entry."""
 
     kernels: dict
     compiled: bool
     fp8: str = "none"
+    graphs: bool = False
 
     def overrides(self) -> list[str]:
         """The same settings as lmlab-train overrides."""
         kernels = dict(self.kernels)
         return [f"kernels={kernels.pop('name')}", *(f"kernels.{op}=false" for op in kernels),
-                f"trainer.compile={self.compiled}", f"fp8={self.fp8}"]
+                f"trainer.compile={self.compiled}", f"fp8={self.fp8}", f"trainer.cuda_graphs={self.graphs}"]
 
 
 def parse_variant(variant: str) -> Variant:
-    """`KERNELS[-OP...][+compile][+fp8-RECIPE]` -> Variant; `-OP` turns one kernel off, e.g.
-    `triton-attention+compile` is kernels=triton kernels.attention=false under torch.compile, and
-    `reference+compile+fp8-rowwise` adds fp8=rowwise."""
+    """`KERNELS[-OP...][+compile[+graphs]][+fp8-RECIPE]` -> Variant; `-OP` turns one kernel off, e.g.
+    `triton-attention+compile` is kernels=triton kernels.attention=false under torch.compile,
+    `reference+compile+fp8-rowwise` adds fp8=rowwise and `reference+compile+graphs` replays CUDA graphs."""
     spec, *options = variant.split("+")
     name, *off = spec.split("-")
     fp8 = [o.removeprefix("fp8-") for o in options if o.startswith("fp8-")]
-    unknown = [o for o in options if o != "compile" and not o.startswith("fp8-")]
+    unknown = [o for o in options if o not in ("compile", "graphs") and not o.startswith("fp8-")]
+    if "graphs" in options and "compile" not in options:
+        unknown.append("graphs without compile")
     if name not in KERNELS or unknown or len(fp8) > 1 or any(f not in FP8 for f in fp8):
-        raise SystemExit(f"lmlab bench train: unknown variant '{variant}'; use KERNELS[-OP...][+compile][+fp8-RECIPE] "
+        raise SystemExit(f"lmlab bench train: unknown variant '{variant}'; use KERNELS[-OP...][+compile[+graphs]][+fp8-RECIPE] "
                          f"with KERNELS in {', '.join(KERNELS.names())} and RECIPE in {', '.join(FP8.names())}")
     fields = {f.name for f in KERNELS.get(name).fields()}
     if set(off) - fields:
         raise SystemExit(f"lmlab bench train: variant '{variant}': {name} has no kernel "
                          f"{', '.join(sorted(set(off) - fields))}; its fields: {', '.join(sorted(fields))}")
-    return Variant({"name": name, **{op: False for op in off}}, "compile" in options, fp8[0] if fp8 else "none")
+    return Variant({"name": name, **{op: False for op in off}}, "compile" in options, fp8[0] if fp8 else "none",
+                   "graphs" in options)
 
 
 class Contender:
@@ -94,7 +100,10 @@ class Contender:
         self.loss_fn = LOSSES.build(cfg.loss)
         ops = KERNELS.build(chosen.kernels)
         install_kernels(ops, self.model, self.loss_fn)
-        if chosen.compiled:
+        self.terms = partial(model_terms, self.model, self.loss_fn)
+        if chosen.graphs:
+            self.terms = graphed_model_terms(self.model, self.loss_fn)
+        elif chosen.compiled:
             compile_for_training(self.model, self.loss_fn)
         self.optimizer = OPTIMIZERS.build(cfg.optim, self.model)
         install_kernels(ops, self.optimizer)
@@ -103,7 +112,7 @@ class Contender:
 
     def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> None:
         with self.autocast:
-            terms = model_terms(self.model, self.loss_fn, inputs, targets)
+            terms = self.terms(inputs, targets)
         terms["loss"].backward()
         if self.grad_clip:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
@@ -127,8 +136,11 @@ def profile_steps(contender: Contender, batch, device: torch.device, path: Path,
         for _ in range(steps):
             contender.step(*batch)
         sync()
-    sort_by = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
-    path.write_text(prof.key_averages().table(sort_by=sort_by, row_limit=40, max_name_column_width=90) + "\n")
+    table = prof.key_averages().table
+    tables = [table(sort_by="self_cpu_time_total", row_limit=40, max_name_column_width=90)]
+    if device.type == "cuda":  # device time first; host time says where a launch-bound (small) step goes
+        tables.insert(0, table(sort_by="self_device_time_total", row_limit=40, max_name_column_width=90))
+    path.write_text("\n\n".join(tables) + "\n")
 
 
 def time_variants(cfg, variants: list[str], vocab: int, steps: int, warmup: int, device: torch.device,
@@ -198,7 +210,7 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="lmlab bench train", description=__doc__.splitlines()[0])
     parser.add_argument("overrides", nargs="*", help="lmlab-train overrides, e.g. model=llama400m")
     parser.add_argument("--variants", default=",".join(VARIANTS),
-                        help=f"comma-separated KERNELS[-OP...][+compile][+fp8-RECIPE], e.g. triton-attention+compile "
+                        help=f"comma-separated KERNELS[-OP...][+compile[+graphs]][+fp8-RECIPE], e.g. triton-attention+compile "
                              f"(default: {','.join(VARIANTS)})")
     parser.add_argument("--steps", type=int, default=10, help="timed steps per variant (default 10)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps per variant first (default 3)")

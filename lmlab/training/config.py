@@ -36,6 +36,9 @@ class TrainerConfig:
     checkpoint_every: int = 500  # steps; a checkpoint is also written at the end and on Ctrl-C/SIGTERM
     progress_bar: bool = True  # a live bar on a terminal; plain lines every log_every steps otherwise
     compile: bool = False  # torch.compile each block and the loss (see lmlab.training.compile)
+    # with compile: the whole forward + loss and its backward compiled as one graph each and replayed from CUDA graphs,
+    # for launch-bound (small) models; one GPU, static shapes, no gradient accumulation
+    cuda_graphs: bool = False
     eval_every: int | None = None  # steps between runs of the `eval` tasks (None: after the last step only)
     # log train/grad_noise_scale, B_simple in tokens (lmlab.training.noise_scale), from a micro-batch's and the
     # step's gradient norms: needs accumulate_grad_batches >= 2
@@ -47,6 +50,13 @@ class TrainerConfig:
         at_least("trainer", self, 0, "grad_clip")
         if self.eval_every is not None:
             at_least("trainer", self, 1, "eval_every")
+        if self.cuda_graphs and not self.compile:
+            raise ConfigError("trainer.cuda_graphs replays the graphs that torch.compile makes: set trainer.compile=true "
+                              "too")
+        if self.cuda_graphs and self.accumulate_grad_batches > 1:
+            raise ConfigError("trainer.cuda_graphs replays one forward per backward: each replay reuses the memory that "
+                              "holds the last one's gradients, so micro-batches cannot accumulate. Set "
+                              "trainer.accumulate_grad_batches=1 or trainer.cuda_graphs=false")
         if self.grad_noise_scale and self.accumulate_grad_batches < 2:
             raise ConfigError("trainer.grad_noise_scale compares one micro-batch's gradient with the step's: set "
                               "trainer.accumulate_grad_batches to 2 or more")

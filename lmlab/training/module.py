@@ -27,7 +27,7 @@ from lmlab.optim.schedules import warmup_steps
 from lmlab.parallel.strategies import data_parallel_rank
 from lmlab.tokenizers.base import Tokenizer, pack_tokenizer
 from lmlab.training.checkpoints import CONFIG_KEY, TOKENIZER_KEY
-from lmlab.training.compile import compile_for_training
+from lmlab.training.compile import compile_for_training, graphed_model_terms
 from lmlab.training.fp8 import FP8
 from lmlab.training.losses import LOSSES
 from lmlab.training.noise_scale import NoiseScale
@@ -93,6 +93,7 @@ class LanguageModelTask(L.LightningModule):
         self._loss: torch.Tensor | None = None  # this step's loss over all micro-batches and ranks, for the guard
         self._noise: NoiseScale | None = None  # trainer.grad_noise_scale's estimator, made once the world is known
         self._small_sq_norm = math.nan  # the step's first micro-batch's squared gradient norm
+        self._graphed_terms = None  # trainer.cuda_graphs: the step's forward and loss, compiled whole
         self._configured = False
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -109,6 +110,8 @@ class LanguageModelTask(L.LightningModule):
         pipeline_step = getattr(self.trainer.strategy, "pipeline_step", None)
         if pipeline_step is not None:  # pipeline parallelism: its schedule runs the forward and the backward
             terms = pipeline_step(inputs, targets, self.loss_fn)
+        elif self._graphed_terms is not None:
+            terms = self._graphed_terms(inputs, targets, positions)
         else:
             terms = model_terms(self.model, self.loss_fn, inputs, targets, positions)
         self._micro_terms.append({name: value.detach() for name, value in terms.items()})
@@ -235,7 +238,9 @@ class LanguageModelTask(L.LightningModule):
         group = getattr(self.model, "vocab_parallel_group", None)
         if group is not None:  # tensor parallelism left each rank a slice of the vocabulary's logits
             self._use_vocab_parallel_loss(group)
-        if self.cfg.trainer.compile:
+        if self.cfg.trainer.cuda_graphs:  # validation runs the model eager
+            self._graphed_terms = graphed_model_terms(self.model, self.loss_fn)
+        elif self.cfg.trainer.compile:
             compile_for_training(self.model, self.loss_fn)
         self._configured = True
 

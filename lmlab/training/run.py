@@ -136,6 +136,11 @@ def check_parallel(cfg: DictConfig, batch_size: int) -> Parallel:
     cuda = uses_cuda(t.accelerator)
     if t.accelerator in ("gpu", "cuda") and not cuda:
         raise ConfigError(f"trainer.accelerator={t.accelerator} needs CUDA GPUs; this machine has none")
+    if t.cuda_graphs and not cuda:
+        raise ConfigError("trainer.cuda_graphs=true needs a CUDA GPU; this run has none (set trainer.cuda_graphs=false)")
+    if t.cuda_graphs and (parallel.distributed or world > 1):
+        raise ConfigError(f"trainer.cuda_graphs=true runs on one GPU; parallel={cfg.parallel.name} with {world} "
+                          "process(es) communicates inside the step. Use parallel=single or trainer.cuda_graphs=false")
     available = torch.cuda.device_count() if cuda else os.cpu_count() or 1
     if t.devices > available:
         what = "GPUs" if cuda else "CPU cores (one per process)"

@@ -64,6 +64,9 @@ def test_checkpoint_from_another_model_is_rejected_before_training(make_cfg, tin
     (["model.d_model=0"], "model.d_model must be >= 1, got 0"),
     (["trainer.accumulate_grad_batches=3"], "data.batch_size=8 is not divisible by 3"),
     (["trainer.grad_noise_scale=true"], "set trainer.accumulate_grad_batches to 2 or more"),
+    (["trainer.cuda_graphs=true"], "set trainer.compile=true too"),
+    (["trainer.cuda_graphs=true", "trainer.compile=true", "trainer.accumulate_grad_batches=2"],
+     "micro-batches cannot accumulate"),
 ])
 def test_bad_input_fails_before_training(make_cfg, tiny_overrides, tmp_path, extra, match):
     with pytest.raises(ConfigError, match=match):
