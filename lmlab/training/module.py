@@ -28,6 +28,7 @@ from lmlab.parallel.strategies import data_parallel_rank
 from lmlab.tokenizers.base import Tokenizer, pack_tokenizer
 from lmlab.training.checkpoints import CONFIG_KEY, TOKENIZER_KEY
 from lmlab.training.compile import compile_for_training, graphed_model_terms
+from lmlab.training.config import TrainerConfig
 from lmlab.training.fp8 import FP8
 from lmlab.training.losses import LOSSES
 from lmlab.training.noise_scale import NoiseScale
@@ -70,6 +71,8 @@ class LanguageModelTask(L.LightningModule):
     def __init__(self, cfg: DictConfig, tokenizer: Tokenizer):
         super().__init__()
         self.cfg = cfg
+        # Read at every step, where each OmegaConf lookup costs host time a small model's step cannot spare
+        self.trainer_cfg = TrainerConfig(**OmegaConf.to_container(cfg.trainer, resolve=True))
         self.tokenizer = tokenizer  # saved in every checkpoint: the weights mean nothing without its ids
         self.model = Transformer(cfg.model, tokenizer.vocab_size)
         self.qat = QATS.build(cfg.qat)
@@ -115,7 +118,7 @@ class LanguageModelTask(L.LightningModule):
         else:
             terms = model_terms(self.model, self.loss_fn, inputs, targets, positions)
         self._micro_terms.append({name: value.detach() for name, value in terms.items()})
-        if len(self._micro_terms) == self.cfg.trainer.accumulate_grad_batches:  # the optimizer steps after this one
+        if len(self._micro_terms) == self.trainer_cfg.accumulate_grad_batches:  # the optimizer steps after this one
             self._log_step_terms()
             self._log_learning_rates()
             self._log_moe_stats()
@@ -131,11 +134,21 @@ class LanguageModelTask(L.LightningModule):
             means = self.trainer.strategy.reduce(means, reduce_op="mean")
         step_terms = dict(zip(names, means))
         self._loss = step_terms["loss"]
-        self.log("train/loss", step_terms.pop("loss"), prog_bar=True)
-        self.log_dict({f"train/{name}": value for name, value in step_terms.items()})
+        if self._logs_this_step():
+            self.log("train/loss", step_terms.pop("loss"), prog_bar=True)
+            self.log_dict({f"train/{name}": value for name, value in step_terms.items()})
+
+    def _logs_this_step(self) -> bool:
+        """Whether this optimizer step's scalars reach the logger: Lightning writes every log_every_n_steps-th
+        step's, and the run's results read the last step's. Other steps skip `self.log`, whose bookkeeping
+        costs a small model's step as much host time as the step itself (trainer.cuda_graphs)."""
+        step = self.global_step + 1
+        return step % self.trainer.log_every_n_steps == 0 or step >= self.trainer_cfg.max_steps
 
     def _log_learning_rates(self) -> None:
         """`lr` is the first group's; with several optimizers (Muon + AdamW) also `lr/<optimizer>`."""
+        if not self._logs_this_step():
+            return
         groups = self.optimizers().param_groups
         self.log("lr", groups[0]["lr"])
         first_of = {}
@@ -147,7 +160,7 @@ class LanguageModelTask(L.LightningModule):
     def on_after_backward(self) -> None:
         """With trainer.grad_noise_scale: the squared gradient norm of the step's first micro-batch, taken before
         the others accumulate and before ranks reduce (Lightning syncs only the last micro-batch's backward)."""
-        t = self.cfg.trainer
+        t = self.trainer_cfg
         if t.grad_noise_scale and len(self._micro_terms) == 1:
             grads = [p.grad for p in self.parameters() if p.grad is not None]
             # Lightning scales each micro-batch's loss by 1/K: the micro-batch's own mean gradient is K times this
@@ -155,7 +168,7 @@ class LanguageModelTask(L.LightningModule):
             self._small_sq_norm = norm ** 2 * t.accumulate_grad_batches ** 2
 
     def _log_noise_scale(self, step_norm: float) -> None:
-        t = self.cfg.trainer
+        t = self.trainer_cfg
         if self._noise is None:
             from lmlab.data import SOURCES
 
@@ -163,16 +176,20 @@ class LanguageModelTask(L.LightningModule):
             tokens = data.batch_size * data.context_length  # the global batch
             self._noise = NoiseScale(tokens / (t.accumulate_grad_batches * data_parallel_rank(self.trainer)[1]), tokens)
         if math.isfinite(self._small_sq_norm) and math.isfinite(step_norm):
-            self.log("train/grad_noise_scale", self._noise.update(self._small_sq_norm, step_norm ** 2))
+            scale = self._noise.update(self._small_sq_norm, step_norm ** 2)  # every step: moving averages
+            if self._logs_this_step():
+                self.log("train/grad_noise_scale", scale)
 
     def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None) -> None:
         """Clip to trainer.grad_clip by global norm, log the norm before clipping, and empty the
         gradients of a step the guard rejects, so that the optimizer step changes nothing."""
         params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
         clip = getattr(self.trainer.strategy, "clip_grad_norm", torch.nn.utils.clip_grad_norm_)  # zero3: global
-        norm = _whole(clip(params, self.cfg.trainer.grad_clip or math.inf))
-        self.log("train/grad_norm", norm)
-        if self.cfg.trainer.grad_noise_scale:
+        norm = _whole(clip(params, self.trainer_cfg.grad_clip or math.inf))
+        logs = self._logs_this_step()
+        if logs:
+            self.log("train/grad_norm", norm)
+        if self.trainer_cfg.grad_noise_scale:
             self._log_noise_scale(float(norm))
         if not self.guard.active:
             return
@@ -184,12 +201,13 @@ class LanguageModelTask(L.LightningModule):
                         self.global_step, why, loss, norm, self.guard.skipped)
         elif why:
             log.warning("step %d: %s (loss %.4g, gradient norm %.4g)", self.global_step, why, loss, norm)
-        self.log("train/skipped_steps", float(self.guard.skipped))
+        if logs:
+            self.log("train/skipped_steps", float(self.guard.skipped))
 
     def on_train_batch_end(self, outputs, batch, batch_idx: int) -> None:
         """Ask Lightning to validate after the last step when val_every does not land on it, so the
         run's final numbers come from a validation inside fit (and show on the progress bar)."""
-        t = self.cfg.trainer
+        t = self.trainer_cfg
         if not self._micro_terms and self.global_step >= t.max_steps and self.global_step % t.val_every:
             self.trainer.should_stop = True
 
@@ -238,9 +256,9 @@ class LanguageModelTask(L.LightningModule):
         group = getattr(self.model, "vocab_parallel_group", None)
         if group is not None:  # tensor parallelism left each rank a slice of the vocabulary's logits
             self._use_vocab_parallel_loss(group)
-        if self.cfg.trainer.cuda_graphs:  # validation runs the model eager
+        if self.trainer_cfg.cuda_graphs:  # validation runs the model eager
             self._graphed_terms = graphed_model_terms(self.model, self.loss_fn)
-        elif self.cfg.trainer.compile:
+        elif self.trainer_cfg.compile:
             compile_for_training(self.model, self.loss_fn)
         self._configured = True
 
