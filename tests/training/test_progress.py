@@ -28,3 +28,23 @@ def test_library_noise_is_dropped(caplog):
         rank_zero.info("💡 Tip: For seamless cloud logging and experiment tracking, try installing [litlogger]")
         rank_zero.info("GPU available: False, used: False")
     assert "litlogger" not in caplog.text and "GPU available" in caplog.text
+
+
+def test_training_scalars_are_logged_on_logging_steps_and_the_last_only(make_cfg, tiny_overrides, tmp_path,
+                                                                           monkeypatch):
+    """`self.log` costs a small model's step its own length in host time: steps whose scalars no logger takes skip it."""
+    from lmlab.training.module import LanguageModelTask
+
+    logged_at = []
+    log = LanguageModelTask.log
+
+    def recording(self, name, value, *args, **kwargs):
+        if name == "train/grad_norm":
+            logged_at.append(self.global_step + 1)
+        return log(self, name, value, *args, **kwargs)
+
+    monkeypatch.setattr(LanguageModelTask, "log", recording)
+    results = train(make_cfg([*tiny_overrides, "trainer.max_steps=10", "trainer.val_every=10", "trainer.log_every=4"]),
+                    tmp_path / "run")
+    assert logged_at == [4, 8, 10]
+    assert results["train_loss"] > 0
