@@ -100,11 +100,12 @@ class Contender:
         self.loss_fn = LOSSES.build(cfg.loss)
         ops = KERNELS.build(chosen.kernels)
         install_kernels(ops, self.model, self.loss_fn)
-        self.terms = partial(model_terms, self.model, self.loss_fn)
-        if chosen.graphs:
+        if chosen.graphs:  # as LanguageModelTask.configure_model chooses
             self.terms = graphed_model_terms(self.model, self.loss_fn)
-        elif chosen.compiled:
-            compile_for_training(self.model, self.loss_fn)
+        else:
+            if chosen.compiled:
+                compile_for_training(self.model, self.loss_fn)
+            self.terms = partial(model_terms, self.model, self.loss_fn)
         self.optimizer = OPTIMIZERS.build(cfg.optim, self.model)
         install_kernels(ops, self.optimizer)
         self.grad_clip = cfg.trainer.grad_clip

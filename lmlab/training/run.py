@@ -138,7 +138,7 @@ def check_parallel(cfg: DictConfig, batch_size: int) -> Parallel:
         raise ConfigError(f"trainer.accelerator={t.accelerator} needs CUDA GPUs; this machine has none")
     if t.cuda_graphs and not cuda:
         raise ConfigError("trainer.cuda_graphs=true needs a CUDA GPU; this run has none (set trainer.cuda_graphs=false)")
-    if t.cuda_graphs and (parallel.distributed or world > 1):
+    if t.cuda_graphs and parallel.distributed:  # parallel=single with several processes is refused above
         raise ConfigError(f"trainer.cuda_graphs=true runs on one GPU; parallel={cfg.parallel.name} with {world} "
                           "process(es) communicates inside the step. Use parallel=single or trainer.cuda_graphs=false")
     available = torch.cuda.device_count() if cuda else os.cpu_count() or 1
