@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -23,7 +24,7 @@ import torch
 from lmlab.errors import ConfigError
 from lmlab.inference import delta_state, linear_state, mla_cache, sparse_cache, ssm_state  # noqa: F401 - their caches register on import
 from lmlab.inference.cache import CacheState, LayerCache, factory_for
-from lmlab.kernels.registry import optional_triton_kernel
+from lmlab.kernels.registry import optional_triton_kernel, triton_unavailable
 from lmlab.nn.fused import fuse_projections
 from lmlab.nn.moe import MoELayer
 from lmlab.nn.transformer import Transformer
@@ -50,11 +51,12 @@ class Engine:
     """Generation with a KV cache per layer; see the module docstring."""
 
     def __init__(self, model: Transformer, compile: bool = False, cuda_graphs: bool | None = None,
-                 attention_kernel: bool | None = None):
+                 attention_kernel: bool | None = None, megakernel: bool = False):
         """compile: torch.compile the decode step. cuda_graphs: replay it from a CUDA graph (default: when
         compiled on CUDA; without compile it still removes the Python cost of launching each kernel).
         attention_kernel: decode steps attend with the Triton flash-decoding kernel where it applies
-        (default: on CUDA with Triton), else SDPA with a mask."""
+        (default: on CUDA with Triton), else SDPA with a mask. megakernel: one-token steps run every layer in
+        one persistent Triton kernel (lmlab.inference.megakernel; plain Llama stacks only)."""
         check_generatable(model)
         self.model = model.eval()
         weight = model.embed_tokens.weight
@@ -64,6 +66,7 @@ class Engine:
         self.attention_kernel = optional_triton_kernel(self.device, attention_kernel,
                                                        "lmlab.kernels.decode_attention_triton", "decode_attention")
         fuse_projections(model)  # q/k/v and gate/up as one matmul each
+        self.megakernel = self._megakernel(model) if megakernel else None
         if compile:  # one compiled graph per (batch, cache length, tokens per step): allow many
             torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 256)
         self.state: CacheState | None = None
@@ -72,6 +75,17 @@ class Engine:
         self.shape: tuple[int, int, int] | None = None  # (batch, cache length, lookahead) of the caches
         self._steps: dict[int, _StaticStep] = {}  # tokens per sequence -> its static step
         self.last_hidden: torch.Tensor | None = None  # the last extend's final hidden states (before the norm)
+
+    def _megakernel(self, model: Transformer):
+        if self.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ConfigError("megakernel=True needs a CUDA device (or TRITON_INTERPRET=1, Triton's CPU interpreter)")
+        if self.device.type == "cuda" and (missing := triton_unavailable()):
+            raise ConfigError(f"megakernel=True, but {missing}")
+        from lmlab.inference.megakernel import Megakernel  # here: Triton is optional
+
+        if problem := Megakernel.unsupported(model):
+            raise ConfigError(f"megakernel=True: the decode megakernel cannot run this model: {problem}")
+        return Megakernel(model)
 
     # -- caches -------------------------------------------------------------------------------
     def cache_length(self, needed: int) -> int:
@@ -82,6 +96,8 @@ class Engine:
         """Empty caches for `batch_size` sequences of up to `max_len` slots; sequence b's first real
         slot is start[b] (left padding before it). Caches and graphs are reused when the shape repeats."""
         shape = (batch_size, self.cache_length(max_len), lookahead)
+        if self.megakernel is not None:
+            self.megakernel.refresh()  # before fusing: the fused groups are views of its stack
         fuse_projections(self.model)  # again where the model changed since (moved, quantized)
         if shape != self.shape:
             self._allocate(*shape)
@@ -102,6 +118,8 @@ class Engine:
         self.caches = [factory_for(block.self_attn)(block.self_attn, self.state, batch_size, length, self.device,
                                                     self.dtype, lookahead=lookahead)
                        for block in self.model.applied_layers()]
+        if self.megakernel is not None:
+            self.megakernel.bind(self.caches)
         for size in sorted({1, lookahead + 1}):
             self._steps[size] = _StaticStep(self, batch_size, size)
 
@@ -132,6 +150,8 @@ class Engine:
         model, positions = self.model, self.state.positions()
         model._route_by("layers.", ids)
         x = model.position.embed(model.token_embeddings(ids, embeds), positions)
+        if self.megakernel is not None and ids.shape[1] == 1:
+            return self.megakernel.step(x, self.state)
         return model.run_layers(x, positions, self.caches)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -46,6 +46,46 @@ PROGRAMS_PER_SM, KEYS_PER_SPLIT = 2, 32
 
 
 @triton.jit
+def key_split(lo, hi, split, n_split, BLOCK_N: tl.constexpr):
+    """Split `split` of n_split of the key slots [lo, hi), in whole blocks of BLOCK_N (late splits may be empty)."""
+    per_split = tl.cdiv(tl.cdiv(hi - lo, BLOCK_N), n_split) * BLOCK_N
+    k_lo = lo + split * per_split
+    return k_lo, tl.minimum(hi, k_lo + per_split)
+
+
+@triton.jit
+def attend_key_range(q, k_base, v_base, sk_l, sv_l, k_lo, k_hi, q_slot, start, qk_scale, window,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HAS_WINDOW: tl.constexpr,
+                     PREC: tl.constexpr):
+    """Online softmax of the rows q (BLOCK_M, HEAD_DIM), at cache slots q_slot (BLOCK_M,), over the keys and values
+    at slots [k_lo, k_hi) of one (sequence, kv head): the running max, sum and unnormalised output (base 2)."""
+    m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+    l_i = tl.zeros((BLOCK_M,), tl.float32)
+    acc = tl.zeros((BLOCK_M, HEAD_DIM), tl.float32)
+    dims = tl.arange(0, HEAD_DIM)
+    for k0 in range(k_lo, k_hi, BLOCK_N):
+        keys = k0 + tl.arange(0, BLOCK_N)
+        in_range = keys < k_hi
+        k = tl.load(k_base + keys[:, None] * sk_l + dims[None, :], mask=in_range[:, None], other=0.0)
+        v = tl.load(v_base + keys[:, None] * sv_l + dims[None, :], mask=in_range[:, None], other=0.0)
+        scores = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
+        ks, qs = keys[None, :], q_slot[:, None]
+        seen = (ks <= qs) & (ks >= start)
+        if HAS_WINDOW:
+            seen = seen & (qs - ks < window)
+        seen = (seen | (ks == qs)) & in_range[None, :]
+        scores = tl.where(seen, scores, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing seen yet stays empty
+        alpha = tl.math.exp2(m_i - m_safe)
+        p = tl.math.exp2(scores - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PREC)
+        m_i = m_new
+    return m_i, l_i, acc
+
+
+@triton.jit
 def _decode_kernel(Q, K, V, Slots, Start, Out, PartOut, PartLse,
                    sq_b, sq_h, sq_s, sk_b, sk_h, sk_l, sv_b, sv_h, sv_l,
                    n_kv_heads, n_heads, qk_scale, window, n_split,
@@ -69,35 +109,11 @@ def _decode_kernel(Q, K, V, Slots, Start, Out, PartOut, PartLse,
     if HAS_WINDOW:
         lo = tl.maximum(lo, first - window + 1)
     hi = tl.load(Slots + S - 1) + 1
-    per_split = tl.cdiv(tl.cdiv(hi - lo, BLOCK_N), n_split) * BLOCK_N
-    k_lo = lo + split * per_split
-    k_hi = tl.minimum(hi, k_lo + per_split)
+    k_lo, k_hi = key_split(lo, hi, split, n_split, BLOCK_N)
 
-    m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
-    l_i = tl.zeros((BLOCK_M,), tl.float32)
-    acc = tl.zeros((BLOCK_M, HEAD_DIM), tl.float32)
-    k_base = K + b * sk_b + kv_head * sk_h
-    v_base = V + b * sv_b + kv_head * sv_h
-    for k0 in range(k_lo, k_hi, BLOCK_N):
-        keys = k0 + tl.arange(0, BLOCK_N)
-        in_range = keys < k_hi
-        k = tl.load(k_base + keys[:, None] * sk_l + dims[None, :], mask=in_range[:, None], other=0.0)
-        v = tl.load(v_base + keys[:, None] * sv_l + dims[None, :], mask=in_range[:, None], other=0.0)
-        scores = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
-        ks, qs = keys[None, :], q_slot[:, None]
-        seen = (ks <= qs) & (ks >= start)
-        if HAS_WINDOW:
-            seen = seen & (qs - ks < window)
-        seen = (seen | (ks == qs)) & in_range[None, :]
-        scores = tl.where(seen, scores, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing seen yet stays empty
-        alpha = tl.math.exp2(m_i - m_safe)
-        p = tl.math.exp2(scores - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PREC)
-        m_i = m_new
-
+    m_i, l_i, acc = attend_key_range(q, K + b * sk_b + kv_head * sk_h, V + b * sv_b + kv_head * sv_h, sk_l, sv_l,
+                                     k_lo, k_hi, q_slot, start, qk_scale, window,
+                                     BLOCK_M, BLOCK_N, HEAD_DIM, HAS_WINDOW, PREC)
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     row = (b * n_heads + head) * S + tok  # row of the (batch, heads, S) output
     if SPLIT:

@@ -1,0 +1,173 @@
+"""The engine's decode step as one kernel launch for plain Llama stacks (lmlab.kernels.decode_layers_triton).
+
+`Megakernel.unsupported(model)` says why a model cannot take it (None: it can): pre-norm blocks with
+RMSNorm, softmax attention without windows, soft-capping, QK-norm or shared KV, RoPE, SwiGLU, no
+MoE, no looped depth. `Megakernel(model)` stacks the layers' weights, one tensor per kind, and makes
+every layer's parameters views of their slices (as `lmlab.nn.fused` does within a layer), so no
+weight is held twice and training, loading or quantizing the model still changes what the kernel
+reads; a parameter replaced since (a device move, quantization) is noticed and the stack rebuilt or
+refused. `bind(caches)` stacks the engine's KV caches the same way, and `step(x, state)` runs one
+token per sequence through every layer.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from lmlab.inference.cache import CacheState, KVCache
+from lmlab.nn.attention import MultiHeadAttention
+from lmlab.nn.blocks import PreNormBlock
+from lmlab.nn.ffn import SwiGLU
+from lmlab.nn.norms import RMSNorm
+from lmlab.nn.positions import RoPE
+from lmlab.nn.transformer import Transformer
+
+
+@dataclass
+class StackedWeights:
+    """A layer stack's weights, one tensor per kind with the layer first (what the kernel reads)."""
+
+    qkv: torch.Tensor  # (layers, (heads + 2 kv_heads) * head_dim, d_model): q rows, then k, then v
+    o: torch.Tensor  # (layers, d_model, heads * head_dim)
+    gate_up: torch.Tensor  # (layers, 2 d_ff, d_model): gate rows, then up
+    down: torch.Tensor  # (layers, d_model, d_ff)
+    norm_attn: torch.Tensor  # (layers, d_model): the RMSNorm gain before attention
+    norm_ffn: torch.Tensor  # (layers, d_model): before the FFN
+    n_heads: int
+    n_kv_heads: int
+    rope_interleaved: bool  # RoPE pairs features (2i, 2i + 1); else (i, i + head_dim / 2)
+
+    @property
+    def head_dim(self) -> int:
+        return self.o.shape[2] // self.n_heads
+
+
+def _views_of(params: list[torch.Tensor], stacked: torch.Tensor) -> None:
+    """Make each parameter a view of its slice of `stacked` (the flattened parameters, in order)."""
+    offset = 0
+    for param in params:
+        param.data = stacked.view(-1)[offset:offset + param.numel()].view(param.shape)
+        offset += param.numel()
+
+
+def _aliases(params: list[torch.Tensor], stacked: torch.Tensor) -> bool:
+    pointer, size = stacked.data_ptr(), stacked.element_size()
+    for param in params:
+        if param.data_ptr() != pointer or param.dtype != stacked.dtype or param.device != stacked.device:
+            return False
+        pointer += param.numel() * size
+    return True
+
+
+class Megakernel:
+    """A plain Llama stack's weights stacked for `decode_layers`; see the module docstring."""
+
+    @staticmethod
+    def unsupported(model: Transformer) -> str | None:
+        if model.loops != 1:
+            return "looped depth (model.loops > 1)"
+        if not isinstance(model.position, RoPE):
+            return f"position {type(model.position).__name__} (the kernel rotates with RoPE)"
+        for i, block in enumerate(model.layers):
+            attn, mlp = block.self_attn, block.mlp
+            reasons = {
+                "a block layout other than prenorm": type(block) is not PreNormBlock,
+                "norms other than rmsnorm": not all(type(getattr(block, n)) is RMSNorm for n in block.norm_names),
+                "attention other than mha/gqa/mqa": type(attn) is not MultiHeadAttention,
+                "an FFN other than swiglu (an MoE layer, a bias)": type(mlp) is not SwiGLU
+                or any(getattr(mlp, n).bias is not None for n in mlp.projections),
+            }
+            if type(attn) is MultiHeadAttention:
+                reasons.update({
+                    "a sliding window": attn.window is not None,
+                    "soft-capped scores": attn.softcap is not None,
+                    "QK-norm": not isinstance(attn.q_norm, nn.Identity),
+                    "shared keys and values (CLA)": attn.kv_source is not None or attn.shares_kv,
+                    "biased projections": any(getattr(attn, n).bias is not None
+                                              for n in ("q_proj", "k_proj", "v_proj", "o_proj")),
+                })
+            found = [what for what, present in reasons.items() if present]
+            if found:
+                return f"layer {i} has {' and '.join(found)}"
+        return None
+
+    def __init__(self, model: Transformer):
+        problem = self.unsupported(model)
+        if problem:
+            raise ValueError(f"the decode megakernel cannot run this model: {problem}")
+        self.model = model
+        self.weights = self._stack()
+        self.k_cache: torch.Tensor | None = None
+        self.v_cache: torch.Tensor | None = None
+        # One launch with grid barriers; else a launch per (layer, stage): the interpreter runs programs in turn
+        self.persistent = os.environ.get("TRITON_INTERPRET") != "1"
+
+    def _groups(self) -> dict[str, list[list[torch.Tensor]]]:
+        """Per kind, each layer's parameters in the order they are stacked."""
+        layers = self.model.layers
+        return {
+            "qkv": [[b.self_attn.q_proj.weight, b.self_attn.k_proj.weight, b.self_attn.v_proj.weight] for b in layers],
+            "o": [[b.self_attn.o_proj.weight] for b in layers],
+            "gate_up": [[b.mlp.gate_proj.weight, b.mlp.up_proj.weight] for b in layers],
+            "down": [[b.mlp.down_proj.weight] for b in layers],
+            "norm_attn": [[b.input_layernorm.weight] for b in layers],
+            "norm_ffn": [[b.post_attention_layernorm.weight] for b in layers],
+        }
+
+    def _stack(self) -> StackedWeights:
+        first = self.model.layers[0]
+        attn = first.self_attn
+        stacked = {}
+        with torch.inference_mode(False), torch.no_grad():
+            for kind, per_layer in self._groups().items():
+                flat = [p for params in per_layer for p in params]
+                rows = sum(p.shape[0] for p in per_layer[0])
+                tensor = torch.cat([p.detach().reshape(-1) for p in flat]).view(len(per_layer), rows, -1).squeeze(-1)
+                _views_of(flat, tensor)
+                stacked[kind] = tensor
+        # The engine's fused q/k/v and gate/up groups become views of the stack too, so they stay current.
+        for block, qkv, gate_up in zip(self.model.layers, stacked["qkv"], stacked["gate_up"]):
+            for module, rows in ((block.self_attn, qkv), (block.mlp, gate_up)):
+                group = module.__dict__.get("fused_projections")
+                if group is not None:
+                    group.weight = rows
+        return StackedWeights(**stacked, n_heads=attn.n_heads, n_kv_heads=attn.n_kv_heads,
+                              rope_interleaved=self.model.position.layout == "interleaved")
+
+    def current(self) -> bool:
+        """Every parameter is still a view of the stack (nothing replaced or moved since)."""
+        return all(_aliases([p for params in per_layer for p in params], getattr(self.weights, kind))
+                   for kind, per_layer in self._groups().items())
+
+    def refresh(self) -> None:
+        """Stack again where a parameter was replaced or moved (e.g. `model.to(device)`)."""
+        if not self.current():
+            problem = self.unsupported(self.model)
+            if problem:
+                raise ValueError(f"the decode megakernel cannot run this model any more: {problem}")
+            self.weights = self._stack()
+
+    def bind(self, caches: list) -> None:
+        """Stack the engine's per-layer KV caches (their tensors become views of the stack)."""
+        if not all(type(c) is KVCache for c in caches):
+            raise ValueError("the decode megakernel needs a full-length KV cache per layer")
+        for name in ("k", "v"):
+            stacked = torch.stack([c.tensors[name] for c in caches])
+            for i, cache in enumerate(caches):
+                cache.tensors[name] = stacked[i]
+            setattr(self, f"{name}_cache", stacked)
+
+    def step(self, x: torch.Tensor, state: CacheState) -> torch.Tensor:
+        """x (batch, 1, d_model) embedded tokens at slot state.slots[0] -> the last layer's output (batch, 1, d_model)."""
+        from lmlab.kernels.decode_layers_triton import decode_layers
+
+        block = self.model.layers[0]
+        rope = self.model.position
+        out = decode_layers(x[:, 0], self.weights, self.k_cache, self.v_cache, state.slots, state.start,
+                            rope.cos, rope.sin, block.input_layernorm.eps, block.self_attn.score_scale,
+                            persistent=self.persistent)
+        return out[:, None]

@@ -1,0 +1,125 @@
+"""The decode megakernel (every layer of a plain Llama stack in one persistent launch) computes what the
+engine's layer-by-layer step computes: on CUDA, in fp32 and bf16, persistent and launched stage by stage,
+under CUDA graphs and torch.compile, for MHA/GQA/MQA, both RoPE layouts, left padding and batches up to
+the kernel's limit. On any machine: models it cannot run are named before any work, and its stacked
+weights stay views of the model's parameters."""
+
+import pytest
+import torch
+
+from lmlab.errors import ConfigError
+from lmlab.inference.engine import Engine
+from lmlab.inference.megakernel import Megakernel
+from lmlab.nn import ModelConfig, Transformer
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+VOCAB = 128
+
+
+def _model(device="cpu", dtype=torch.float32, **kw) -> Transformer:
+    parts = dict(d_model=128, n_layers=3, max_seq_len=256, norm="rmsnorm", ffn="swiglu", position="rope",
+                 attention={"name": "mha", "n_heads": 4, "n_kv_heads": 2}, block="prenorm")
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(**{**parts, **kw}), vocab_size=VOCAB)
+    with torch.no_grad():  # norm gains away from one, so a norm applied in the wrong place shows
+        for p in model.parameters():
+            if p.dim() == 1:
+                p.uniform_(0.5, 1.5)
+    return model.to(device, dtype).eval()
+
+
+@pytest.mark.parametrize("kw, reason", [
+    (dict(attention={"name": "mha", "n_heads": 4, "window": 8}), "sliding window"),
+    (dict(attention={"name": "mha", "n_heads": 4, "qk_norm": True}), "QK-norm"),
+    (dict(attention={"name": "mha", "n_heads": 4, "softcap": 5.0}), "soft-capped"),
+    (dict(attention={"name": "mla", "n_heads": 4}), "attention other than"),
+    (dict(ffn="gelu"), "FFN other than swiglu"),
+    (dict(norm="layernorm"), "norms other than rmsnorm"),
+    (dict(block="postnorm"), "block layout"),
+    (dict(position="alibi"), "position"),
+    (dict(loops=2), "looped depth"),
+])
+def test_names_what_it_cannot_run(kw, reason):
+    assert reason in Megakernel.unsupported(_model(**kw))
+
+
+def test_a_plain_llama_stack_is_supported():
+    assert Megakernel.unsupported(_model()) is None
+
+
+def test_refused_without_cuda_before_any_work():
+    if torch.cuda.is_available():
+        pytest.skip("the refusal is for machines without CUDA")
+    with pytest.raises(ConfigError, match="needs a CUDA device"):
+        Engine(_model(), megakernel=True)
+
+
+def test_stacked_weights_are_views_of_the_parameters():
+    model = _model()
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    kernel = Megakernel(model)
+    assert kernel.current()
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.detach(), before[name], rtol=0, atol=0)
+    with torch.no_grad():  # an in-place update of a parameter is what the kernel reads
+        model.layers[1].mlp.down_proj.weight.add_(1.0)
+    assert kernel.weights.down[1].eq(model.layers[1].mlp.down_proj.weight).all()
+    model.layers[0].self_attn.o_proj.weight = torch.nn.Parameter(model.layers[0].self_attn.o_proj.weight.clone())
+    assert not kernel.current()
+    kernel.refresh()
+    assert kernel.current()
+
+
+def _decode_both(model, batch, persistent=True, compile=False, steps=6):
+    """Logits of the layer-by-layer engine and of the megakernel engine over a prefill and `steps` decode steps."""
+    reference = Engine(model, cuda_graphs=False)
+    fused = Engine(model, compile=compile, cuda_graphs=True, megakernel=True)
+    fused.megakernel.persistent = persistent
+    g = torch.Generator().manual_seed(1)
+    start = torch.randint(0, 5, (batch,), generator=g).cuda()
+    prompt = torch.randint(0, VOCAB, (batch, 9), generator=g).cuda()
+    got = []
+    for engine in (reference, fused):
+        engine.begin(batch, 9 + steps, start)
+        logits = [engine.extend(prompt)]
+        for t in range(steps):
+            logits.append(engine.decode(torch.full((batch,), 3 * t + 1, device="cuda")).clone())
+        got.append(torch.stack(logits, 1))
+    return got
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("persistent", [True, False])
+@pytest.mark.parametrize("attention, layout, batch", [
+    ({"name": "mha", "n_heads": 4}, "half", 1),
+    ({"name": "mha", "n_heads": 4, "n_kv_heads": 2}, "interleaved", 3),
+    ({"name": "mha", "n_heads": 8, "n_kv_heads": 1}, "half", 17),  # MQA, a batch past one 16-row tile
+])
+def test_matches_the_layer_by_layer_step_fp32(attention, layout, batch, persistent):
+    torch.backends.cuda.matmul.allow_tf32 = False
+    model = _model("cuda", attention=attention, position={"name": "rope", "layout": layout})
+    reference, fused = _decode_both(model, batch, persistent)
+    torch.testing.assert_close(fused, reference, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("compile", [False, True])
+def test_bf16_generation_follows_the_layer_by_layer_step(compile):
+    model = _model("cuda", torch.bfloat16, d_model=256, n_layers=4, attention={"name": "mha", "n_heads": 4})
+    reference, fused = _decode_both(model, 4, compile=compile, steps=16)
+    # bf16 rounds differently (the kernel keeps the residual stream in float32): compare in scale
+    scale = reference.abs().max()
+    assert (fused - reference).abs().max() <= 0.03 * scale
+    assert (fused.argmax(-1) == reference.argmax(-1)).float().mean() >= 0.9
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_generate_with_the_megakernel_equals_generate_without_it_fp32():
+    torch.backends.cuda.matmul.allow_tf32 = False
+    model = _model("cuda")
+    prompts = [[5, 9, 2, 40, 41], [7, 1, 3, 3, 8, 20, 11, 60, 2], [4]]
+    plain = Engine(model).generate(prompts, max_new_tokens=40).tokens
+    assert Engine(model, cuda_graphs=True, megakernel=True).generate(prompts, max_new_tokens=40).tokens == plain
