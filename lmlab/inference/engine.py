@@ -150,7 +150,7 @@ class Engine:
         model, positions = self.model, self.state.positions()
         model._route_by("layers.", ids)
         x = model.position.embed(model.token_embeddings(ids, embeds), positions)
-        if self.megakernel is not None and ids.shape[1] == 1:
+        if self.megakernel is not None and ids.shape[1] == 1 and ids.shape[0] <= self.megakernel.max_batch:
             return self.megakernel.step(x, self.state)
         return model.run_layers(x, positions, self.caches)
 

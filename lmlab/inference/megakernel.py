@@ -66,6 +66,8 @@ def _aliases(params: list[torch.Tensor], stacked: torch.Tensor) -> bool:
 class Megakernel:
     """A plain Llama stack's weights stacked for `decode_layers`; see the module docstring."""
 
+    max_batch = 64  # the kernel holds the batch in one tile; larger batches take the layer-by-layer step
+
     @staticmethod
     def unsupported(model: Transformer) -> str | None:
         if model.loops != 1:

@@ -54,14 +54,12 @@ NUM_WARPS, NUM_STAGES = 4, 3
 
 @triton.jit
 def _grid_barrier(Sync, target):
-    """Wait until the counter reaches `target`, after adding this program's arrival: every program's writes
-    before the barrier are visible to every program after it."""
+    """Arrive, then wait until the counter reaches `target`: every program's writes before the barrier are
+    visible to every program after it (release on arrival, acquire on the read that sees the target)."""
     tl.debug_barrier()  # all of this program's stores are issued
-    tl.atomic_add(Sync, 1, sem="release", scope="gpu")
-    seen = tl.load(Sync, volatile=True)
+    seen = tl.atomic_add(Sync, 1, sem="acq_rel", scope="gpu") + 1
     while seen < target:
-        seen = tl.load(Sync, volatile=True)
-    tl.atomic_add(Sync, 0, sem="acquire", scope="gpu")  # acquire what the releases published
+        seen = tl.atomic_add(Sync, 0, sem="acquire", scope="gpu")
     tl.debug_barrier()
 
 
@@ -290,8 +288,8 @@ def _sm_count(device: torch.device) -> int:
 
 
 def n_splits(batch: int, n_kv_heads: int, cache_len: int, programs: int) -> int:
-    """Key-range splits per (sequence, kv head): about one attention work item per program."""
-    return max(1, min(math.ceil(programs / (batch * n_kv_heads)), cache_len // KEYS_PER_SPLIT))
+    """Key-range splits per (sequence, kv head): at most one attention work item per program."""
+    return max(1, min(programs // (batch * n_kv_heads), cache_len // KEYS_PER_SPLIT))
 
 
 def unsupported(x: torch.Tensor, weights: StackedWeights, k_cache: torch.Tensor) -> str | None:
