@@ -50,6 +50,9 @@ TILE = 16  # output rows per work item (the smallest tl.dot width)
 BLOCK_K = 256  # input columns per loop step of the matmuls
 KEYS_PER_SPLIT = 32
 NUM_WARPS, NUM_STAGES = 4, 3
+# Programs per SM of the persistent grid (at most what the GPU keeps resident at once, or the barrier would hang):
+# more programs keep more weight bytes in flight.
+PROGRAMS_PER_SM = 2
 
 
 @triton.jit
@@ -64,25 +67,29 @@ def _grid_barrier(Sync, target):
 
 
 @triton.jit
-def _inv_rms(X, rows, row_ok, d_model, eps, BB: tl.constexpr, BLOCK_K: tl.constexpr):
-    """1 / rms of the float32 residual rows (BB,)."""
-    total = tl.zeros((BB,), tl.float32)
+def _normed_matmul_pair(X, NormW, W, w_rows1, w_rows2, w_ok, rows, row_ok, d_model, eps,
+                        BB: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr):
+    """RMSNorm(X rows) @ W[w_rows1].T and @ W[w_rows2].T (BB, 16) each, in float32. The rows' 1 / rms is a
+    factor of each output row, so it is applied after the loop that also sums the squares: one pass over X."""
+    acc1 = tl.zeros((BB, 16), tl.float32)
+    acc2 = tl.zeros((BB, 16), tl.float32)
+    squares = tl.zeros((BB,), tl.float32)
     for k0 in range(0, d_model, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
-        x = tl.load(X + rows[:, None] * d_model + ks[None, :], mask=row_ok[:, None] & (ks < d_model)[None, :],
-                    other=0.0, cache_modifier=".cg")
-        total += tl.sum(x * x, 1)
-    return tl.math.rsqrt(total / d_model + eps)
-
-
-@triton.jit
-def _normed_chunk(X, NormW, rows, row_ok, inv_rms, ks, d_model):
-    """Columns ks of the RMS-normed rows, in the weights' dtype, as the reference norm rounds them."""
-    k_ok = ks < d_model
-    x = tl.load(X + rows[:, None] * d_model + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0,
-                cache_modifier=".cg")
-    gain = tl.load(NormW + ks, mask=k_ok, other=0.0)
-    return (x * inv_rms[:, None]).to(gain.dtype) * gain[None, :]
+        k_ok = ks < d_model
+        x = tl.load(X + rows[:, None] * d_model + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0,
+                    cache_modifier=".cg")
+        gain = tl.load(NormW + ks, mask=k_ok, other=0.0)
+        squares += tl.sum(x * x, 1)
+        xg = (x * gain[None, :]).to(gain.dtype)
+        ok = w_ok[:, None] & k_ok[None, :]
+        w1 = tl.load(W + w_rows1[:, None] * d_model + ks[None, :], mask=ok, other=0.0)
+        w2 = tl.load(W + w_rows2[:, None] * d_model + ks[None, :], mask=ok, other=0.0)
+        acc1 = tl.dot(xg, tl.trans(w1), acc1, input_precision=PREC)
+        acc2 = tl.dot(xg, tl.trans(w2), acc2, input_precision=PREC)
+    inv_rms = tl.math.rsqrt(squares / d_model + eps)[:, None]
+    # rounded to the weights' dtype, as the reference's matmuls round their outputs
+    return (acc1 * inv_rms).to(W.dtype.element_ty).to(tl.float32), (acc2 * inv_rms).to(W.dtype.element_ty).to(tl.float32)
 
 
 @triton.jit
@@ -92,31 +99,18 @@ def _qkv_stage(X, NormW, W, Q, Kc, Vc, Cos, Sin, Slots, Start, rows, row_ok, pid
                PREC: tl.constexpr):
     HALF: tl.constexpr = HEAD_DIM // 2
     CHUNKS: tl.constexpr = HALF // 16
-    inv_rms = _inv_rms(X, rows, row_ok, d_model, eps, BB, BLOCK_K)
     slot = tl.load(Slots)
     pos = tl.maximum(slot - tl.load(Start + rows, mask=row_ok, other=0), 0)
     pairs = tl.arange(0, 16)
-    n_items = (n_heads + 2 * n_kv_heads) * CHUNKS
-    for item in range(pid, n_items, n_programs):
+    for item in range(pid, (n_heads + 2 * n_kv_heads) * CHUNKS, n_programs):
         head = item // CHUNKS  # q heads, then k heads, then v heads
         freq = (item % CHUNKS) * 16 + pairs  # the rotation pairs this item computes
         if INTERLEAVED:
             first, second = 2 * freq, 2 * freq + 1
         else:
             first, second = freq, freq + HALF
-        acc1 = tl.zeros((BB, 16), tl.float32)
-        acc2 = tl.zeros((BB, 16), tl.float32)
-        for k0 in range(0, d_model, BLOCK_K):
-            ks = k0 + tl.arange(0, BLOCK_K)
-            x = _normed_chunk(X, NormW, rows, row_ok, inv_rms, ks, d_model)
-            k_ok = (ks < d_model)[None, :]
-            w1 = tl.load(W + (head * HEAD_DIM + first)[:, None] * d_model + ks[None, :], mask=k_ok, other=0.0)
-            w2 = tl.load(W + (head * HEAD_DIM + second)[:, None] * d_model + ks[None, :], mask=k_ok, other=0.0)
-            acc1 = tl.dot(x, tl.trans(w1), acc1, input_precision=PREC)
-            acc2 = tl.dot(x, tl.trans(w2), acc2, input_precision=PREC)
-        # the reference rounds projections to the weights' dtype before rotating them
-        acc1 = acc1.to(W.dtype.element_ty).to(tl.float32)
-        acc2 = acc2.to(W.dtype.element_ty).to(tl.float32)
+        acc1, acc2 = _normed_matmul_pair(X, NormW, W, head * HEAD_DIM + first, head * HEAD_DIM + second,
+                                         pairs < 16, rows, row_ok, d_model, eps, BB, BLOCK_K, PREC)
         cos = tl.load(Cos + pos[:, None] * HALF + freq[None, :], mask=row_ok[:, None], other=1.0)
         sin = tl.load(Sin + pos[:, None] * HALF + freq[None, :], mask=row_ok[:, None], other=0.0)
         rotated = head < n_heads + n_kv_heads
@@ -137,18 +131,22 @@ def _qkv_stage(X, NormW, W, Q, Kc, Vc, Cos, Sin, Slots, Start, rows, row_ok, pid
 
 
 @triton.jit
-def _attention_stage(Q, Kc, Vc, PartO, PartL, Slots, Start, pid, n_programs, batch, n_heads, n_kv_heads, n_split,
-                     sc_b, sc_h, sc_l, qk_scale,
+def _attention_stage(Q, Kc, Vc, PartO, PartL, Attn, Arrived, Slots, Start, layer, pid, n_programs, batch, n_heads,
+                     n_kv_heads, n_split, sc_b, sc_h, sc_l, qk_scale,
                      GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     PREC: tl.constexpr):
+                     BLOCK_SPLIT: tl.constexpr, PREC: tl.constexpr):
+    """Flash-decoding over (sequence, kv head, key split); the last split of a (sequence, kv head) to finish
+    combines them into the attention output (Attn, batch x heads * head_dim), so no grid barrier is needed."""
     slot = tl.load(Slots)
     r = tl.arange(0, BLOCK_M)
     r_ok = r < GROUP
     dims = tl.arange(0, HEAD_DIM)
+    splits = tl.arange(0, BLOCK_SPLIT)
     for item in range(pid, batch * n_kv_heads * n_split, n_programs):
         split = item % n_split
-        b = item // n_split // n_kv_heads
-        kv_head = item // n_split % n_kv_heads
+        bg = item // n_split  # (sequence, kv head)
+        b = bg // n_kv_heads
+        kv_head = bg % n_kv_heads
         head = kv_head * GROUP + r
         q = tl.load(Q + (b * n_heads + head)[:, None] * HEAD_DIM + dims[None, :], mask=r_ok[:, None], other=0.0,
                     cache_modifier=".cg")
@@ -158,88 +156,61 @@ def _attention_stage(Q, Kc, Vc, PartO, PartL, Slots, Start, pid, n_programs, bat
                                          Vc + b * sc_b + kv_head * sc_h, sc_l, sc_l, k_lo, k_hi,
                                          tl.zeros((BLOCK_M,), tl.int64) + slot, start, qk_scale, 0,
                                          BLOCK_M, BLOCK_N, HEAD_DIM, False, PREC)
-        part = (b * n_heads + head) * n_split + split
-        tl.store(PartL + part, tl.where(l_i == 0.0, float("-inf"), m_i + tl.math.log2(l_i)), mask=r_ok)
-        tl.store(PartO + part[:, None] * HEAD_DIM + dims[None, :], acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None],
-                 mask=r_ok[:, None])
+        part = (b * n_heads + head) * n_split
+        tl.store(PartL + part + split, tl.where(l_i == 0.0, float("-inf"), m_i + tl.math.log2(l_i)), mask=r_ok)
+        tl.store(PartO + (part + split)[:, None] * HEAD_DIM + dims[None, :],
+                 acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None], mask=r_ok[:, None])
+        tl.debug_barrier()  # this program's partial results are all issued before it counts itself in
+        arrived = tl.atomic_add(Arrived + bg, 1, sem="acq_rel", scope="gpu")  # counts up over the layers
+        if arrived == (layer + 1) * n_split - 1:
+            ok = r_ok[:, None] & (splits < n_split)[None, :]
+            lse = tl.load(PartL + part[:, None] + splits[None, :], mask=ok, other=float("-inf"), cache_modifier=".cg")
+            top = tl.max(lse, 1)
+            weight = tl.math.exp2(lse - tl.where(top == float("-inf"), 0.0, top)[:, None])
+            weight = weight / tl.maximum(tl.sum(weight, 1), 1e-30)[:, None]
+            parts = tl.load(PartO + (part[:, None] + splits[None, :])[:, :, None] * HEAD_DIM + dims[None, None, :],
+                            mask=ok[:, :, None], other=0.0, cache_modifier=".cg")
+            out = tl.sum(weight[:, :, None] * parts, 1)
+            tl.store(Attn + (b * n_heads + head)[:, None] * HEAD_DIM + dims[None, :],
+                     out.to(Attn.dtype.element_ty), mask=r_ok[:, None])
 
 
 @triton.jit
-def _o_proj_stage(X, W, PartO, PartL, rows, row_ok, pid, n_programs, d_model, n_heads, n_split,
-                  BB: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SPLIT: tl.constexpr, PREC: tl.constexpr):
-    splits = tl.arange(0, BLOCK_SPLIT)
-    dims = tl.arange(0, HEAD_DIM)
-    split_ok = row_ok[:, None] & (splits < n_split)[None, :]
-    width = n_heads * HEAD_DIM
+def _matmul_add_stage(X, W, In, rows, row_ok, pid, n_programs, d_model, width,
+                      BB: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr):
+    """X[rows] += In[rows] @ W.T, W (d_model, width): o_proj over the attention output, down over the FFN's."""
     for item in range(pid, tl.cdiv(d_model, 16), n_programs):
         cols = item * 16 + tl.arange(0, 16)
         col_ok = cols < d_model
         acc = tl.zeros((BB, 16), tl.float32)
-        for head in range(n_heads):  # the attention output one head at a time: its splits combined, then projected
-            part = (rows[:, None] * n_heads + head) * n_split + splits[None, :]
-            lse = tl.load(PartL + part, mask=split_ok, other=float("-inf"), cache_modifier=".cg")
-            top = tl.max(lse, 1)
-            weight = tl.math.exp2(lse - tl.where(top == float("-inf"), 0.0, top)[:, None])
-            weight = weight / tl.maximum(tl.sum(weight, 1), 1e-30)[:, None]
-            parts = tl.load(PartO + part[:, :, None] * HEAD_DIM + dims[None, None, :], mask=split_ok[:, :, None],
-                            other=0.0, cache_modifier=".cg")
-            out = tl.sum(weight[:, :, None] * parts, 1)
-            w = tl.load(W + cols[:, None] * width + (head * HEAD_DIM + dims)[None, :], mask=col_ok[:, None], other=0.0)
-            acc = tl.dot(out.to(W.dtype.element_ty), tl.trans(w), acc, input_precision=PREC)
-        _add_to_residual(X, acc, rows, row_ok, cols, col_ok, d_model)
-
-
-@triton.jit
-def _add_to_residual(X, acc, rows, row_ok, cols, col_ok, d_model):
-    """X[rows, cols] += the sub-layer's output (the residual stream stays float32)."""
-    at = X + rows[:, None] * d_model + cols[None, :]
-    ok = row_ok[:, None] & col_ok[None, :]
-    tl.store(at, tl.load(at, mask=ok, other=0.0, cache_modifier=".cg") + acc, mask=ok)
+        for k0 in range(0, width, BLOCK_K):
+            ks = k0 + tl.arange(0, BLOCK_K)
+            k_ok = ks < width
+            a = tl.load(In + rows[:, None] * width + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0,
+                        cache_modifier=".cg")
+            w = tl.load(W + cols[:, None] * width + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+            acc = tl.dot(a, tl.trans(w), acc, input_precision=PREC)
+        at = X + rows[:, None] * d_model + cols[None, :]  # the residual stream stays float32
+        ok = row_ok[:, None] & col_ok[None, :]
+        tl.store(at, tl.load(at, mask=ok, other=0.0, cache_modifier=".cg") + acc, mask=ok)
 
 
 @triton.jit
 def _gate_up_stage(X, NormW, W, Act, rows, row_ok, pid, n_programs, eps, d_model, d_ff,
                    BB: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr):
-    inv_rms = _inv_rms(X, rows, row_ok, d_model, eps, BB, BLOCK_K)
     for item in range(pid, tl.cdiv(d_ff, 16), n_programs):
         cols = item * 16 + tl.arange(0, 16)
         col_ok = cols < d_ff
-        gate = tl.zeros((BB, 16), tl.float32)
-        up = tl.zeros((BB, 16), tl.float32)
-        for k0 in range(0, d_model, BLOCK_K):
-            ks = k0 + tl.arange(0, BLOCK_K)
-            x = _normed_chunk(X, NormW, rows, row_ok, inv_rms, ks, d_model)
-            w_ok = col_ok[:, None] & (ks < d_model)[None, :]
-            wg = tl.load(W + cols[:, None] * d_model + ks[None, :], mask=w_ok, other=0.0)
-            wu = tl.load(W + (d_ff + cols)[:, None] * d_model + ks[None, :], mask=w_ok, other=0.0)
-            gate = tl.dot(x, tl.trans(wg), gate, input_precision=PREC)
-            up = tl.dot(x, tl.trans(wu), up, input_precision=PREC)
-        dt = Act.dtype.element_ty  # rounded where the reference rounds: each matmul, silu, the product
-        gate = gate.to(dt).to(tl.float32)
+        gate, up = _normed_matmul_pair(X, NormW, W, cols, d_ff + cols, col_ok, rows, row_ok, d_model, eps,
+                                       BB, BLOCK_K, PREC)
+        dt = Act.dtype.element_ty  # rounded where the reference rounds: silu, then the product
         act = (gate * tl.sigmoid(gate)).to(dt) * up.to(dt)
         tl.store(Act + rows[:, None] * d_ff + cols[None, :], act, mask=row_ok[:, None] & col_ok[None, :])
 
 
 @triton.jit
-def _down_stage(X, W, Act, rows, row_ok, pid, n_programs, d_model, d_ff,
-                BB: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr):
-    for item in range(pid, tl.cdiv(d_model, 16), n_programs):
-        cols = item * 16 + tl.arange(0, 16)
-        col_ok = cols < d_model
-        acc = tl.zeros((BB, 16), tl.float32)
-        for k0 in range(0, d_ff, BLOCK_K):
-            ks = k0 + tl.arange(0, BLOCK_K)
-            k_ok = ks < d_ff
-            a = tl.load(Act + rows[:, None] * d_ff + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0,
-                        cache_modifier=".cg")
-            w = tl.load(W + cols[:, None] * d_ff + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
-            acc = tl.dot(a, tl.trans(w), acc, input_precision=PREC)
-        _add_to_residual(X, acc, rows, row_ok, cols, col_ok, d_model)
-
-
-@triton.jit
-def _layers_kernel(X, Wqkv, Wo, Wgu, Wd, Norm1, Norm2, Kc, Vc, Q, PartO, PartL, Act, Cos, Sin, Slots, Start, Sync,
-                   layer_lo, layer_hi, batch, d_model, d_ff, n_heads, n_kv_heads, n_split, eps, qk_scale,
+def _layers_kernel(X, Wqkv, Wo, Wgu, Wd, Norm1, Norm2, Kc, Vc, Q, PartO, PartL, Attn, Arrived, Act, Cos, Sin, Slots,
+                   Start, Sync, layer_lo, layer_hi, batch, d_model, d_ff, n_heads, n_kv_heads, n_split, eps, qk_scale,
                    sc_layer, sc_b, sc_h, sc_l,
                    STAGE: tl.constexpr, BB: tl.constexpr, HEAD_DIM: tl.constexpr, GROUP: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SPLIT: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -250,6 +221,7 @@ def _layers_kernel(X, Wqkv, Wo, Wgu, Wd, Norm1, Norm2, Kc, Vc, Q, PartO, PartL, 
     rows = tl.arange(0, BB)
     row_ok = rows < batch
     qkv_rows = (n_heads + 2 * n_kv_heads) * HEAD_DIM
+    width = n_heads * HEAD_DIM
     for layer in range(layer_lo, layer_hi):
         at = tl.cast(layer, tl.int64)
         arrivals = (layer - layer_lo) * 5 * n_programs  # every program's arrivals at the earlier layers' barriers
@@ -261,13 +233,14 @@ def _layers_kernel(X, Wqkv, Wo, Wgu, Wd, Norm1, Norm2, Kc, Vc, Q, PartO, PartL, 
             if STAGE < 0:
                 _grid_barrier(Sync, arrivals + 1 * n_programs)
         if STAGE < 0 or STAGE == 1:
-            _attention_stage(Q, kc, vc, PartO, PartL, Slots, Start, pid, n_programs, batch, n_heads, n_kv_heads,
-                             n_split, sc_b, sc_h, sc_l, qk_scale, GROUP, HEAD_DIM, BLOCK_M, BLOCK_N, PREC)
+            _attention_stage(Q, kc, vc, PartO, PartL, Attn, Arrived, Slots, Start, layer, pid, n_programs, batch,
+                             n_heads, n_kv_heads, n_split, sc_b, sc_h, sc_l, qk_scale,
+                             GROUP, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_SPLIT, PREC)
             if STAGE < 0:
                 _grid_barrier(Sync, arrivals + 2 * n_programs)
         if STAGE < 0 or STAGE == 2:
-            _o_proj_stage(X, Wo + at * d_model * n_heads * HEAD_DIM, PartO, PartL, rows, row_ok, pid, n_programs,
-                          d_model, n_heads, n_split, BB, HEAD_DIM, BLOCK_SPLIT, PREC)
+            _matmul_add_stage(X, Wo + at * d_model * width, Attn, rows, row_ok, pid, n_programs, d_model, width,
+                              BB, BLOCK_K, PREC)
             if STAGE < 0:
                 _grid_barrier(Sync, arrivals + 3 * n_programs)
         if STAGE < 0 or STAGE == 3:
@@ -276,15 +249,34 @@ def _layers_kernel(X, Wqkv, Wo, Wgu, Wd, Norm1, Norm2, Kc, Vc, Q, PartO, PartL, 
             if STAGE < 0:
                 _grid_barrier(Sync, arrivals + 4 * n_programs)
         if STAGE < 0 or STAGE == 4:
-            _down_stage(X, Wd + at * d_model * d_ff, Act, rows, row_ok, pid, n_programs, d_model, d_ff,
-                        BB, BLOCK_K, PREC)
-            if STAGE < 0:
+            _matmul_add_stage(X, Wd + at * d_model * d_ff, Act, rows, row_ok, pid, n_programs, d_model, d_ff,
+                              BB, BLOCK_K, PREC)
+            if STAGE < 0 and layer < layer_hi - 1:  # the kernel's end orders the last layer's writes
                 _grid_barrier(Sync, arrivals + 5 * n_programs)
 
 
 @functools.cache
 def _sm_count(device: torch.device) -> int:
     return 4 if INTERPRET else torch.cuda.get_device_properties(device).multi_processor_count
+
+
+_RESIDENT: dict[tuple, int] = {}
+
+
+def _resident_per_sm(args: tuple, shape: tuple, meta: dict) -> int:
+    """How many programs of the persistent kernel one SM holds at once (registers, shared memory, threads)."""
+    key = (args[0].device, args[1].dtype, *sorted(meta.items()))
+    if key not in _RESIDENT:
+        kernel = _layers_kernel.warmup(*args, 0, 1, *shape, grid=(1,), STAGE=-1, **meta)
+        kernel._init_handles()
+        props = torch.cuda.get_device_properties(args[0].device)
+        threads = 32 * meta["num_warps"]
+        regs = math.ceil(kernel.n_regs * 32 / 256) * 256 * meta["num_warps"]  # allocated per warp in 256s
+        smem = max(kernel.metadata.shared, 1)
+        _RESIDENT[key] = max(1, min(getattr(props, "regs_per_multiprocessor", 65536) // regs,
+                                    getattr(props, "shared_memory_per_multiprocessor", 228 * 1024) // smem,
+                                    props.max_threads_per_multi_processor // threads))
+    return _RESIDENT[key]
 
 
 def n_splits(batch: int, n_kv_heads: int, cache_len: int, programs: int) -> int:
@@ -339,10 +331,12 @@ def _decode_layers_op(x: torch.Tensor, qkv: torch.Tensor, o: torch.Tensor, gate_
     q = torch.empty(batch, n_heads, head_dim, **f32)
     part_out = torch.empty(batch, n_heads, split, head_dim, **f32)
     part_lse = torch.empty(batch, n_heads, split, **f32)
+    attn = torch.empty(batch, n_heads * head_dim, dtype=x.dtype, device=x.device)
+    arrived = torch.zeros(batch * n_kv_heads, dtype=torch.int32, device=x.device)
     act = torch.empty(batch, d_ff, dtype=x.dtype, device=x.device)
     sync = torch.zeros(1, dtype=torch.int32, device=x.device)
-    args = (residual, qkv, o, gate_up, down, norm_attn, norm_ffn, k_cache, v_cache, q, part_out, part_lse, act,
-            cos, sin, slots, start, sync)
+    args = (residual, qkv, o, gate_up, down, norm_attn, norm_ffn, k_cache, v_cache, q, part_out, part_lse, attn,
+            arrived, act, cos, sin, slots, start, sync)
     meta = dict(BB=max(16, triton.next_power_of_2(batch)), HEAD_DIM=head_dim, GROUP=group,
                 BLOCK_M=max(16, triton.next_power_of_2(group)), BLOCK_N=32,
                 BLOCK_SPLIT=triton.next_power_of_2(split), BLOCK_K=BLOCK_K, INTERLEAVED=interleaved,
@@ -350,6 +344,7 @@ def _decode_layers_op(x: torch.Tensor, qkv: torch.Tensor, o: torch.Tensor, gate_
     shape = (batch, d_model, d_ff, n_heads, n_kv_heads, split, eps, scale * LOG2E,
              k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), k_cache.stride(3))
     if persistent:
+        programs *= min(PROGRAMS_PER_SM, _resident_per_sm(args, shape, meta))
         _layers_kernel[(programs,)](*args, 0, n_layers, *shape, STAGE=-1, **meta)
     else:
         for layer in range(n_layers):
