@@ -164,7 +164,7 @@ class Megakernel:
             setattr(self, f"{name}_cache", stacked)
 
     def step(self, x: torch.Tensor, state: CacheState) -> torch.Tensor:
-        """x (batch, 1, d_model) embedded tokens at slot state.slots[0] -> the last layer's output (batch, 1, d_model)."""
+        """x (batch, 1, d_model), embedded tokens at slot state.slots[0] -> the last layer's output, same shape."""
         from lmlab.kernels.decode_layers_triton import decode_layers
 
         block = self.model.layers[0]

@@ -2,24 +2,25 @@
 
 `decode_layers(x, weights, k_cache, v_cache, slots, start, cos, sin, eps, scale)` runs one new token per
 sequence, x (batch, d_model), through every layer of a pre-norm RMSNorm / RoPE / softmax attention
-(MHA, GQA, MQA) / SwiGLU stack whose weights are stacked per kind (`lmlab.inference.megakernel.StackedWeights`: layer-major, q/k/v
-as one matrix, gate/up as one), writes each layer's new key and value at cache slot `slots[0]`, and
+(MHA, GQA, MQA) / SwiGLU stack whose weights are stacked per kind (`lmlab.inference.megakernel.StackedWeights`:
+layer-major, q/k/v as one matrix, gate/up as one), writes each layer's new key and value at cache slot `slots[0]`, and
 returns the last layer's output (before the final norm) in x's dtype.
 
 Why one kernel: at batch 1 the ~400M model's compiled decode step launched 269 kernels (11 a layer),
 and each cost 2.5-4 us in CUDA-graph replay whatever the bytes it read, so the step was bound by their
-number, not by the 0.71 GB of weights (experiments/inference/). Here a grid of one program per SM
-walks the layers; each layer is five stages, and all programs meet at a grid-wide barrier (an atomic
-counter) between stages:
-  qkv        RMSNorm (each program normalises the rows itself), the q/k/v matmul, RoPE; q to scratch,
-             k and v into the caches
-  attention  flash-decoding over (sequence, kv head, key split), partial outputs to scratch
-  o_proj     combines the splits, the o_proj matmul, adds into the residual stream
-  gate/up    RMSNorm, the gate and up matmuls, silu(gate) * up to scratch
-  down       the down matmul, adds into the residual stream
+number, not by the 0.71 GB of weights (experiments/inference/). Here a persistent grid (up to
+PROGRAMS_PER_SM programs per SM, never more than the GPU holds at once, or the barrier would wait forever)
+walks the layers; each layer is five stages, and all programs meet at a grid-wide barrier (an atomic counter)
+between stages:
+  qkv        the q/k/v matmul of the RMS-normed rows (the norm's 1 / rms applied after the loop that also
+             sums the squares), RoPE; q to scratch, k and v into the caches
+  attention  flash-decoding over (sequence, kv head, key split); the last split of a (sequence, kv head) to
+             finish (an atomic count) combines the splits into the attention output
+  o_proj     the o_proj matmul, added into the residual stream
+  gate/up    RMSNorm as in qkv, the gate and up matmuls, silu(gate) * up to scratch
+  down       the down matmul, added into the residual stream
 A program takes work items (tiles of 16 output rows over the full input width) round-robin. The
-residual stream stays in float32 for the whole step. The grid must fit on the GPU at once (one program
-per SM), or the barrier would wait forever.
+residual stream stays in float32 for the whole step.
 
 `persistent=False` launches each (layer, stage) as a kernel of its own instead (no barrier): the same
 code, for Triton's CPU interpreter (TRITON_INTERPRET=1 runs programs one after another, so a barrier
@@ -89,7 +90,8 @@ def _normed_matmul_pair(X, NormW, W, w_rows1, w_rows2, w_ok, rows, row_ok, d_mod
         acc2 = tl.dot(xg, tl.trans(w2), acc2, input_precision=PREC)
     inv_rms = tl.math.rsqrt(squares / d_model + eps)[:, None]
     # rounded to the weights' dtype, as the reference's matmuls round their outputs
-    return (acc1 * inv_rms).to(W.dtype.element_ty).to(tl.float32), (acc2 * inv_rms).to(W.dtype.element_ty).to(tl.float32)
+    dt = W.dtype.element_ty
+    return (acc1 * inv_rms).to(dt).to(tl.float32), (acc2 * inv_rms).to(dt).to(tl.float32)
 
 
 @triton.jit
