@@ -53,7 +53,7 @@ KEYS_PER_SPLIT = 32
 NUM_WARPS, NUM_STAGES = 4, 3
 # Programs per SM of the persistent grid (at most what the GPU keeps resident at once, or the barrier would hang):
 # more programs keep more weight bytes in flight.
-PROGRAMS_PER_SM = 2
+PROGRAMS_PER_SM = 1  # fastest at batch 1 on an H200 (2026-12-02, experiments/inference/sweep_megakernel.py); 2-3 at batch 32
 
 
 @triton.jit
