@@ -3,7 +3,7 @@
     python experiments/inference/sweep_megakernel.py --batch 1 32 --out sweep-megakernel.json
 
 llama400m (vocab 50304, random weights, bf16), one token per sequence at slot 255 of a 384-slot cache: the layer
-stack (`decode_layers`) replayed from a CUDA graph, medians of 50 replays after warm-up, for each setting of
+stack (`decode_layers`) replayed from a CUDA graph, medians of the last 40 of 50 replays, for each setting of
 programs per SM, BLOCK_K and warps, persistent and launched stage by stage. Then `lmlab bench
 generate`'s rows (128-token prompts, 256 new tokens) for the megakernel with the fastest batch-1 setting and for
 the compiled engine, in the same process.

@@ -22,6 +22,10 @@ between stages:
 A program takes work items (tiles of 16 output rows over the full input width) round-robin. The
 residual stream stays in float32 for the whole step.
 
+Measured on an H200 (experiments/inference/README.md): the launches were not what cost the time. The layer stack
+of the ~400M model takes 1.14 ms here at batch 1, persistent, and 1.19 ms as 120 launches, against 0.82 ms for the
+whole compiled step. So `Engine(megakernel=True)` is opt-in: the matmul tiles keep too few weight bytes in flight.
+
 `persistent=False` launches each (layer, stage) as a kernel of its own instead (no barrier): the same
 code, for Triton's CPU interpreter (TRITON_INTERPRET=1 runs programs one after another, so a barrier
 there would never open) and as the many-launch baseline.
@@ -51,9 +55,9 @@ TILE = 16  # output rows per work item (the smallest tl.dot width)
 BLOCK_K = 256  # input columns per loop step of the matmuls
 KEYS_PER_SPLIT = 32
 NUM_WARPS, NUM_STAGES = 4, 3
-# Programs per SM of the persistent grid (at most what the GPU keeps resident at once, or the barrier would hang):
-# more programs keep more weight bytes in flight.
-PROGRAMS_PER_SM = 1  # fastest at batch 1 on an H200 (2026-12-02, experiments/inference/sweep_megakernel.py); 2-3 at batch 32
+# Programs per SM of the persistent grid (at most what the GPU keeps resident at once, or the barrier would hang).
+# On an H200 (2026-12-02, experiments/inference/sweep_megakernel.py) 1 was fastest at batch 1, 2-3 at batch 32.
+PROGRAMS_PER_SM = 1
 
 
 @triton.jit
