@@ -10,22 +10,17 @@ import torch
 from lmlab.errors import ConfigError
 from lmlab.inference.engine import Engine
 from lmlab.inference.megakernel import Megakernel
-from lmlab.nn import ModelConfig, Transformer
+from lmlab.nn import Transformer
+from tests.inference.test_cache_parity import VOCAB
+from tests.inference.test_cache_parity import _model as parity_model
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-VOCAB = 128
 
 
 def _model(device="cpu", dtype=torch.float32, **kw) -> Transformer:
-    parts = dict(d_model=128, n_layers=3, max_seq_len=256, norm="rmsnorm", ffn="swiglu", position="rope",
-                 attention={"name": "mha", "n_heads": 4, "n_kv_heads": 2}, block="prenorm")
-    torch.manual_seed(0)
-    model = Transformer(ModelConfig(**{**parts, **kw}), vocab_size=VOCAB)
-    with torch.no_grad():  # norm gains away from one, so a norm applied in the wrong place shows
-        for p in model.parameters():
-            if p.dim() == 1:
-                p.uniform_(0.5, 1.5)
-    return model.to(device, dtype).eval()
+    """The cache-parity tests' model (norm gains away from one), wider and with GQA unless `kw` says otherwise."""
+    parts = dict(d_model=128, max_seq_len=256, attention={"name": "mha", "n_heads": 4, "n_kv_heads": 2})
+    return parity_model(**{**parts, **kw}).to(device, dtype)
 
 
 @pytest.mark.parametrize("kw, reason", [
