@@ -139,14 +139,14 @@ def combine_splits(PartOut, PartLse, Out, n_split, HEAD_DIM: tl.constexpr, BLOCK
 
 
 @functools.cache
-def _sm_count(device: torch.device) -> int:
+def sm_count(device: torch.device) -> int:
     return 4 if INTERPRET else torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def n_splits(programs: int, cache_len: int, device: torch.device) -> int:
     """Key-range splits per (sequence, kv head): enough programs for PROGRAMS_PER_SM per SM, but no
     split shorter than KEYS_PER_SPLIT slots of the cache."""
-    wanted = math.ceil(PROGRAMS_PER_SM * _sm_count(device) / programs)
+    wanted = math.ceil(PROGRAMS_PER_SM * sm_count(device) / programs)
     return max(1, min(wanted, cache_len // KEYS_PER_SPLIT))
 
 

@@ -33,27 +33,22 @@ there would never open) and as the many-launch baseline.
 
 from __future__ import annotations
 
-import functools
 import math
-import os
 from typing import TYPE_CHECKING
 
 import torch
 import triton
 import triton.language as tl
 
-from lmlab.kernels.decode_attention_triton import attend_key_range, key_split
+from lmlab.kernels.decode_attention_triton import (INTERPRET, KEYS_PER_SPLIT, LOG2E, attend_key_range, key_split,
+                                                   sm_count)
 
 if TYPE_CHECKING:
     from lmlab.inference.megakernel import StackedWeights
 
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-LOG2E = math.log2(math.e)
 N_STAGES = 5
 SUPPORTED_HEAD_DIMS = (32, 64, 128)
-TILE = 16  # output rows per work item (the smallest tl.dot width)
 BLOCK_K = 256  # input columns per loop step of the matmuls
-KEYS_PER_SPLIT = 32
 NUM_WARPS, NUM_STAGES = 4, 3
 # Programs per SM of the persistent grid (at most what the GPU keeps resident at once, or the barrier would hang).
 # On an H200 (2026-12-02, experiments/inference/sweep_megakernel.py) 1 was fastest at batch 1, 2-3 at batch 32.
@@ -261,11 +256,6 @@ def _layers_kernel(X, Wqkv, Wo, Wgu, Wd, Norm1, Norm2, Kc, Vc, Q, PartO, PartL, 
                 _grid_barrier(Sync, arrivals + 5 * n_programs)
 
 
-@functools.cache
-def _sm_count(device: torch.device) -> int:
-    return 4 if INTERPRET else torch.cuda.get_device_properties(device).multi_processor_count
-
-
 _RESIDENT: dict[tuple, int] = {}
 
 
@@ -330,7 +320,7 @@ def _decode_layers_op(x: torch.Tensor, qkv: torch.Tensor, o: torch.Tensor, gate_
     n_layers, cache_len, head_dim = k_cache.shape[0], k_cache.shape[3], k_cache.shape[4]
     group = n_heads // n_kv_heads
     d_ff = down.shape[2]
-    programs = _sm_count(x.device)
+    programs = sm_count(x.device)
     split = n_splits(batch, n_kv_heads, cache_len, programs)
     f32 = dict(dtype=torch.float32, device=x.device)
     residual = x.to(torch.float32, copy=True)
