@@ -22,6 +22,7 @@ from lmlab.inference.cache import CacheState, KVCache
 from lmlab.nn.attention import MultiHeadAttention
 from lmlab.nn.blocks import PreNormBlock
 from lmlab.nn.ffn import SwiGLU
+from lmlab.nn.fused import are_views, make_views
 from lmlab.nn.norms import RMSNorm
 from lmlab.nn.positions import RoPE
 from lmlab.nn.transformer import Transformer
@@ -44,23 +45,6 @@ class StackedWeights:
     @property
     def head_dim(self) -> int:
         return self.o.shape[2] // self.n_heads
-
-
-def _views_of(params: list[torch.Tensor], stacked: torch.Tensor) -> None:
-    """Make each parameter a view of its slice of `stacked` (the flattened parameters, in order)."""
-    offset = 0
-    for param in params:
-        param.data = stacked.view(-1)[offset:offset + param.numel()].view(param.shape)
-        offset += param.numel()
-
-
-def _aliases(params: list[torch.Tensor], stacked: torch.Tensor) -> bool:
-    pointer, size = stacked.data_ptr(), stacked.element_size()
-    for param in params:
-        if param.data_ptr() != pointer or param.dtype != stacked.dtype or param.device != stacked.device:
-            return False
-        pointer += param.numel() * size
-    return True
 
 
 class Megakernel:
@@ -129,7 +113,7 @@ class Megakernel:
                 flat = [p for params in per_layer for p in params]
                 rows = sum(p.shape[0] for p in per_layer[0])
                 tensor = torch.cat([p.detach().reshape(-1) for p in flat]).view(len(per_layer), rows, -1).squeeze(-1)
-                _views_of(flat, tensor)
+                make_views(flat, tensor)
                 stacked[kind] = tensor
         # The engine's fused q/k/v and gate/up groups become views of the stack too, so they stay current.
         for block, qkv, gate_up in zip(self.model.layers, stacked["qkv"], stacked["gate_up"]):
@@ -142,7 +126,7 @@ class Megakernel:
 
     def current(self) -> bool:
         """Every parameter is still a view of the stack (nothing replaced or moved since)."""
-        return all(_aliases([p for params in per_layer for p in params], getattr(self.weights, kind))
+        return all(are_views([p for params in per_layer for p in params], getattr(self.weights, kind))
                    for kind, per_layer in self._groups().items())
 
     def refresh(self) -> None:

@@ -20,6 +20,24 @@ import torch.nn.functional as F
 from torch import nn
 
 
+def make_views(params: list[torch.Tensor], packed: torch.Tensor) -> None:
+    """Make each parameter a view of its slice of `packed` (the parameters' elements, one after another)."""
+    offset = 0
+    for param in params:
+        param.data = packed.view(-1)[offset:offset + param.numel()].view(param.shape)
+        offset += param.numel()
+
+
+def are_views(params: list[torch.Tensor], packed: torch.Tensor) -> bool:
+    """Every parameter is still its slice of `packed` (none replaced, moved or cast since `make_views`)."""
+    pointer, size = packed.data_ptr(), packed.element_size()
+    for param in params:
+        if param.data_ptr() != pointer or param.device != packed.device or param.dtype != packed.dtype:
+            return False
+        pointer += param.numel() * size
+    return True
+
+
 class FusedLinears:
     """One weight for several bias-free Linears of one module; calling it returns their outputs."""
 
@@ -29,8 +47,7 @@ class FusedLinears:
         self.params = tuple(linear.weight for linear in linears)
         self.sizes = [linear.out_features for linear in linears]
         self.weight = torch.cat([p.detach() for p in self.params])
-        for param, rows in zip(self.params, self.weight.split(self.sizes)):
-            param.data = rows
+        make_views(list(self.params), self.weight)
 
     def serves(self, module: nn.Module) -> bool:
         """The module still has these parameters (no Linear or parameter was replaced since)."""
@@ -46,12 +63,7 @@ class FusedLinears:
 
     def aliased(self) -> bool:
         """Every parameter is still a view of the fused weight (a device move breaks that)."""
-        offset, size = self.weight.data_ptr(), self.weight.element_size()
-        for param, rows in zip(self.params, self.sizes):
-            if param.data_ptr() != offset or param.device != self.weight.device or param.dtype != self.weight.dtype:
-                return False
-            offset += rows * param.shape[1] * size
-        return True
+        return are_views(list(self.params), self.weight)
 
     def __call__(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
         return dict(zip(self.names, F.linear(x, self.weight).split(self.sizes, dim=-1)))
