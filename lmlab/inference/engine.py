@@ -83,8 +83,6 @@ class Engine:
             raise ConfigError(f"megakernel=True, but {missing}")
         from lmlab.inference.megakernel import Megakernel  # here: Triton is optional
 
-        if problem := Megakernel.unsupported(model):
-            raise ConfigError(f"megakernel=True: the decode megakernel cannot run this model: {problem}")
         return Megakernel(model)
 
     # -- caches -------------------------------------------------------------------------------

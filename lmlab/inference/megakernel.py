@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from lmlab.errors import ConfigError
 from lmlab.inference.cache import CacheState, KVCache
 from lmlab.nn.attention import MultiHeadAttention
 from lmlab.nn.blocks import PreNormBlock
@@ -82,9 +83,8 @@ class Megakernel:
         return None
 
     def __init__(self, model: Transformer):
-        problem = self.unsupported(model)
-        if problem:
-            raise ValueError(f"the decode megakernel cannot run this model: {problem}")
+        if problem := self.unsupported(model):
+            raise ConfigError(f"megakernel=True: the decode megakernel cannot run this model: {problem}")
         self.model = model
         self.weights = self._stack()
         self.k_cache: torch.Tensor | None = None
@@ -132,9 +132,8 @@ class Megakernel:
     def refresh(self) -> None:
         """Stack again where a parameter was replaced or moved (e.g. `model.to(device)`)."""
         if not self.current():
-            problem = self.unsupported(self.model)
-            if problem:
-                raise ValueError(f"the decode megakernel cannot run this model any more: {problem}")
+            if problem := self.unsupported(self.model):
+                raise ConfigError(f"megakernel=True: the decode megakernel cannot run this model any more: {problem}")
             self.weights = self._stack()
 
     def bind(self, caches: list) -> None:
