@@ -3,10 +3,11 @@
     python experiments/inference/sweep_megakernel.py --batch 1 32 --out sweep-megakernel.json
 
 llama400m (vocab 50304, random weights, bf16), one token per sequence at slot 255 of a 384-slot cache: the layer
-stack (`decode_layers`) replayed from a CUDA graph, medians of the last 40 of 50 replays, for each setting of
-programs per SM, BLOCK_K and warps, persistent and launched stage by stage. Then `lmlab bench
-generate`'s rows (128-token prompts, 256 new tokens) for the megakernel with the fastest batch-1 setting and for
-the compiled engine, in the same process.
+stack (`decode_layers`) replayed from a CUDA graph, medians of the last 40 of 50 replays, launched stage by stage and
+persistent for each setting of programs per SM, warps (at batch 1) and L2 prefetching of later stages' weights;
+with it, each stage's GPU time from the stage-by-stage launches (torch.profiler). Then `lmlab bench generate`'s rows
+(128-token prompts, 256 new tokens) for the megakernel, each batch with its fastest setting, and for the compiled
+engine, in the same process.
 """
 
 from __future__ import annotations
@@ -22,21 +23,27 @@ from lmlab.inference.bench import DEFAULT_OVERRIDES, build_model, run_benchmark
 from lmlab.inference.megakernel import Megakernel
 from lmlab.kernels import decode_layers_triton as dl
 
-SETTINGS = {"PROGRAMS_PER_SM": (1, 2, 3), "BLOCK_K": (256, 512), "NUM_WARPS": (4, 8)}
+# Batch 1 takes the matrix-vector path, larger batches the tensor-core tiles: each has its own settings.
+# (2026-12-03: 16384-weight tiles, 512-column steps and 8 warps on the tensor-core path were all slower.)
+SETTINGS = {True: {"GEMV_PROGRAMS_PER_SM": (1, 2), "GEMV_NUM_WARPS": (4, 8), "PREFETCH_L2": (False, True)},
+            False: {"PROGRAMS_PER_SM": (2, 3), "PREFETCH_L2": (False, True)}}
+STAGES = ("qkv", "attention", "o_proj", "gate_up", "down")
 
 
-def time_stack(kernel: Megakernel, batch: int, persistent: bool) -> float:
-    """Microseconds per replay of one decode step through the layer stack."""
+def stack_step(kernel: Megakernel, batch: int, persistent: bool):
+    """One decode step through the layer stack at slot 255 of a 384-slot cache, as a function of nothing."""
     model, w = kernel.model, kernel.weights
     shape = (len(model.layers), batch, w.n_kv_heads, 384, w.head_dim)
     k, v = (torch.randn(shape, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     x = torch.randn(batch, w.o.shape[1], device="cuda", dtype=torch.bfloat16)
     slots, start = torch.tensor([255], device="cuda"), torch.zeros(batch, dtype=torch.long, device="cuda")
     rope, eps = model.position, model.layers[0].input_layernorm.eps
+    return lambda: dl.decode_layers(x, w, k, v, slots, start, rope.cos, rope.sin, eps, persistent=persistent)
 
-    def step():
-        return dl.decode_layers(x, w, k, v, slots, start, rope.cos, rope.sin, eps, persistent=persistent)
 
+def time_stack(kernel: Megakernel, batch: int, persistent: bool) -> float:
+    """Microseconds per replay of one decode step through the layer stack."""
+    step = stack_step(kernel, batch, persistent)
     for _ in range(3):
         step()
     graph = torch.cuda.CUDAGraph()
@@ -53,6 +60,25 @@ def time_stack(kernel: Megakernel, batch: int, persistent: bool) -> float:
     return statistics.median(times[10:])
 
 
+def stage_profile(kernel: Megakernel, batch: int) -> dict[str, float]:
+    """GPU microseconds per step that each stage takes, summed over the layers, from the stage-by-stage launches
+    (torch.profiler; the launches come in (layer, stage) order, so the stage is the launch's index mod 5)."""
+    step = stack_step(kernel, batch, persistent=False)
+    step()
+    steps = 5
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    launches = sorted((e for e in prof.events()
+                       if "_layers_kernel" in e.name and e.device_type == torch.autograd.DeviceType.CUDA),
+                      key=lambda e: e.time_range.start)
+    totals = dict.fromkeys(STAGES, 0.0)
+    for i, event in enumerate(launches):
+        totals[STAGES[i % len(STAGES)]] += event.device_time / steps
+    return totals
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 32])
@@ -60,20 +86,23 @@ def main() -> None:
     args = parser.parse_args()
     model, _ = build_model(DEFAULT_OVERRIDES, None, torch.device("cuda"), torch.bfloat16)
     kernel = Megakernel(model)
-    rows = []
+    rows, best = [], {}
     for batch in args.batch:
-        rows.append({"batch": batch, "stages": True, "us": time_stack(kernel, batch, persistent=False)})
-        print(f"batch {batch:>3} stage by stage: {rows[-1]['us']:8.1f} us", flush=True)
-        for values in itertools.product(*SETTINGS.values()):
-            setting = dict(zip(SETTINGS, values))
+        rows.append({"batch": batch, "stages": True, "us": time_stack(kernel, batch, persistent=False),
+                     "profile": stage_profile(kernel, batch)})
+        print(f"batch {batch:>3} stage by stage: {rows[-1]['us']:8.1f} us; GPU time per stage:",
+              ", ".join(f"{k} {v:.1f} us" for k, v in rows[-1]["profile"].items()), flush=True)
+        settings = SETTINGS[batch == 1]
+        for values in itertools.product(*settings.values()):
+            setting = dict(zip(settings, values))
             for name, value in setting.items():
                 setattr(dl, name, value)
             rows.append({"batch": batch, **setting, "us": time_stack(kernel, batch, persistent=True)})
             print(f"batch {batch:>3} {setting}: {rows[-1]['us']:8.1f} us", flush=True)
-    best = min((r for r in rows if r["batch"] == args.batch[0] and "BLOCK_K" in r), key=lambda r: r["us"])
-    for name in SETTINGS:
-        setattr(dl, name, best[name])
-    print("best at batch", args.batch[0], best, flush=True)
+        best[batch] = min((r for r in rows if r["batch"] == batch and "stages" not in r), key=lambda r: r["us"])
+        for name in settings:
+            setattr(dl, name, best[batch][name])
+        print("best at batch", batch, best[batch], flush=True)
     bench = run_benchmark(model, ["megakernel", "compiled"], args.batch, [128], 256, repeats=3)
     with open(args.out, "w") as f:
         json.dump({"sweep": rows, "best": best, "bench": bench["rows"]}, f, indent=1, default=str)

@@ -5,7 +5,8 @@
 In one process and on the same weights (random, or `--ckpt`'s), for each prompt length and batch
 size: lmlab eager, lmlab eager replayed from CUDA graphs (`graphs`), lmlab compiled (torch.compile
 + CUDA graphs; `compiled-sdpa` attends with masked SDPA instead of the flash-decoding kernel),
-lmlab's decode megakernel (every layer in one persistent launch, replayed from a CUDA graph;
+lmlab's decode megakernel (every layer in one persistent launch; the embedding, the head and sampling around it
+compiled, all replayed from a CUDA graph;
 `megakernel-stages` launches its stages one by one instead), Hugging Face `generate` with its dynamic
 cache (`hf`) and with its static cache under torch.compile (`hf-static`), all greedy with
 no stop token, so every run makes exactly `--new` tokens. Reported: time to first token, time per
@@ -210,9 +211,8 @@ def _contender(name: str, model: Transformer):
                     "graphs": lambda: _engine_run(Engine(model, cuda_graphs=True)),
                     "compiled": lambda: _engine_run(Engine(model, True)),
                     "compiled-sdpa": lambda: _engine_run(Engine(model, True, attention_kernel=False)),
-                    "megakernel": lambda: _engine_run(Engine(model, cuda_graphs=True, megakernel=True)),
-                    "megakernel-stages": lambda: _engine_run(
-                        _per_stage(Engine(model, cuda_graphs=True, megakernel=True))),
+                    "megakernel": lambda: _engine_run(Engine(model, True, megakernel=True)),
+                    "megakernel-stages": lambda: _engine_run(_per_stage(Engine(model, True, megakernel=True))),
                     "hf": lambda: HFContender(model, static=False).run,
                     "hf-static": lambda: HFContender(model, static=True).run}
         _CONTENDERS[key] = builders[name]()

@@ -7,24 +7,26 @@ layer-major, q/k/v as one matrix, gate/up as one), writes each layer's new key a
 returns the last layer's output (before the final norm) in x's dtype.
 
 Why one kernel: at batch 1 the ~400M model's compiled decode step launched 269 kernels (11 a layer),
-and each cost 2.5-4 us in CUDA-graph replay whatever the bytes it read, so the step was bound by their
-number, not by the 0.71 GB of weights (experiments/inference/). Here a persistent grid (up to
-PROGRAMS_PER_SM programs per SM, never more than the GPU holds at once, or the barrier would wait forever)
-walks the layers; each layer is five stages, and all programs meet at a grid-wide barrier (an atomic counter)
-between stages:
-  qkv        the q/k/v matmul of the RMS-normed rows (the norm's 1 / rms applied after the loop that also
-             sums the squares), RoPE; q to scratch, k and v into the caches
-  attention  flash-decoding over (sequence, kv head, key split); the last split of a (sequence, kv head) to
-             finish (an atomic count) combines the splits into the attention output
+and each cost 2.5-4 us in CUDA-graph replay whatever the bytes it read (experiments/inference/). Here a
+persistent grid (a few programs per SM, never more than the GPU holds at once, or a barrier would wait forever)
+walks the layers; each layer is five stages:
+  qkv        the q/k/v matmul of the RMS-normed rows (the norm's 1 / rms applied after the products), RoPE; q to
+             scratch, k and v into the caches; each item then counts itself done for its kv head
+  attention  flash-decoding over (sequence, kv head, key split), each item waiting only for its kv head's q/k/v
+             items (a counter, not a grid barrier); the last split of a (sequence, kv head) to finish (an atomic
+             count) combines the splits into the attention output
   o_proj     the o_proj matmul, added into the residual stream
   gate/up    RMSNorm as in qkv, the gate and up matmuls, silu(gate) * up to scratch
   down       the down matmul, added into the residual stream
-A program takes work items (tiles of 16 output rows over the full input width) round-robin. The
-residual stream stays in float32 for the whole step.
-
-Measured on an H200 (experiments/inference/README.md): the launches were not what cost the time. The layer stack
-of the ~400M model takes 1.14 ms here at batch 1, persistent, and 1.19 ms as 120 launches, against 0.82 ms for the
-whole compiled step. So `Engine(megakernel=True)` is opt-in: the matmul tiles keep too few weight bytes in flight.
+and all programs meet at a grid-wide barrier (an atomic counter) before o_proj, gate/up, down and the next layer's
+qkv. The residual stream stays in float32 for the whole step. The matmuls take one of two paths:
+  batch 1    matrix-vector products: a work item is a few weight rows over the whole input width, loaded as one
+             tile and reduced on the CUDA cores. A program issues the loads of its next item before it reduces
+             the current one, and those of a stage's first item before the barrier that opens the stage, so the
+             weights stream while the programs wait.
+  batch > 1  tensor-core tiles of 16 output rows, in BLOCK_K-column steps, the batch padded to 16 rows.
+The first version had only the second path and was slower than the compiled step at batch 1 (1.14 ms for the
+layer stack against 0.82 ms for the whole compiled step): its tiles kept too few weight bytes in flight.
 
 `persistent=False` launches each (layer, stage) as a kernel of its own instead (no barrier): the same
 code, for Triton's CPU interpreter (TRITON_INTERPRET=1 runs programs one after another, so a barrier
@@ -48,22 +50,50 @@ if TYPE_CHECKING:
 
 N_STAGES = 5
 SUPPORTED_HEAD_DIMS = (32, 64, 128)
-BLOCK_K = 256  # input columns per loop step of the matmuls
-NUM_WARPS, NUM_STAGES = 4, 3
-# Programs per SM of the persistent grid (at most what the GPU keeps resident at once, or the barrier would hang).
-# On an H200 (2026-12-02, experiments/inference/sweep_megakernel.py) 1 was fastest at batch 1, 2-3 at batch 32.
-PROGRAMS_PER_SM = 1
+# Launch settings of the two paths, the fastest of experiments/inference/sweep_megakernel.py on an H200. Programs per
+# SM: at most what the GPU keeps resident at once (checked at launch), or a grid barrier would wait forever.
+# Tensor-core path (batch > 1): input columns per loop step, warps, programs per SM.
+BLOCK_K, NUM_WARPS, PROGRAMS_PER_SM = 256, 4, 3
+# Matrix-vector path (batch 1): weights per tile (a few rows over the whole input width, loaded whole; a program
+# issues the next item's tiles before it reduces the current ones, so bytes stay in flight), warps, programs per SM.
+GEMV_TILE_ELEMS, GEMV_NUM_WARPS, GEMV_PROGRAMS_PER_SM = 8192, 4, 2
+GEMV_MAX_WIDTH = 8192  # wider inputs take the tensor-core path (a whole row per tile would not fit in registers)
+NUM_STAGES = 3
+PREFETCH_L2 = True  # matmul stages ask L2 for the weights of the stages after them (off: for comparison)
+
+
+@triton.jit
+def _wait_until(Counter, target):
+    """Spin until the counter reaches `target`, reading it with acquire semantics (an add of 0, which compiles to
+    `ld.acquire.gpu`): every write released before the increments that reached it is then visible."""
+    seen = tl.atomic_add(Counter, 0, sem="acquire", scope="gpu")
+    while seen < target:
+        seen = tl.atomic_add(Counter, 0, sem="acquire", scope="gpu")
 
 
 @triton.jit
 def _grid_barrier(Sync, target):
-    """Arrive, then wait until the counter reaches `target`: every program's writes before the barrier are
-    visible to every program after it (release on arrival, acquire on the read that sees the target)."""
+    """Arrive, then wait until every program has (Sync[0] reaches `target`): every program's writes before the
+    barrier are visible to every program after it."""
     tl.debug_barrier()  # all of this program's stores are issued
-    seen = tl.atomic_add(Sync, 1, sem="acq_rel", scope="gpu") + 1
-    while seen < target:
-        seen = tl.atomic_add(Sync, 0, sem="acquire", scope="gpu")
+    tl.atomic_add(Sync, 1, sem="release", scope="gpu")
+    _wait_until(Sync, target)
     tl.debug_barrier()
+
+
+@triton.jit
+def _prefetch_l2(W, n_elems, pid, n_programs, ON: tl.constexpr):
+    """Ask L2 for this program's share of W[:n_elems] (`prefetch.global.L2::evict_last`; the streamed loads are
+    evict_first): a later stage's weights come from DRAM while the grid waits at barriers, and its loads hit L2."""
+    if ON:
+        LINE: tl.constexpr = 128 // (W.dtype.element_ty.primitive_bitwidth // 8)  # elements per 128-byte line
+        lines = tl.cdiv(n_elems, LINE)
+        per_program = tl.cdiv(lines, n_programs)
+        end = tl.minimum((pid + 1) * per_program, lines)
+        for first in range(pid * per_program, end, 128):
+            line = tl.minimum(first + tl.arange(0, 128), end - 1).to(tl.int64)
+            tl.inline_asm_elementwise("prefetch.global.L2::evict_last [$1];\n\tmov.u32 $0, 0;", "=r,l",
+                                      [W + line * LINE], dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
@@ -94,50 +124,133 @@ def _normed_matmul_pair(X, NormW, W, w_rows1, w_rows2, w_ok, rows, row_ok, d_mod
 
 
 @triton.jit
-def _qkv_stage(X, NormW, W, Q, Kc, Vc, Cos, Sin, Slots, Start, rows, row_ok, pid, n_programs, eps,
-               sc_b, sc_h, sc_l, d_model, n_heads, n_kv_heads,
-               BB: tl.constexpr, HEAD_DIM: tl.constexpr, INTERLEAVED: tl.constexpr, BLOCK_K: tl.constexpr,
-               PREC: tl.constexpr):
+def _qkv_rows(item, HEAD_DIM: tl.constexpr, PAIRS: tl.constexpr, INTERLEAVED: tl.constexpr):
+    """A q/k/v work item -> its head, its RoPE frequencies, and the two rows of that head each frequency rotates."""
     HALF: tl.constexpr = HEAD_DIM // 2
-    CHUNKS: tl.constexpr = HALF // 16
-    slot = tl.load(Slots)
-    pos = tl.maximum(slot - tl.load(Start + rows, mask=row_ok, other=0), 0)
-    pairs = tl.arange(0, 16)
-    for item in range(pid, (n_heads + 2 * n_kv_heads) * CHUNKS, n_programs):
-        head = item // CHUNKS  # q heads, then k heads, then v heads
-        freq = (item % CHUNKS) * 16 + pairs  # the rotation pairs this item computes
-        if INTERLEAVED:
-            first, second = 2 * freq, 2 * freq + 1
-        else:
-            first, second = freq, freq + HALF
-        acc1, acc2 = _normed_matmul_pair(X, NormW, W, head * HEAD_DIM + first, head * HEAD_DIM + second,
-                                         pairs < 16, rows, row_ok, d_model, eps, BB, BLOCK_K, PREC)
-        cos = tl.load(Cos + pos[:, None] * HALF + freq[None, :], mask=row_ok[:, None], other=1.0)
-        sin = tl.load(Sin + pos[:, None] * HALF + freq[None, :], mask=row_ok[:, None], other=0.0)
-        rotated = head < n_heads + n_kv_heads
-        out1 = tl.where(rotated, acc1 * cos - acc2 * sin, acc1)
-        out2 = tl.where(rotated, acc2 * cos + acc1 * sin, acc2)
-        ok = row_ok[:, None]
-        q_at = Q + (rows[:, None] * n_heads + head) * HEAD_DIM
-        tl.store(q_at + first[None, :], out1, mask=ok & (head < n_heads))
-        tl.store(q_at + second[None, :], out2, mask=ok & (head < n_heads))
-        kv_head = (head - n_heads) % n_kv_heads
-        cache_at = rows[:, None] * sc_b + kv_head * sc_h + slot * sc_l
-        is_k = (head >= n_heads) & (head < n_heads + n_kv_heads)
-        tl.store(Kc + cache_at + first[None, :], out1.to(Kc.dtype.element_ty), mask=ok & is_k)
-        tl.store(Kc + cache_at + second[None, :], out2.to(Kc.dtype.element_ty), mask=ok & is_k)
-        is_v = head >= n_heads + n_kv_heads
-        tl.store(Vc + cache_at + first[None, :], out1.to(Vc.dtype.element_ty), mask=ok & is_v)
-        tl.store(Vc + cache_at + second[None, :], out2.to(Vc.dtype.element_ty), mask=ok & is_v)
+    CHUNKS: tl.constexpr = HALF // PAIRS
+    head = item // CHUNKS  # q heads, then k heads, then v heads
+    freq = (item % CHUNKS) * PAIRS + tl.arange(0, PAIRS)
+    if INTERLEAVED:
+        first, second = 2 * freq, 2 * freq + 1
+    else:
+        first, second = freq, freq + HALF
+    return head, freq, first, second
 
 
 @triton.jit
-def _attention_stage(Q, Kc, Vc, PartO, PartL, Attn, Arrived, Slots, Start, layer, pid, n_programs, batch, n_heads,
-                     n_kv_heads, n_split, sc_b, sc_h, sc_l, qk_scale,
+def _qkv_out(acc1, acc2, head, freq, first, second, Q, Kc, Vc, Cos, Sin, Sync, pos, slot, rows, row_ok, sc_b, sc_h,
+             sc_l, n_heads, n_kv_heads, HEAD_DIM: tl.constexpr):
+    """RoPE on a (batch, pairs) item of q or k; q to scratch, k and v into the caches at `slot`; then the item
+    counts itself done in its kv head's counter (Sync[1 + kv head]), which the attention items wait on."""
+    HALF: tl.constexpr = HEAD_DIM // 2
+    cos = tl.load(Cos + pos[:, None] * HALF + freq[None, :], mask=row_ok[:, None], other=1.0)
+    sin = tl.load(Sin + pos[:, None] * HALF + freq[None, :], mask=row_ok[:, None], other=0.0)
+    rotated = head < n_heads + n_kv_heads
+    out1 = tl.where(rotated, acc1 * cos - acc2 * sin, acc1)
+    out2 = tl.where(rotated, acc2 * cos + acc1 * sin, acc2)
+    ok = row_ok[:, None]
+    q_at = Q + (rows[:, None] * n_heads + head) * HEAD_DIM
+    tl.store(q_at + first[None, :], out1, mask=ok & (head < n_heads))
+    tl.store(q_at + second[None, :], out2, mask=ok & (head < n_heads))
+    kv_head = (head - n_heads) % n_kv_heads
+    cache_at = rows[:, None] * sc_b + kv_head * sc_h + slot * sc_l
+    is_k = (head >= n_heads) & (head < n_heads + n_kv_heads)
+    tl.store(Kc + cache_at + first[None, :], out1.to(Kc.dtype.element_ty), mask=ok & is_k)
+    tl.store(Kc + cache_at + second[None, :], out2.to(Kc.dtype.element_ty), mask=ok & is_k)
+    is_v = head >= n_heads + n_kv_heads
+    tl.store(Vc + cache_at + first[None, :], out1.to(Vc.dtype.element_ty), mask=ok & is_v)
+    tl.store(Vc + cache_at + second[None, :], out2.to(Vc.dtype.element_ty), mask=ok & is_v)
+    tl.debug_barrier()  # the item's stores are all issued before it counts itself done for its kv head
+    group = tl.where(head < n_heads, head // (n_heads // n_kv_heads), kv_head)
+    tl.atomic_add(Sync + 1 + group, 1, sem="release", scope="gpu")
+
+
+@triton.jit
+def _qkv_stage(X, NormW, W, Q, Kc, Vc, Cos, Sin, Sync, Slots, Start, rows, row_ok, pid, n_programs, eps,
+               sc_b, sc_h, sc_l, d_model, n_heads, n_kv_heads,
+               BB: tl.constexpr, HEAD_DIM: tl.constexpr, PAIRS: tl.constexpr, INTERLEAVED: tl.constexpr,
+               BLOCK_K: tl.constexpr, PREC: tl.constexpr):
+    tl.static_assert(PAIRS == 16)  # two (batch, 16) tensor-core products per item
+    slot = tl.load(Slots)
+    pos = tl.maximum(slot - tl.load(Start + rows, mask=row_ok, other=0), 0)
+    for item in range(pid, (n_heads + 2 * n_kv_heads) * (HEAD_DIM // 2 // PAIRS), n_programs):
+        head, freq, first, second = _qkv_rows(item, HEAD_DIM, PAIRS, INTERLEAVED)
+        acc1, acc2 = _normed_matmul_pair(X, NormW, W, head * HEAD_DIM + first, head * HEAD_DIM + second,
+                                         freq < HEAD_DIM, rows, row_ok, d_model, eps, BB, BLOCK_K, PREC)
+        _qkv_out(acc1, acc2, head, freq, first, second, Q, Kc, Vc, Cos, Sin, Sync, pos, slot, rows, row_ok,
+                 sc_b, sc_h, sc_l, n_heads, n_kv_heads, HEAD_DIM)
+
+
+@triton.jit
+def _tile(W, rows, ok, width, KP: tl.constexpr):
+    """W[rows, :width] as a (rows, KP) tile, zero where masked; streamed once a step, so evicted from L2 first."""
+    ks = tl.arange(0, KP)
+    return tl.load(W + rows[:, None] * width + ks[None, :], mask=ok[:, None] & (ks < width)[None, :], other=0.0,
+                   eviction_policy="evict_first")
+
+
+@triton.jit
+def _row(X, width, KP: tl.constexpr):
+    """The one sequence's row of a buffer other programs wrote (from L2: an L1 line could be stale), in float32."""
+    ks = tl.arange(0, KP)
+    return tl.load(X + ks, mask=ks < width, other=0.0, cache_modifier=".cg").to(tl.float32)
+
+
+@triton.jit
+def _normed_row(X, NormW, d_model, eps, KP: tl.constexpr):
+    """x * gain, rounded as the tensor-core path rounds it, and the row's 1 / rms (applied after the matmul)."""
+    x = _row(X, d_model, KP)
+    ks = tl.arange(0, KP)
+    gain = tl.load(NormW + ks, mask=ks < d_model, other=0.0)
+    inv_rms = tl.math.rsqrt(tl.sum(x * x, 0) / d_model + eps)
+    return (x * gain).to(gain.dtype).to(tl.float32), inv_rms
+
+
+@triton.jit
+def _gemv(w, x):
+    return tl.sum(w.to(tl.float32) * x[None, :], 1)
+
+
+@triton.jit
+def _normed_gemv(w, x, inv_rms):
+    return (_gemv(w, x) * inv_rms).to(w.dtype).to(tl.float32)  # rounded where the reference's matmul rounds
+
+
+@triton.jit
+def _qkv_tiles(W, item, n_items, d_model, HEAD_DIM: tl.constexpr, PAIRS: tl.constexpr, INTERLEAVED: tl.constexpr,
+               KP: tl.constexpr):
+    head, freq, first, second = _qkv_rows(item, HEAD_DIM, PAIRS, INTERLEAVED)
+    ok = (freq < HEAD_DIM) & (item < n_items)
+    return _tile(W, head * HEAD_DIM + first, ok, d_model, KP), _tile(W, head * HEAD_DIM + second, ok, d_model, KP)
+
+
+@triton.jit
+def _qkv_gemv(X, NormW, W, Q, Kc, Vc, Cos, Sin, Sync, Slots, Start, pid, n_programs, n_items, eps, sc_b, sc_h, sc_l,
+              d_model, n_heads, n_kv_heads, w1, w2,
+              HEAD_DIM: tl.constexpr, PAIRS: tl.constexpr, INTERLEAVED: tl.constexpr, KP: tl.constexpr):
+    """_qkv_stage for one sequence, as matrix-vector products; w1, w2: the first item's tiles, already loading."""
+    rows = tl.arange(0, 1)
+    slot = tl.load(Slots)
+    pos = tl.maximum(slot - tl.load(Start + rows), 0)
+    x, inv_rms = _normed_row(X, NormW, d_model, eps, KP)
+    for item in range(pid, n_items, n_programs):
+        next1, next2 = _qkv_tiles(W, item + n_programs, n_items, d_model, HEAD_DIM, PAIRS, INTERLEAVED, KP)
+        head, freq, first, second = _qkv_rows(item, HEAD_DIM, PAIRS, INTERLEAVED)
+        _qkv_out(_normed_gemv(w1, x, inv_rms)[None, :], _normed_gemv(w2, x, inv_rms)[None, :], head, freq, first,
+                 second, Q, Kc, Vc, Cos, Sin, Sync, pos, slot, rows, rows < 1, sc_b, sc_h, sc_l, n_heads,
+                 n_kv_heads, HEAD_DIM)
+        w1, w2 = next1, next2
+
+
+@triton.jit
+def _attention_stage(Q, Kc, Vc, PartO, PartL, Attn, Arrived, Sync, Slots, Start, layer, pid, n_programs, batch,
+                     n_heads, n_kv_heads, n_split, sc_b, sc_h, sc_l, qk_scale,
                      GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_SPLIT: tl.constexpr, PREC: tl.constexpr):
-    """Flash-decoding over (sequence, kv head, key split); the last split of a (sequence, kv head) to finish
-    combines them into the attention output (Attn, batch x heads * head_dim), so no grid barrier is needed."""
+                     BLOCK_SPLIT: tl.constexpr, QKV_PAIRS: tl.constexpr, PREC: tl.constexpr):
+    """Flash-decoding over (sequence, kv head, key split). An item starts once every q/k/v item of its kv head is
+    done (its counter; no grid barrier after qkv), and the last split of a (sequence, kv head) to finish combines
+    the splits into the attention output (Attn, batch x heads * head_dim)."""
+    qkv_items = (GROUP + 2) * (HEAD_DIM // 2 // QKV_PAIRS)  # per kv head and layer: its q heads, its k and its v
     slot = tl.load(Slots)
     r = tl.arange(0, BLOCK_M)
     r_ok = r < GROUP
@@ -149,6 +262,7 @@ def _attention_stage(Q, Kc, Vc, PartO, PartL, Attn, Arrived, Slots, Start, layer
         b = bg // n_kv_heads
         kv_head = bg % n_kv_heads
         head = kv_head * GROUP + r
+        _wait_until(Sync + 1 + kv_head, (layer + 1) * qkv_items)
         q = tl.load(Q + (b * n_heads + head)[:, None] * HEAD_DIM + dims[None, :], mask=r_ok[:, None], other=0.0,
                     cache_modifier=".cg")
         start = tl.load(Start + b)
@@ -197,6 +311,11 @@ def _matmul_add_stage(X, W, In, rows, row_ok, pid, n_programs, d_model, width,
 
 
 @triton.jit
+def _swiglu(gate, up, dt: tl.constexpr):
+    return (gate * tl.sigmoid(gate)).to(dt) * up.to(dt)  # rounded where the reference rounds: silu, then the product
+
+
+@triton.jit
 def _gate_up_stage(X, NormW, W, Act, rows, row_ok, pid, n_programs, eps, d_model, d_ff,
                    BB: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr):
     for item in range(pid, tl.cdiv(d_ff, 16), n_programs):
@@ -204,9 +323,45 @@ def _gate_up_stage(X, NormW, W, Act, rows, row_ok, pid, n_programs, eps, d_model
         col_ok = cols < d_ff
         gate, up = _normed_matmul_pair(X, NormW, W, cols, d_ff + cols, col_ok, rows, row_ok, d_model, eps,
                                        BB, BLOCK_K, PREC)
-        dt = Act.dtype.element_ty  # rounded where the reference rounds: silu, then the product
-        act = (gate * tl.sigmoid(gate)).to(dt) * up.to(dt)
-        tl.store(Act + rows[:, None] * d_ff + cols[None, :], act, mask=row_ok[:, None] & col_ok[None, :])
+        tl.store(Act + rows[:, None] * d_ff + cols[None, :], _swiglu(gate, up, Act.dtype.element_ty),
+                 mask=row_ok[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def _gate_up_tiles(W, item, d_model, d_ff, TILE: tl.constexpr, KP: tl.constexpr):
+    cols = item * TILE + tl.arange(0, TILE)
+    return _tile(W, cols, cols < d_ff, d_model, KP), _tile(W, d_ff + cols, cols < d_ff, d_model, KP)
+
+
+@triton.jit
+def _gate_up_gemv(X, NormW, W, Act, pid, n_programs, eps, d_model, d_ff, gate_w, up_w,
+                  TILE: tl.constexpr, KP: tl.constexpr):
+    """_gate_up_stage for one sequence; gate_w, up_w: the first item's tiles, already loading."""
+    x, inv_rms = _normed_row(X, NormW, d_model, eps, KP)
+    for item in range(pid, tl.cdiv(d_ff, TILE), n_programs):
+        next_gate, next_up = _gate_up_tiles(W, item + n_programs, d_model, d_ff, TILE, KP)
+        cols = item * TILE + tl.arange(0, TILE)
+        tl.store(Act + cols, _swiglu(_normed_gemv(gate_w, x, inv_rms), _normed_gemv(up_w, x, inv_rms),
+                                     Act.dtype.element_ty), mask=cols < d_ff)
+        gate_w, up_w = next_gate, next_up
+
+
+@triton.jit
+def _add_tile(W, item, d_model, width, TILE: tl.constexpr, KP: tl.constexpr):
+    cols = item * TILE + tl.arange(0, TILE)
+    return _tile(W, cols, cols < d_model, width, KP)
+
+
+@triton.jit
+def _add_gemv(X, W, In, pid, n_programs, d_model, width, w, TILE: tl.constexpr, KP: tl.constexpr):
+    """_matmul_add_stage for one sequence; w: the first item's tile, already loading."""
+    a = _row(In, width, KP)
+    for item in range(pid, tl.cdiv(d_model, TILE), n_programs):
+        next_w = _add_tile(W, item + n_programs, d_model, width, TILE, KP)
+        cols = item * TILE + tl.arange(0, TILE)
+        ok = cols < d_model
+        tl.store(X + cols, tl.load(X + cols, mask=ok, other=0.0, cache_modifier=".cg") + _gemv(w, a), mask=ok)
+        w = next_w
 
 
 @triton.jit
@@ -215,45 +370,76 @@ def _layers_kernel(X, Wqkv, Wo, Wgu, Wd, Norm1, Norm2, Kc, Vc, Q, PartO, PartL, 
                    sc_layer, sc_b, sc_h, sc_l,
                    STAGE: tl.constexpr, BB: tl.constexpr, HEAD_DIM: tl.constexpr, GROUP: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SPLIT: tl.constexpr, BLOCK_K: tl.constexpr,
-                   INTERLEAVED: tl.constexpr, PREC: tl.constexpr):
-    """STAGE -1: every stage of layers [layer_lo, layer_hi) with grid barriers between them; else that stage only."""
+                   INTERLEAVED: tl.constexpr, PREC: tl.constexpr, GEMV: tl.constexpr, KP_MODEL: tl.constexpr,
+                   KP_ATTN: tl.constexpr, KP_FF: tl.constexpr, T_QKV: tl.constexpr, T_O: tl.constexpr,
+                   T_GU: tl.constexpr, T_D: tl.constexpr, PREFETCH: tl.constexpr):
+    """STAGE -1: every stage of layers [layer_lo, layer_hi) with a grid barrier before each stage but the first;
+    else that stage only. GEMV: batch 1, matrix-vector tiles whose first loads are issued before the barrier."""
     pid = tl.program_id(0)
     n_programs = tl.num_programs(0)
     rows = tl.arange(0, BB)
     row_ok = rows < batch
     qkv_rows = (n_heads + 2 * n_kv_heads) * HEAD_DIM
+    n_qkv_items = (n_heads + 2 * n_kv_heads) * (HEAD_DIM // 2 // T_QKV)
     width = n_heads * HEAD_DIM
     for layer in range(layer_lo, layer_hi):
         at = tl.cast(layer, tl.int64)
-        arrivals = (layer - layer_lo) * 5 * n_programs  # every program's arrivals at the earlier layers' barriers
+        arrivals = (layer - layer_lo) * 4 * n_programs  # every program's arrivals at the earlier layers' barriers
         kc, vc = Kc + at * sc_layer, Vc + at * sc_layer
+        wqkv, wo = Wqkv + at * qkv_rows * d_model, Wo + at * d_model * width
+        wgu, wd = Wgu + at * 2 * d_ff * d_model, Wd + at * d_model * d_ff
         if STAGE < 0 or STAGE == 0:
-            _qkv_stage(X, Norm1 + at * d_model, Wqkv + at * qkv_rows * d_model, Q, kc, vc, Cos, Sin, Slots, Start,
-                       rows, row_ok, pid, n_programs, eps, sc_b, sc_h, sc_l, d_model, n_heads, n_kv_heads,
-                       BB, HEAD_DIM, INTERLEAVED, BLOCK_K, PREC)
+            if GEMV:
+                w1, w2 = _qkv_tiles(wqkv, pid, n_qkv_items, d_model, HEAD_DIM, T_QKV, INTERLEAVED, KP_MODEL)
+            # Each matmul stage asks L2 for weights a stage or two ahead (qkv and attention take the longest)
+            _prefetch_l2(wo, d_model * width, pid, n_programs, PREFETCH)
+            _prefetch_l2(wgu, 2 * d_ff * d_model, pid, n_programs, PREFETCH)
+            if STAGE < 0 and layer > layer_lo:
+                _grid_barrier(Sync, arrivals)
+            if GEMV:
+                _qkv_gemv(X, Norm1 + at * d_model, wqkv, Q, kc, vc, Cos, Sin, Sync, Slots, Start, pid, n_programs,
+                          n_qkv_items, eps, sc_b, sc_h, sc_l, d_model, n_heads, n_kv_heads, w1, w2,
+                          HEAD_DIM, T_QKV, INTERLEAVED, KP_MODEL)
+            else:
+                _qkv_stage(X, Norm1 + at * d_model, wqkv, Q, kc, vc, Cos, Sin, Sync, Slots, Start, rows, row_ok, pid,
+                           n_programs, eps, sc_b, sc_h, sc_l, d_model, n_heads, n_kv_heads,
+                           BB, HEAD_DIM, T_QKV, INTERLEAVED, BLOCK_K, PREC)
+        if STAGE < 0 or STAGE == 1:
+            _attention_stage(Q, kc, vc, PartO, PartL, Attn, Arrived, Sync, Slots, Start, layer, pid, n_programs,
+                             batch, n_heads, n_kv_heads, n_split, sc_b, sc_h, sc_l, qk_scale,
+                             GROUP, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_SPLIT, T_QKV, PREC)
+        if STAGE < 0 or STAGE == 2:
+            if GEMV:
+                w = _add_tile(wo, pid, d_model, width, T_O, KP_ATTN)
+            _prefetch_l2(wd, d_model * d_ff, pid, n_programs, PREFETCH)
             if STAGE < 0:
                 _grid_barrier(Sync, arrivals + 1 * n_programs)
-        if STAGE < 0 or STAGE == 1:
-            _attention_stage(Q, kc, vc, PartO, PartL, Attn, Arrived, Slots, Start, layer, pid, n_programs, batch,
-                             n_heads, n_kv_heads, n_split, sc_b, sc_h, sc_l, qk_scale,
-                             GROUP, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_SPLIT, PREC)
+            if GEMV:
+                _add_gemv(X, wo, Attn, pid, n_programs, d_model, width, w, T_O, KP_ATTN)
+            else:
+                _matmul_add_stage(X, wo, Attn, rows, row_ok, pid, n_programs, d_model, width, BB, BLOCK_K, PREC)
+        if STAGE < 0 or STAGE == 3:
+            if GEMV:
+                gate_w, up_w = _gate_up_tiles(wgu, pid, d_model, d_ff, T_GU, KP_MODEL)
+            if layer + 1 < layer_hi:
+                _prefetch_l2(wqkv + qkv_rows * d_model, qkv_rows * d_model, pid, n_programs, PREFETCH)
             if STAGE < 0:
                 _grid_barrier(Sync, arrivals + 2 * n_programs)
-        if STAGE < 0 or STAGE == 2:
-            _matmul_add_stage(X, Wo + at * d_model * width, Attn, rows, row_ok, pid, n_programs, d_model, width,
-                              BB, BLOCK_K, PREC)
+            if GEMV:
+                _gate_up_gemv(X, Norm2 + at * d_model, wgu, Act, pid, n_programs, eps, d_model, d_ff, gate_w, up_w,
+                              T_GU, KP_MODEL)
+            else:
+                _gate_up_stage(X, Norm2 + at * d_model, wgu, Act, rows, row_ok, pid, n_programs, eps, d_model, d_ff,
+                               BB, BLOCK_K, PREC)
+        if STAGE < 0 or STAGE == 4:
+            if GEMV:
+                w = _add_tile(wd, pid, d_model, d_ff, T_D, KP_FF)
             if STAGE < 0:
                 _grid_barrier(Sync, arrivals + 3 * n_programs)
-        if STAGE < 0 or STAGE == 3:
-            _gate_up_stage(X, Norm2 + at * d_model, Wgu + at * 2 * d_ff * d_model, Act, rows, row_ok, pid,
-                           n_programs, eps, d_model, d_ff, BB, BLOCK_K, PREC)
-            if STAGE < 0:
-                _grid_barrier(Sync, arrivals + 4 * n_programs)
-        if STAGE < 0 or STAGE == 4:
-            _matmul_add_stage(X, Wd + at * d_model * d_ff, Act, rows, row_ok, pid, n_programs, d_model, d_ff,
-                              BB, BLOCK_K, PREC)
-            if STAGE < 0 and layer < layer_hi - 1:  # the kernel's end orders the last layer's writes
-                _grid_barrier(Sync, arrivals + 5 * n_programs)
+            if GEMV:
+                _add_gemv(X, wd, Act, pid, n_programs, d_model, d_ff, w, T_D, KP_FF)
+            else:
+                _matmul_add_stage(X, wd, Act, rows, row_ok, pid, n_programs, d_model, d_ff, BB, BLOCK_K, PREC)
 
 
 _RESIDENT: dict[tuple, int] = {}
@@ -273,6 +459,11 @@ def _resident_per_sm(args: tuple, shape: tuple, meta: dict) -> int:
                                     getattr(props, "shared_memory_per_multiprocessor", 228 * 1024) // smem,
                                     props.max_threads_per_multi_processor // threads))
     return _RESIDENT[key]
+
+
+def _tile_rows(width: int, most: int = 1 << 16) -> int:
+    """Rows of a matrix-vector tile over `width` (a power of two) input columns: about GEMV_TILE_ELEMS weights."""
+    return max(1, min(most, GEMV_TILE_ELEMS // width))
 
 
 def n_splits(batch: int, n_kv_heads: int, cache_len: int, programs: int) -> int:
@@ -328,19 +519,28 @@ def _decode_layers_op(x: torch.Tensor, qkv: torch.Tensor, o: torch.Tensor, gate_
     part_out = torch.empty(batch, n_heads, split, head_dim, **f32)
     part_lse = torch.empty(batch, n_heads, split, **f32)
     attn = torch.empty(batch, n_heads * head_dim, dtype=x.dtype, device=x.device)
-    arrived = torch.zeros(batch * n_kv_heads, dtype=torch.int32, device=x.device)
     act = torch.empty(batch, d_ff, dtype=x.dtype, device=x.device)
-    sync = torch.zeros(1, dtype=torch.int32, device=x.device)
+    # Counters, zeroed in one fill: the grid barrier's, each kv head's finished q/k/v items, each (sequence, kv
+    # head)'s finished attention splits
+    sync = torch.zeros(1 + n_kv_heads + batch * n_kv_heads, dtype=torch.int32, device=x.device)
+    arrived = sync[1 + n_kv_heads:]
     args = (residual, qkv, o, gate_up, down, norm_attn, norm_ffn, k_cache, v_cache, q, part_out, part_lse, attn,
             arrived, act, cos, sin, slots, start, sync)
-    meta = dict(BB=max(16, triton.next_power_of_2(batch)), HEAD_DIM=head_dim, GROUP=group,
+    widths = [triton.next_power_of_2(w) for w in (d_model, n_heads * head_dim, d_ff)]
+    gemv = batch == 1 and max(widths) <= GEMV_MAX_WIDTH
+    kp_model, kp_attn, kp_ff = widths
+    meta = dict(BB=1 if gemv else max(16, triton.next_power_of_2(batch)), HEAD_DIM=head_dim, GROUP=group,
                 BLOCK_M=max(16, triton.next_power_of_2(group)), BLOCK_N=32,
                 BLOCK_SPLIT=triton.next_power_of_2(split), BLOCK_K=BLOCK_K, INTERLEAVED=interleaved,
-                PREC="ieee" if x.dtype == torch.float32 else "tf32", num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+                PREC="ieee" if x.dtype == torch.float32 else "tf32", num_stages=NUM_STAGES,
+                num_warps=GEMV_NUM_WARPS if gemv else NUM_WARPS,
+                GEMV=gemv, KP_MODEL=kp_model, KP_ATTN=kp_attn, KP_FF=kp_ff, T_QKV=_tile_rows(kp_model, head_dim // 2) if gemv else 16,
+                T_O=_tile_rows(kp_attn), T_GU=_tile_rows(kp_model), T_D=_tile_rows(kp_ff),
+                PREFETCH=PREFETCH_L2 and not INTERPRET)  # the interpreter runs no inline PTX
     shape = (batch, d_model, d_ff, n_heads, n_kv_heads, split, eps, scale * LOG2E,
              k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), k_cache.stride(3))
     if persistent:
-        programs *= min(PROGRAMS_PER_SM, _resident_per_sm(args, shape, meta))
+        programs *= min(GEMV_PROGRAMS_PER_SM if gemv else PROGRAMS_PER_SM, _resident_per_sm(args, shape, meta))
         _layers_kernel[(programs,)](*args, 0, n_layers, *shape, STAGE=-1, **meta)
     else:
         for layer in range(n_layers):

@@ -101,9 +101,10 @@ def test_matches_the_layer_by_layer_step_fp32(attention, layout, batch, persiste
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("compile", [False, True])
-def test_bf16_generation_follows_the_layer_by_layer_step(compile):
+@pytest.mark.parametrize("batch", [1, 4])  # batch 1 takes the matrix-vector path, 4 the tensor-core tiles
+def test_bf16_generation_follows_the_layer_by_layer_step(compile, batch):
     model = _model("cuda", torch.bfloat16, d_model=256, n_layers=4, attention={"name": "mha", "n_heads": 4})
-    reference, fused = _decode_both(model, 4, compile=compile, steps=16)
+    reference, fused = _decode_both(model, batch, compile=compile, steps=16)
     # bf16 rounds differently (the kernel keeps the residual stream in float32): compare in scale
     scale = reference.abs().max()
     assert (fused - reference).abs().max() <= 0.03 * scale
