@@ -24,8 +24,9 @@ from lmlab.inference.megakernel import Megakernel
 from lmlab.kernels import decode_layers_triton as dl
 
 # Batch 1 takes the matrix-vector path, larger batches the tensor-core tiles: each has its own settings.
-# (2026-12-03: 16384-weight tiles, 512-column steps and 8 warps on the tensor-core path were all slower.)
-SETTINGS = {True: {"GEMV_PROGRAMS_PER_SM": (1, 2), "GEMV_NUM_WARPS": (4, 8), "PREFETCH_L2": (False, True)},
+# (2026-12-03: 16384-weight tiles, 1 program per SM at batch 1, 512-column steps and 8 warps on the tensor-core
+# path were all slower.)
+SETTINGS = {True: {"GEMV_PROGRAMS_PER_SM": (2,), "GEMV_NUM_WARPS": (4, 8), "PREFETCH_L2": (False, True)},
             False: {"PROGRAMS_PER_SM": (2, 3), "PREFETCH_L2": (False, True)}}
 STAGES = ("qkv", "attention", "o_proj", "gate_up", "down")
 
