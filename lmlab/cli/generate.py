@@ -73,12 +73,15 @@ class GenerateConfig:
     dtype: str = "auto"  # auto (bfloat16 on CUDA, float32 on CPU) | float32 | bfloat16
     compile: bool = False  # torch.compile the decode step (a wait of up to a minute), replayed as a CUDA graph on CUDA
     cuda_graphs: bool | None = None  # replay the decode step from a CUDA graph; None: on CUDA (a fraction of a second)
+    megakernel: bool = False  # one-token steps through every layer in one persistent Triton kernel (CUDA, plain Llama)
     plugins: list[str] = field(default_factory=list)  # modules imported before the config is composed
 
     def __post_init__(self) -> None:
         for name in ("batch_size", "max_new_tokens", "draft_k"):
             if getattr(self, name) is not None and getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.megakernel and self.quant is not None:
+            raise ConfigError("megakernel=true reads unquantized weights; drop quant= or megakernel=true")
 
 
 ConfigStore.instance().store(name="generate_schema", node=GenerateConfig)
@@ -136,6 +139,8 @@ def device_and_dtype(cfg: GenerateConfig) -> tuple[torch.device, torch.dtype]:
     if devices[cfg.device] == "cuda" and not cuda:
         raise ConfigError("device=cuda, but torch sees no CUDA device; use device=cpu (or auto)")
     device = torch.device(devices[cfg.device])
+    if cfg.megakernel and device.type != "cuda":
+        raise ConfigError(f"megakernel=true needs a CUDA device (device={cfg.device} is {device.type})")
     dtypes = {"auto": torch.bfloat16 if device.type == "cuda" else torch.float32, **DTYPES}
     if cfg.dtype not in dtypes:
         raise ConfigError(unknown_name_message("dtype", cfg.dtype, dtypes))
@@ -319,7 +324,7 @@ def generate(cfg: GenerateConfig, out=None, err=None) -> None:
         print(f"lmlab generate: quantized {report['layers']} Linear layers ({report['quant']}, {report['method']}): "
               f"{report['bytes_before'] / 2**20:,.2f} -> {report['bytes_after'] / 2**20:,.2f} MiB", file=err)
     graphs = cfg.cuda_graphs is not False  # Engine replays graphs on CUDA only
-    engine = Engine(model, compile=cfg.compile, cuda_graphs=graphs)
+    engine = Engine(model, compile=cfg.compile, cuda_graphs=graphs, megakernel=cfg.megakernel)
     draft_engine = (Engine(draft.load().to(device, dtype), compile=cfg.compile, cuda_graphs=graphs)
                     if draft is not None else None)
     options = dict(max_new_tokens=cfg.max_new_tokens, stop_token_ids=target.stop_ids, stop_strings=cfg.stop,

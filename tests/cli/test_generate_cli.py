@@ -173,6 +173,10 @@ BAD = {  # case -> (extra arguments, the error)
     "bad prompt file": (["ckpt={ckpt}", "prompt_file={tmp}/notes.txt"], "line 1 is not JSON"),
     "run folder": (["ckpt={run}", "prompt=a"], r"is a folder without config.json.*did you mean ckpt=.*last.ckpt\?"),
     "unknown device": (["ckpt={ckpt}", "prompt=a", "device=gpu"], "unknown device 'gpu'"),
+    "megakernel on cpu": (["ckpt={ckpt}", "prompt=a", "device=cpu", "megakernel=true"],
+                          r"megakernel=true needs a CUDA device \(device=cpu is cpu\)"),
+    "megakernel quantized": (["ckpt={ckpt}", "prompt=a", "quant=int8", "megakernel=true"],
+                             "megakernel=true reads unquantized weights"),
 }
 
 
