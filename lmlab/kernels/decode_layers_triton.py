@@ -365,6 +365,23 @@ def _add_gemv(X, W, In, pid, n_programs, d_model, width, w, TILE: tl.constexpr, 
 
 
 @triton.jit
+def _residual_matmul(X, W, In, Sync, target, Next, next_elems, rows, row_ok, pid, n_programs, d_model, width,
+                     BARRIER: tl.constexpr, GEMV: tl.constexpr, TILE: tl.constexpr, KP: tl.constexpr,
+                     PREFETCH: tl.constexpr, BB: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr):
+    """o_proj or down, X += In @ W.T, opened by a grid barrier (Sync[0] reaching `target`) when BARRIER; before it,
+    the first matrix-vector tile's loads and an L2 prefetch of Next[:next_elems], a later stage's weights."""
+    if GEMV:
+        w = _add_tile(W, pid, d_model, width, TILE, KP)
+    _prefetch_l2(Next, next_elems, pid, n_programs, PREFETCH)
+    if BARRIER:
+        _grid_barrier(Sync, target)
+    if GEMV:
+        _add_gemv(X, W, In, pid, n_programs, d_model, width, w, TILE, KP)
+    else:
+        _matmul_add_stage(X, W, In, rows, row_ok, pid, n_programs, d_model, width, BB, BLOCK_K, PREC)
+
+
+@triton.jit
 def _layers_kernel(X, Wqkv, Wo, Wgu, Wd, Norm1, Norm2, Kc, Vc, Q, PartO, PartL, Attn, Arrived, Act, Cos, Sin, Slots,
                    Start, Sync, layer_lo, layer_hi, batch, d_model, d_ff, n_heads, n_kv_heads, n_split, eps, qk_scale,
                    sc_layer, sc_b, sc_h, sc_l,
@@ -409,15 +426,8 @@ def _layers_kernel(X, Wqkv, Wo, Wgu, Wd, Norm1, Norm2, Kc, Vc, Q, PartO, PartL, 
                              batch, n_heads, n_kv_heads, n_split, sc_b, sc_h, sc_l, qk_scale,
                              GROUP, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_SPLIT, T_QKV, PREC)
         if STAGE < 0 or STAGE == 2:
-            if GEMV:
-                w = _add_tile(wo, pid, d_model, width, T_O, KP_ATTN)
-            _prefetch_l2(wd, d_model * d_ff, pid, n_programs, PREFETCH)
-            if STAGE < 0:
-                _grid_barrier(Sync, arrivals + 1 * n_programs)
-            if GEMV:
-                _add_gemv(X, wo, Attn, pid, n_programs, d_model, width, w, T_O, KP_ATTN)
-            else:
-                _matmul_add_stage(X, wo, Attn, rows, row_ok, pid, n_programs, d_model, width, BB, BLOCK_K, PREC)
+            _residual_matmul(X, wo, Attn, Sync, arrivals + 1 * n_programs, wd, d_model * d_ff, rows, row_ok, pid,
+                             n_programs, d_model, width, STAGE < 0, GEMV, T_O, KP_ATTN, PREFETCH, BB, BLOCK_K, PREC)
         if STAGE < 0 or STAGE == 3:
             if GEMV:
                 gate_w, up_w = _gate_up_tiles(wgu, pid, d_model, d_ff, T_GU, KP_MODEL)
@@ -432,14 +442,8 @@ def _layers_kernel(X, Wqkv, Wo, Wgu, Wd, Norm1, Norm2, Kc, Vc, Q, PartO, PartL, 
                 _gate_up_stage(X, Norm2 + at * d_model, wgu, Act, rows, row_ok, pid, n_programs, eps, d_model, d_ff,
                                BB, BLOCK_K, PREC)
         if STAGE < 0 or STAGE == 4:
-            if GEMV:
-                w = _add_tile(wd, pid, d_model, d_ff, T_D, KP_FF)
-            if STAGE < 0:
-                _grid_barrier(Sync, arrivals + 3 * n_programs)
-            if GEMV:
-                _add_gemv(X, wd, Act, pid, n_programs, d_model, d_ff, w, T_D, KP_FF)
-            else:
-                _matmul_add_stage(X, wd, Act, rows, row_ok, pid, n_programs, d_model, d_ff, BB, BLOCK_K, PREC)
+            _residual_matmul(X, wd, Act, Sync, arrivals + 3 * n_programs, wd, 0, rows, row_ok, pid, n_programs,
+                             d_model, d_ff, STAGE < 0, GEMV, T_D, KP_FF, PREFETCH, BB, BLOCK_K, PREC)
 
 
 _RESIDENT: dict[tuple, int] = {}
