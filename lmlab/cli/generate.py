@@ -139,8 +139,6 @@ def device_and_dtype(cfg: GenerateConfig) -> tuple[torch.device, torch.dtype]:
     if devices[cfg.device] == "cuda" and not cuda:
         raise ConfigError("device=cuda, but torch sees no CUDA device; use device=cpu (or auto)")
     device = torch.device(devices[cfg.device])
-    if cfg.megakernel and device.type != "cuda":
-        raise ConfigError(f"megakernel=true needs a CUDA device (device={cfg.device} is {device.type})")
     dtypes = {"auto": torch.bfloat16 if device.type == "cuda" else torch.float32, **DTYPES}
     if cfg.dtype not in dtypes:
         raise ConfigError(unknown_name_message("dtype", cfg.dtype, dtypes))
@@ -306,6 +304,8 @@ def generate(cfg: GenerateConfig, out=None, err=None) -> None:
     out, err = out or sys.stdout, err or sys.stderr
     sampler = SAMPLERS.build(cfg.sampler)  # checks temperature, p, ...
     device, dtype = device_and_dtype(cfg)
+    if cfg.megakernel and device.type != "cuda":
+        raise ConfigError(f"megakernel=true needs a CUDA device (device={cfg.device} is {device.type})")
     texts = read_prompts(cfg)
     target = open_model(cfg.ckpt, "ckpt")
     if target.tokenizer.vocab_size > target.vocab_size:
