@@ -212,9 +212,9 @@ class LanguageModelTask(L.LightningModule):
             self.trainer.should_stop = True
 
     def _log_moe_stats(self) -> None:
-        """Expert loads and router statistics, straight to the logger on logging steps only: a deep
-        MoE has hundreds of them, and reading them costs a device sync."""
-        if self.logger is None or self.global_step % self.trainer.log_every_n_steps:
+        """Expert loads and router statistics, straight to the logger on the steps whose scalars it
+        writes (`_logs_this_step`) only: a deep MoE has hundreds of them, and reading them costs a device sync."""
+        if self.logger is None or not self._logs_this_step():
             return
         stats = self.model.moe_stats()
         if stats:

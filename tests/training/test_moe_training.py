@@ -10,10 +10,18 @@ from lmlab.training import train
 MOE = ["model/moe=topk", "model.moe.n_experts=4", "model.moe.k=2"]
 
 
+def events(run_dir) -> EventAccumulator:
+    loaded = EventAccumulator(str(run_dir / "tb"), size_guidance={"scalars": 0})
+    loaded.Reload()
+    return loaded
+
+
 def scalar_tags(run_dir):
-    events = EventAccumulator(str(run_dir / "tb"), size_guidance={"scalars": 0})
-    events.Reload()
-    return set(events.Tags()["scalars"])
+    return set(events(run_dir).Tags()["scalars"])
+
+
+def scalar_steps(run_dir, tag):
+    return [event.step for event in events(run_dir).Scalars(tag)]
 
 
 def test_moe_with_mtp_trains_and_logs_losses_and_expert_load(make_cfg, tiny_overrides, tmp_path):
@@ -25,6 +33,8 @@ def test_moe_with_mtp_trains_and_logs_losses_and_expert_load(make_cfg, tiny_over
                 "moe/layers.0/load/expert3", "moe/layers.1/dropped", "moe/layers.1/router_entropy", "moe/dropped",
                 "moe/mtp_layers.1.layer/load/expert0"]:
         assert tag in tags, tag
+    # the statistics land on the steps whose losses are written, the last one included
+    assert scalar_steps(out, "moe/dropped") == scalar_steps(out, "train/lm_loss")
 
 
 def test_dense_checkpoint_upcycles_and_continues_from_its_loss(make_cfg, tiny_overrides, tmp_path):
