@@ -4,7 +4,7 @@
 
 llama400m (vocab 50304, random weights, bf16), one token per sequence at slot 255 of a 384-slot cache: the layer
 stack (`decode_layers`) replayed from a CUDA graph, medians of the last 40 of 50 replays, launched stage by stage and
-persistent with and without L2 prefetching of later stages' weights (the other settings: SETTINGS);
+persistent for each setting of programs per SM, tile size (GEMV_TILE_ELEMS at batch 1, BLOCK_K above) and warps;
 with it, each stage's GPU time from the stage-by-stage launches (torch.profiler). Then `lmlab bench generate`'s rows
 (128-token prompts, 256 new tokens) for the megakernel, each batch with its fastest setting, and for the compiled
 engine, in the same process.
@@ -24,10 +24,9 @@ from lmlab.inference.megakernel import Megakernel
 from lmlab.kernels import decode_layers_triton as dl
 
 # Batch 1 takes the matrix-vector path, larger batches the tensor-core tiles: each has its own settings.
-# (2026-12-03: 16384-weight tiles, 1 program per SM or 8 warps at batch 1, 512-column steps and 8 warps on the
-# tensor-core path were all slower; experiments/inference/h200-2026-12-03/.)
-SETTINGS = {True: {"GEMV_PROGRAMS_PER_SM": (2,), "GEMV_NUM_WARPS": (4,), "PREFETCH_L2": (False, True)},
-            False: {"PROGRAMS_PER_SM": (2,), "PREFETCH_L2": (False, True)}}
+# (2026-12-03, experiments/inference/h200-2026-12-03/: 16384-weight tiles spill registers with 4 warps.)
+SETTINGS = {True: {"GEMV_PROGRAMS_PER_SM": (1, 2), "GEMV_TILE_ELEMS": (4096, 8192), "GEMV_NUM_WARPS": (4, 8)},
+            False: {"PROGRAMS_PER_SM": (2, 3), "BLOCK_K": (256, 512), "NUM_WARPS": (4, 8)}}
 STAGES = ("qkv", "attention", "o_proj", "gate_up", "down")
 
 

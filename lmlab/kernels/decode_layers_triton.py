@@ -59,7 +59,6 @@ BLOCK_K, NUM_WARPS, PROGRAMS_PER_SM = 256, 4, 3
 GEMV_TILE_ELEMS, GEMV_NUM_WARPS, GEMV_PROGRAMS_PER_SM = 8192, 4, 2
 GEMV_MAX_WIDTH = 8192  # wider inputs take the tensor-core path (a whole row per tile would not fit in registers)
 NUM_STAGES = 3
-PREFETCH_L2 = True  # matmul stages ask L2 for the weights of the stages after them (off: for comparison)
 
 
 @triton.jit
@@ -79,21 +78,6 @@ def _grid_barrier(Sync, target):
     tl.atomic_add(Sync, 1, sem="release", scope="gpu")
     _wait_until(Sync, target)
     tl.debug_barrier()
-
-
-@triton.jit
-def _prefetch_l2(W, n_elems, pid, n_programs, ON: tl.constexpr):
-    """Ask L2 for this program's share of W[:n_elems] (`prefetch.global.L2::evict_last`; the streamed loads are
-    evict_first): a later stage's weights come from DRAM while the grid waits at barriers, and its loads hit L2."""
-    if ON:
-        LINE: tl.constexpr = 128 // (W.dtype.element_ty.primitive_bitwidth // 8)  # elements per 128-byte line
-        lines = tl.cdiv(n_elems, LINE)
-        per_program = tl.cdiv(lines, n_programs)
-        end = tl.minimum((pid + 1) * per_program, lines)
-        for first in range(pid * per_program, end, 128):
-            line = tl.minimum(first + tl.arange(0, 128), end - 1).to(tl.int64)
-            tl.inline_asm_elementwise("prefetch.global.L2::evict_last [$1];\n\tmov.u32 $0, 0;", "=r,l",
-                                      [W + line * LINE], dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
@@ -365,14 +349,13 @@ def _add_gemv(X, W, In, pid, n_programs, d_model, width, w, TILE: tl.constexpr, 
 
 
 @triton.jit
-def _residual_matmul(X, W, In, Sync, target, Next, next_elems, rows, row_ok, pid, n_programs, d_model, width,
+def _residual_matmul(X, W, In, Sync, target, rows, row_ok, pid, n_programs, d_model, width,
                      BARRIER: tl.constexpr, GEMV: tl.constexpr, TILE: tl.constexpr, KP: tl.constexpr,
-                     PREFETCH: tl.constexpr, BB: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr):
-    """o_proj or down, X += In @ W.T, opened by a grid barrier (Sync[0] reaching `target`) when BARRIER; before it,
-    the first matrix-vector tile's loads and an L2 prefetch of Next[:next_elems], a later stage's weights."""
+                     BB: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr):
+    """o_proj or down, X += In @ W.T, opened by a grid barrier (Sync[0] reaching `target`) when BARRIER; the first
+    matrix-vector tile's loads are issued before it."""
     if GEMV:
         w = _add_tile(W, pid, d_model, width, TILE, KP)
-    _prefetch_l2(Next, next_elems, pid, n_programs, PREFETCH)
     if BARRIER:
         _grid_barrier(Sync, target)
     if GEMV:
@@ -389,7 +372,7 @@ def _layers_kernel(X, Wqkv, Wo, Wgu, Wd, Norm1, Norm2, Kc, Vc, Q, PartO, PartL, 
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SPLIT: tl.constexpr, BLOCK_K: tl.constexpr,
                    INTERLEAVED: tl.constexpr, PREC: tl.constexpr, GEMV: tl.constexpr, KP_MODEL: tl.constexpr,
                    KP_ATTN: tl.constexpr, KP_FF: tl.constexpr, T_QKV: tl.constexpr, T_O: tl.constexpr,
-                   T_GU: tl.constexpr, T_D: tl.constexpr, PREFETCH: tl.constexpr):
+                   T_GU: tl.constexpr, T_D: tl.constexpr):
     """STAGE -1: every stage of layers [layer_lo, layer_hi) with a grid barrier before each stage but the first;
     else that stage only. GEMV: batch 1, matrix-vector tiles whose first loads are issued before the barrier."""
     pid = tl.program_id(0)
@@ -408,9 +391,6 @@ def _layers_kernel(X, Wqkv, Wo, Wgu, Wd, Norm1, Norm2, Kc, Vc, Q, PartO, PartL, 
         if STAGE < 0 or STAGE == 0:
             if GEMV:
                 w1, w2 = _qkv_tiles(wqkv, pid, n_qkv_items, d_model, HEAD_DIM, T_QKV, INTERLEAVED, KP_MODEL)
-            # Each matmul stage asks L2 for weights a stage or two ahead (qkv and attention take the longest)
-            _prefetch_l2(wo, d_model * width, pid, n_programs, PREFETCH)
-            _prefetch_l2(wgu, 2 * d_ff * d_model, pid, n_programs, PREFETCH)
             if STAGE < 0 and layer > layer_lo:
                 _grid_barrier(Sync, arrivals)
             if GEMV:
@@ -426,13 +406,11 @@ def _layers_kernel(X, Wqkv, Wo, Wgu, Wd, Norm1, Norm2, Kc, Vc, Q, PartO, PartL, 
                              batch, n_heads, n_kv_heads, n_split, sc_b, sc_h, sc_l, qk_scale,
                              GROUP, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_SPLIT, T_QKV, PREC)
         if STAGE < 0 or STAGE == 2:
-            _residual_matmul(X, wo, Attn, Sync, arrivals + 1 * n_programs, wd, d_model * d_ff, rows, row_ok, pid,
-                             n_programs, d_model, width, STAGE < 0, GEMV, T_O, KP_ATTN, PREFETCH, BB, BLOCK_K, PREC)
+            _residual_matmul(X, wo, Attn, Sync, arrivals + 1 * n_programs, rows, row_ok, pid, n_programs, d_model,
+                             width, STAGE < 0, GEMV, T_O, KP_ATTN, BB, BLOCK_K, PREC)
         if STAGE < 0 or STAGE == 3:
             if GEMV:
                 gate_w, up_w = _gate_up_tiles(wgu, pid, d_model, d_ff, T_GU, KP_MODEL)
-            if layer + 1 < layer_hi:
-                _prefetch_l2(wqkv + qkv_rows * d_model, qkv_rows * d_model, pid, n_programs, PREFETCH)
             if STAGE < 0:
                 _grid_barrier(Sync, arrivals + 2 * n_programs)
             if GEMV:
@@ -442,8 +420,8 @@ def _layers_kernel(X, Wqkv, Wo, Wgu, Wd, Norm1, Norm2, Kc, Vc, Q, PartO, PartL, 
                 _gate_up_stage(X, Norm2 + at * d_model, wgu, Act, rows, row_ok, pid, n_programs, eps, d_model, d_ff,
                                BB, BLOCK_K, PREC)
         if STAGE < 0 or STAGE == 4:
-            _residual_matmul(X, wd, Act, Sync, arrivals + 3 * n_programs, wd, 0, rows, row_ok, pid, n_programs,
-                             d_model, d_ff, STAGE < 0, GEMV, T_D, KP_FF, PREFETCH, BB, BLOCK_K, PREC)
+            _residual_matmul(X, wd, Act, Sync, arrivals + 3 * n_programs, rows, row_ok, pid, n_programs, d_model,
+                             d_ff, STAGE < 0, GEMV, T_D, KP_FF, BB, BLOCK_K, PREC)
 
 
 _RESIDENT: dict[tuple, int] = {}
@@ -539,8 +517,7 @@ def _decode_layers_op(x: torch.Tensor, qkv: torch.Tensor, o: torch.Tensor, gate_
                 PREC="ieee" if x.dtype == torch.float32 else "tf32", num_stages=NUM_STAGES,
                 num_warps=GEMV_NUM_WARPS if gemv else NUM_WARPS,
                 GEMV=gemv, KP_MODEL=kp_model, KP_ATTN=kp_attn, KP_FF=kp_ff, T_QKV=_tile_rows(kp_model, head_dim // 2) if gemv else 16,
-                T_O=_tile_rows(kp_attn), T_GU=_tile_rows(kp_model), T_D=_tile_rows(kp_ff),
-                PREFETCH=PREFETCH_L2 and not INTERPRET)  # the interpreter runs no inline PTX
+                T_O=_tile_rows(kp_attn), T_GU=_tile_rows(kp_model), T_D=_tile_rows(kp_ff))
     shape = (batch, d_model, d_ff, n_heads, n_kv_heads, split, eps, scale * LOG2E,
              k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), k_cache.stride(3))
     if persistent:
