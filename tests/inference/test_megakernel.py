@@ -2,7 +2,11 @@
 engine's layer-by-layer step computes: on CUDA, in fp32 and bf16, persistent and launched stage by stage,
 under CUDA graphs and torch.compile, for MHA/GQA/MQA, both RoPE layouts, left padding and batches up to
 the kernel's limit. On any machine: models it cannot run are named before any work, and its stacked
-weights stay views of the model's parameters."""
+weights stay views of the model's parameters. Under Triton's CPU interpreter (TRITON_INTERPRET=1), both matmul paths
+stage by stage, with several work items per program.
+
+import importlib.util
+import os
 
 import pytest
 import torch
@@ -119,3 +123,32 @@ def test_generate_with_the_megakernel_equals_generate_without_it_fp32():
     prompts = [[5, 9, 2, 40, 41], [7, 1, 3, 3, 8, 20, 11, 60, 2], [4]]
     plain = Engine(model).generate(prompts, max_new_tokens=40).tokens
     assert Engine(model, cuda_graphs=True, megakernel=True).generate(prompts, max_new_tokens=40).tokens == plain
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" or importlib.util.find_spec("triton") is None,
+                    reason="runs under Triton's CPU interpreter (TRITON_INTERPRET=1 with Triton installed)")
+@pytest.mark.parametrize("batch, attention, layout", [
+    (1, {"name": "mha", "n_heads": 4}, "half"),  # the matrix-vector path
+    (1, {"name": "mha", "n_heads": 4, "n_kv_heads": 1}, "interleaved"),
+    (2, {"name": "mha", "n_heads": 4, "n_kv_heads": 2}, "half"),  # the tensor-core path
+])
+def test_matches_the_layer_by_layer_step_under_the_interpreter(batch, attention, layout, monkeypatch):
+    """Stage by stage (the interpreter runs programs in turn), with 3 programs and small tiles, so a program takes
+    several work items and prefetches across them."""
+    from lmlab.kernels import decode_layers_triton as dl
+
+    monkeypatch.setattr(dl, "sm_count", lambda device: 3)
+    monkeypatch.setattr(dl, "GEMV_TILE_ELEMS", 256)
+    model = _model(n_layers=2, attention=attention, position={"name": "rope", "layout": layout})  # head_dim 32
+    g = torch.Generator().manual_seed(1)
+    prompt = torch.randint(0, VOCAB, (batch, 6), generator=g)
+    start = torch.tensor([0, 3][:batch])
+    got = []
+    for megakernel in (False, True):
+        engine = Engine(model, megakernel=megakernel)
+        engine.begin(batch, 10, start)
+        logits = [engine.extend(prompt)]
+        for t in range(4):
+            logits.append(engine.decode(torch.full((batch,), 2 * t + 1)).clone())
+        got.append(torch.stack(logits, 1))
+    torch.testing.assert_close(got[1], got[0], atol=1e-5, rtol=1e-5)
