@@ -3,7 +3,7 @@ engine's layer-by-layer step computes: on CUDA, in fp32 and bf16, persistent and
 under CUDA graphs and torch.compile, for MHA/GQA/MQA, both RoPE layouts, left padding and batches up to
 the kernel's limit. On any machine: models it cannot run are named before any work, and its stacked
 weights stay views of the model's parameters. Under Triton's CPU interpreter (TRITON_INTERPRET=1), both matmul paths
-stage by stage, with several work items per program.
+stage by stage, with several work items per program."""
 
 import importlib.util
 import os
