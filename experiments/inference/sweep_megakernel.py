@@ -1,13 +1,15 @@
 """Time the decode megakernel's layer stack alone over its launch settings, then generation with the best.
 
-    python experiments/inference/sweep_megakernel.py --batch 1 32 --out sweep-megakernel.json
+    python experiments/inference/sweep_megakernel.py --batch 1 32 --out sweep-megakernel.json [--quick]
 
 llama400m (vocab 50304, random weights, bf16), one token per sequence at slot 255 of a 384-slot cache: the layer
 stack (`decode_layers`) replayed from a CUDA graph, medians of the last 40 of 50 replays, launched stage by stage and
 persistent for each setting of programs per SM, tile size (GEMV_TILE_ELEMS at batch 1, BLOCK_K above) and warps;
 with it, each stage's GPU time from the stage-by-stage launches (torch.profiler). Then `lmlab bench generate`'s rows
 (128-token prompts, 256 new tokens) for the megakernel, each batch with its fastest setting, and for the compiled
-engine, in the same process.
+engine, in the same process, and the GPU time per generated token of each engine's kernels (torch.profiler over one
+more generation): what the layer stack leaves to the head, sampling and the generation loop. `--quick` times the
+module's settings only.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import statistics
 
 import torch
 
-from lmlab.inference.bench import DEFAULT_OVERRIDES, build_model, run_benchmark
+from lmlab.inference.bench import DEFAULT_OVERRIDES, build_model, contender, run_benchmark
 from lmlab.inference.megakernel import Megakernel
 from lmlab.kernels import decode_layers_triton as dl
 
@@ -79,10 +81,29 @@ def stage_profile(kernel: Megakernel, batch: int) -> dict[str, float]:
     return totals
 
 
+def generation_profile(model, engine: str, batch: int, prompt: int = 128, new: int = 256, top: int = 12) -> list:
+    """(kernel, launches per token, GPU microseconds per token) of one more greedy generation by `engine` (already
+    warm), the `top` kernels by time, then every kernel's total."""
+    ids = torch.randint(0, model.vocab_size, (batch, prompt), device="cuda")
+    run = contender(engine, model)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        run(ids, new)
+        torch.cuda.synchronize()
+    totals: dict[str, list[float]] = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            entry = totals.setdefault(e.name[:60], [0, 0.0])
+            entry[0] += 1
+            entry[1] += e.device_time
+    rows = sorted(([name, n / new, us / new] for name, (n, us) in totals.items()), key=lambda r: -r[2])
+    return rows[:top] + [["all kernels", sum(r[1] for r in rows), sum(r[2] for r in rows)]]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 32])
     parser.add_argument("--out", default="sweep-megakernel.json")
+    parser.add_argument("--quick", action="store_true", help="time the module's settings only")
     args = parser.parse_args()
     model, _ = build_model(DEFAULT_OVERRIDES, None, torch.device("cuda"), torch.bfloat16)
     kernel = Megakernel(model)
@@ -93,6 +114,8 @@ def main() -> None:
         print(f"batch {batch:>3} stage by stage: {rows[-1]['us']:8.1f} us; GPU time per stage:",
               ", ".join(f"{k} {v:.1f} us" for k, v in rows[-1]["profile"].items()), flush=True)
         settings = SETTINGS[batch == 1]
+        if args.quick:
+            settings = {name: (getattr(dl, name),) for name in settings}
         for values in itertools.product(*settings.values()):
             setting = dict(zip(settings, values))
             for name, value in setting.items():
@@ -104,8 +127,15 @@ def main() -> None:
             setattr(dl, name, best[batch][name])
         print("best at batch", batch, best[batch], flush=True)
     bench = run_benchmark(model, ["megakernel", "compiled"], args.batch, [128], 256, repeats=3)
+    profiles = {}
+    for batch, engine in itertools.product(args.batch, ("megakernel", "compiled")):
+        profiles[f"{engine} batch {batch}"] = generation_profile(model, engine, batch)
+        print(f"{engine}, batch {batch}: GPU time per generated token")
+        for name, launches, us in profiles[f"{engine} batch {batch}"]:
+            print(f"  {us:8.1f} us {launches:6.1f} launches  {name}")
     with open(args.out, "w") as f:
-        json.dump({"sweep": rows, "best": best, "bench": bench["rows"]}, f, indent=1, default=str)
+        json.dump({"sweep": rows, "best": best, "bench": bench["rows"], "generation_profile": profiles}, f,
+                  indent=1, default=str)
 
 
 if __name__ == "__main__":

@@ -187,7 +187,7 @@ def run_benchmark(model: Transformer, engines: list[str], batches: list[int], pr
                                 generator=torch.Generator().manual_seed(seed)).to(device)
             for name in engines:
                 row = {"engine": name + label, "batch": batch, "prompt": prompt_len, "new": new}
-                run = _contender(name, model)
+                run = contender(name, model)
                 run(ids, new)  # warm-up: compiles and captures
                 row.update(_median_run(lambda: run(ids, new), repeats))
                 if bandwidth:
@@ -203,7 +203,7 @@ def run_benchmark(model: Transformer, engines: list[str], batches: list[int], pr
 _CONTENDERS: dict[tuple[str, int], object] = {}
 
 
-def _contender(name: str, model: Transformer):
+def contender(name: str, model: Transformer):
     """The run function of one engine, built once per model (engines keep their compiled graphs)."""
     key = (name, id(model))
     if key not in _CONTENDERS:

@@ -54,34 +54,45 @@ def key_split(lo, hi, split, n_split, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def attend_key_range(q, k_base, v_base, sk_l, sv_l, k_lo, k_hi, q_slot, start, qk_scale, window,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HAS_WINDOW: tl.constexpr,
-                     PREC: tl.constexpr):
-    """Online softmax of the rows q (BLOCK_M, HEAD_DIM), at cache slots q_slot (BLOCK_M,), over the keys and values
-    at slots [k_lo, k_hi) of one (sequence, kv head): the running max, sum and unnormalised output (base 2)."""
-    m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
-    l_i = tl.zeros((BLOCK_M,), tl.float32)
-    acc = tl.zeros((BLOCK_M, HEAD_DIM), tl.float32)
+def empty_state(BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """The online softmax's state before any key: running max, sum and unnormalised output (base 2)."""
+    return (tl.full((BLOCK_M,), float("-inf"), tl.float32), tl.zeros((BLOCK_M,), tl.float32),
+            tl.zeros((BLOCK_M, HEAD_DIM), tl.float32))
+
+
+@triton.jit
+def attend_block(q, k, v, keys, in_range, q_slot, start, qk_scale, window, m_i, l_i, acc,
+                 HAS_WINDOW: tl.constexpr, PREC: tl.constexpr):
+    """The state (m_i, l_i, acc) of the rows q (BLOCK_M, HEAD_DIM), at cache slots q_slot (BLOCK_M,), after also
+    attending keys k and values v (BLOCK_N, HEAD_DIM) at slots `keys` (BLOCK_N,), of which `in_range` count."""
+    scores = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
+    ks, qs = keys[None, :], q_slot[:, None]
+    seen = (ks <= qs) & (ks >= start)
+    if HAS_WINDOW:
+        seen = seen & (qs - ks < window)
+    seen = (seen | (ks == qs)) & in_range[None, :]
+    scores = tl.where(seen, scores, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(scores, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing seen yet stays empty
+    alpha = tl.math.exp2(m_i - m_safe)
+    p = tl.math.exp2(scores - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PREC)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def attend_key_range(q, k_base, v_base, sk_l, sv_l, k_lo, k_hi, q_slot, start, qk_scale, window, m_i, l_i, acc,
+                     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HAS_WINDOW: tl.constexpr, PREC: tl.constexpr):
+    """attend_block over the keys and values at slots [k_lo, k_hi) of one (sequence, kv head), BLOCK_N at a time."""
     dims = tl.arange(0, HEAD_DIM)
     for k0 in range(k_lo, k_hi, BLOCK_N):
         keys = k0 + tl.arange(0, BLOCK_N)
         in_range = keys < k_hi
         k = tl.load(k_base + keys[:, None] * sk_l + dims[None, :], mask=in_range[:, None], other=0.0)
         v = tl.load(v_base + keys[:, None] * sv_l + dims[None, :], mask=in_range[:, None], other=0.0)
-        scores = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
-        ks, qs = keys[None, :], q_slot[:, None]
-        seen = (ks <= qs) & (ks >= start)
-        if HAS_WINDOW:
-            seen = seen & (qs - ks < window)
-        seen = (seen | (ks == qs)) & in_range[None, :]
-        scores = tl.where(seen, scores, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing seen yet stays empty
-        alpha = tl.math.exp2(m_i - m_safe)
-        p = tl.math.exp2(scores - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PREC)
-        m_i = m_new
+        m_i, l_i, acc = attend_block(q, k, v, keys, in_range, q_slot, start, qk_scale, window, m_i, l_i, acc,
+                                     HAS_WINDOW, PREC)
     return m_i, l_i, acc
 
 
@@ -111,9 +122,10 @@ def _decode_kernel(Q, K, V, Slots, Start, Out, PartOut, PartLse,
     hi = tl.load(Slots + S - 1) + 1
     k_lo, k_hi = key_split(lo, hi, split, n_split, BLOCK_N)
 
+    m_i, l_i, acc = empty_state(BLOCK_M, HEAD_DIM)
     m_i, l_i, acc = attend_key_range(q, K + b * sk_b + kv_head * sk_h, V + b * sv_b + kv_head * sv_h, sk_l, sv_l,
-                                     k_lo, k_hi, q_slot, start, qk_scale, window,
-                                     BLOCK_M, BLOCK_N, HEAD_DIM, HAS_WINDOW, PREC)
+                                     k_lo, k_hi, q_slot, start, qk_scale, window, m_i, l_i, acc,
+                                     BLOCK_N, HEAD_DIM, HAS_WINDOW, PREC)
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     row = (b * n_heads + head) * S + tok  # row of the (batch, heads, S) output
     if SPLIT:
@@ -125,17 +137,25 @@ def _decode_kernel(Q, K, V, Slots, Start, Out, PartOut, PartLse,
 
 
 @triton.jit
-def combine_splits(PartOut, PartLse, Out, n_split, HEAD_DIM: tl.constexpr, BLOCK_SPLIT: tl.constexpr):
-    row = tl.program_id(0)
+def combined_output(PartOut, PartLse, row, n_split, HEAD_DIM: tl.constexpr, BLOCK_SPLIT: tl.constexpr):
+    """Row `row`'s attention output (HEAD_DIM,), float32: its splits' outputs weighted by their share of the softmax
+    mass. Read from L2 (.cg), so that a persistent kernel sees what its other programs wrote."""
     splits = tl.arange(0, BLOCK_SPLIT)
     dims = tl.arange(0, HEAD_DIM)
-    lse = tl.load(PartLse + row * n_split + splits, mask=splits < n_split, other=float("-inf"))
+    lse = tl.load(PartLse + row * n_split + splits, mask=splits < n_split, other=float("-inf"), cache_modifier=".cg")
     top = tl.max(lse, 0)
     weight = tl.math.exp2(lse - tl.where(top == float("-inf"), 0.0, top))  # a row with no keys: all zero
     weight = weight / tl.maximum(tl.sum(weight, 0), 1e-30)
     part = tl.load(PartOut + (row * n_split + splits)[:, None] * HEAD_DIM + dims[None, :],
-                   mask=(splits < n_split)[:, None], other=0.0)
-    tl.store(Out + row * HEAD_DIM + dims, tl.sum(weight[:, None] * part, 0).to(Out.dtype.element_ty))
+                   mask=(splits < n_split)[:, None], other=0.0, cache_modifier=".cg")
+    return tl.sum(weight[:, None] * part, 0)
+
+
+@triton.jit
+def combine_splits(PartOut, PartLse, Out, n_split, HEAD_DIM: tl.constexpr, BLOCK_SPLIT: tl.constexpr):
+    row = tl.program_id(0)
+    out = combined_output(PartOut, PartLse, row, n_split, HEAD_DIM, BLOCK_SPLIT)
+    tl.store(Out + row * HEAD_DIM + tl.arange(0, HEAD_DIM), out.to(Out.dtype.element_ty))
 
 
 @functools.cache

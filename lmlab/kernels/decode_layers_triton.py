@@ -42,8 +42,8 @@ import torch
 import triton
 import triton.language as tl
 
-from lmlab.kernels.decode_attention_triton import (INTERPRET, KEYS_PER_SPLIT, LOG2E, attend_key_range, key_split,
-                                                   sm_count)
+from lmlab.kernels.decode_attention_triton import (INTERPRET, KEYS_PER_SPLIT, LOG2E, attend_block, attend_key_range,
+                                                   combined_output, empty_state, key_split, sm_count)
 
 if TYPE_CHECKING:
     from lmlab.inference.megakernel import StackedWeights
@@ -181,9 +181,8 @@ def _row(X, width, KP: tl.constexpr):
 
 
 @triton.jit
-def _normed_row(X, NormW, d_model, eps, KP: tl.constexpr):
+def _normed_row(x, NormW, d_model, eps, KP: tl.constexpr):
     """x * gain, rounded as the tensor-core path rounds it, and the row's 1 / rms (applied after the matmul)."""
-    x = _row(X, d_model, KP)
     ks = tl.arange(0, KP)
     gain = tl.load(NormW + ks, mask=ks < d_model, other=0.0)
     inv_rms = tl.math.rsqrt(tl.sum(x * x, 0) / d_model + eps)
@@ -216,7 +215,7 @@ def _qkv_gemv(X, NormW, W, Q, Kc, Vc, Cos, Sin, Sync, Slots, Start, pid, n_progr
     rows = tl.arange(0, 1)
     slot = tl.load(Slots)
     pos = tl.maximum(slot - tl.load(Start + rows), 0)
-    x, inv_rms = _normed_row(X, NormW, d_model, eps, KP)
+    x, inv_rms = _normed_row(_row(X, d_model, KP), NormW, d_model, eps, KP)
     for item in range(pid, n_items, n_programs):
         next1, next2 = _qkv_tiles(W, item + n_programs, n_items, d_model, HEAD_DIM, PAIRS, INTERLEAVED, KP)
         head, freq, first, second = _qkv_rows(item, HEAD_DIM, PAIRS, INTERLEAVED)
@@ -230,48 +229,87 @@ def _qkv_gemv(X, NormW, W, Q, Kc, Vc, Cos, Sin, Sync, Slots, Start, pid, n_progr
 def _attention_stage(Q, Kc, Vc, PartO, PartL, Attn, Arrived, Sync, Slots, Start, layer, pid, n_programs, batch,
                      n_heads, n_kv_heads, n_split, sc_b, sc_h, sc_l, qk_scale,
                      GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_SPLIT: tl.constexpr, QKV_PAIRS: tl.constexpr, PREC: tl.constexpr):
-    """Flash-decoding over (sequence, kv head, key split). An item starts once every q/k/v item of its kv head is
-    done (its counter; no grid barrier after qkv), and the last split of a (sequence, kv head) to finish combines
-    the splits into the attention output (Attn, batch x heads * head_dim)."""
+                     BLOCK_SPLIT: tl.constexpr, QKV_PAIRS: tl.constexpr, PREC: tl.constexpr,
+                     COMBINE: tl.constexpr):
+    """Flash-decoding over (sequence, kv head, key split). An item loads its first block of earlier steps' keys and
+    values, then waits for every q/k/v item of its kv head (a counter; no grid barrier after qkv), and counts itself
+    in Arrived once its partial results are out. COMBINE: the last split of a (sequence, kv head) to finish combines
+    the splits into the attention output (Attn, batch x heads * head_dim); else o_proj's items combine them."""
     qkv_items = (GROUP + 2) * (HEAD_DIM // 2 // QKV_PAIRS)  # per kv head and layer: its q heads, its k and its v
     slot = tl.load(Slots)
     r = tl.arange(0, BLOCK_M)
     r_ok = r < GROUP
     dims = tl.arange(0, HEAD_DIM)
-    splits = tl.arange(0, BLOCK_SPLIT)
     for item in range(pid, batch * n_kv_heads * n_split, n_programs):
         split = item % n_split
         bg = item // n_split  # (sequence, kv head)
         b = bg // n_kv_heads
         kv_head = bg % n_kv_heads
         head = kv_head * GROUP + r
+        start = tl.load(Start + b)
+        k_lo, k_hi = key_split(tl.minimum(start, slot), slot + 1, split, n_split, BLOCK_N)
+        k_base, v_base = Kc + b * sc_b + kv_head * sc_h, Vc + b * sc_b + kv_head * sc_h
+        keys = k_lo + tl.arange(0, BLOCK_N)
+        earlier = (keys < k_hi) & (keys != slot)  # written by earlier steps: loaded while the q/k/v items run
+        k = tl.load(k_base + keys[:, None] * sc_l + dims[None, :], mask=earlier[:, None], other=0.0)
+        v = tl.load(v_base + keys[:, None] * sc_l + dims[None, :], mask=earlier[:, None], other=0.0)
         _wait_until(Sync + 1 + kv_head, (layer + 1) * qkv_items)
         q = tl.load(Q + (b * n_heads + head)[:, None] * HEAD_DIM + dims[None, :], mask=r_ok[:, None], other=0.0,
                     cache_modifier=".cg")
-        start = tl.load(Start + b)
-        k_lo, k_hi = key_split(tl.minimum(start, slot), slot + 1, split, n_split, BLOCK_N)
-        m_i, l_i, acc = attend_key_range(q.to(Kc.dtype.element_ty), Kc + b * sc_b + kv_head * sc_h,
-                                         Vc + b * sc_b + kv_head * sc_h, sc_l, sc_l, k_lo, k_hi,
-                                         tl.zeros((BLOCK_M,), tl.int64) + slot, start, qk_scale, 0,
-                                         BLOCK_M, BLOCK_N, HEAD_DIM, False, PREC)
+        here = (keys == slot)[:, None]  # this step's key and value, if the block holds its slot
+        k = tl.where(here, tl.load(k_base + keys[:, None] * sc_l + dims[None, :], mask=here, other=0.0,
+                                   cache_modifier=".cg"), k)
+        v = tl.where(here, tl.load(v_base + keys[:, None] * sc_l + dims[None, :], mask=here, other=0.0,
+                                   cache_modifier=".cg"), v)
+        q_slot = tl.zeros((BLOCK_M,), tl.int64) + slot
+        m_i, l_i, acc = empty_state(BLOCK_M, HEAD_DIM)
+        q = q.to(Kc.dtype.element_ty)
+        m_i, l_i, acc = attend_block(q, k, v, keys, keys < k_hi, q_slot, start, qk_scale, 0, m_i, l_i, acc,
+                                     False, PREC)
+        m_i, l_i, acc = attend_key_range(q, k_base, v_base, sc_l, sc_l, k_lo + BLOCK_N, k_hi, q_slot, start,
+                                         qk_scale, 0, m_i, l_i, acc, BLOCK_N, HEAD_DIM, False, PREC)
         part = (b * n_heads + head) * n_split
         tl.store(PartL + part + split, tl.where(l_i == 0.0, float("-inf"), m_i + tl.math.log2(l_i)), mask=r_ok)
         tl.store(PartO + (part + split)[:, None] * HEAD_DIM + dims[None, :],
                  acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None], mask=r_ok[:, None])
         tl.debug_barrier()  # this program's partial results are all issued before it counts itself in
         arrived = tl.atomic_add(Arrived + bg, 1, sem="acq_rel", scope="gpu")  # counts up over the layers
-        if arrived == (layer + 1) * n_split - 1:
-            ok = r_ok[:, None] & (splits < n_split)[None, :]
-            lse = tl.load(PartL + part[:, None] + splits[None, :], mask=ok, other=float("-inf"), cache_modifier=".cg")
-            top = tl.max(lse, 1)
-            weight = tl.math.exp2(lse - tl.where(top == float("-inf"), 0.0, top)[:, None])
-            weight = weight / tl.maximum(tl.sum(weight, 1), 1e-30)[:, None]
-            parts = tl.load(PartO + (part[:, None] + splits[None, :])[:, :, None] * HEAD_DIM + dims[None, None, :],
-                            mask=ok[:, :, None], other=0.0, cache_modifier=".cg")
-            out = tl.sum(weight[:, :, None] * parts, 1)
-            tl.store(Attn + (b * n_heads + head)[:, None] * HEAD_DIM + dims[None, :],
-                     out.to(Attn.dtype.element_ty), mask=r_ok[:, None])
+        if COMBINE and arrived == (layer + 1) * n_split - 1:
+            for g in range(GROUP):
+                row = b * n_heads + kv_head * GROUP + g
+                out = combined_output(PartO, PartL, row, n_split, HEAD_DIM, BLOCK_SPLIT)
+                tl.store(Attn + row * HEAD_DIM + dims, out.to(Attn.dtype.element_ty))
+
+
+@triton.jit
+def _o_proj_tile(W, item, d_model, width, TILE: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """o_proj's item (head, chunk of TILE output rows): W[rows, head's columns], a (TILE, HEAD_DIM) tile."""
+    chunks = tl.cdiv(d_model, TILE)
+    rows = (item % chunks) * TILE + tl.arange(0, TILE)
+    cols = (item // chunks) * HEAD_DIM + tl.arange(0, HEAD_DIM)
+    ok = (rows < d_model)[:, None] & (cols < width)[None, :]
+    return tl.load(W + rows[:, None] * width + cols[None, :], mask=ok, other=0.0, eviction_policy="evict_first")
+
+
+@triton.jit
+def _o_proj_gemv(W, PartO, PartL, Arrived, OAcc, layer, pid, n_programs, d_model, n_heads, n_split,
+                 GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SPLIT: tl.constexpr, TILE: tl.constexpr):
+    """o_proj for one sequence without a grid barrier: an item is (head, chunk of output rows). It waits only for
+    its kv head's attention splits (their count in Arrived), combines that head's splits itself, and adds its
+    share, In[head] @ W[rows, head].T, into OAcc with atomics (the next stages read the residual as X + OAcc).
+    Items are taken from the last program down, so the programs with no attention item take them first."""
+    chunks = tl.cdiv(d_model, TILE)
+    first = n_programs - 1 - pid
+    w = _o_proj_tile(W, first, d_model, n_heads * HEAD_DIM, TILE, HEAD_DIM)
+    for item in range(first, n_heads * chunks, n_programs):
+        next_w = _o_proj_tile(W, item + n_programs, d_model, n_heads * HEAD_DIM, TILE, HEAD_DIM)
+        head = item // chunks
+        _wait_until(Arrived + head // GROUP, (layer + 1) * n_split)
+        attn = combined_output(PartO, PartL, head, n_split, HEAD_DIM, BLOCK_SPLIT)
+        attn = attn.to(W.dtype.element_ty).to(tl.float32)  # rounded as the reference's attention output
+        rows = (item % chunks) * TILE + tl.arange(0, TILE)
+        tl.atomic_add(OAcc + rows, _gemv(w, attn), mask=rows < d_model, sem="relaxed", scope="gpu")
+        w = next_w
 
 
 @triton.jit
@@ -318,10 +356,11 @@ def _gate_up_tiles(W, item, d_model, d_ff, TILE: tl.constexpr, KP: tl.constexpr)
 
 
 @triton.jit
-def _gate_up_gemv(X, NormW, W, Act, pid, n_programs, eps, d_model, d_ff, gate_w, up_w,
+def _gate_up_gemv(X, OAcc, NormW, W, Act, pid, n_programs, eps, d_model, d_ff, gate_w, up_w,
                   TILE: tl.constexpr, KP: tl.constexpr):
-    """_gate_up_stage for one sequence; gate_w, up_w: the first item's tiles, already loading."""
-    x, inv_rms = _normed_row(X, NormW, d_model, eps, KP)
+    """_gate_up_stage for one sequence, whose residual is X + OAcc (o_proj's sums); gate_w, up_w: the first item's
+    tiles, already loading."""
+    x, inv_rms = _normed_row(_row(X, d_model, KP) + _row(OAcc, d_model, KP), NormW, d_model, eps, KP)
     for item in range(pid, tl.cdiv(d_ff, TILE), n_programs):
         next_gate, next_up = _gate_up_tiles(W, item + n_programs, d_model, d_ff, TILE, KP)
         cols = item * TILE + tl.arange(0, TILE)
@@ -337,44 +376,48 @@ def _add_tile(W, item, d_model, width, TILE: tl.constexpr, KP: tl.constexpr):
 
 
 @triton.jit
-def _add_gemv(X, W, In, pid, n_programs, d_model, width, w, TILE: tl.constexpr, KP: tl.constexpr):
-    """_matmul_add_stage for one sequence; w: the first item's tile, already loading."""
+def _add_gemv(X, OAcc, W, In, pid, n_programs, d_model, width, w, TILE: tl.constexpr, KP: tl.constexpr):
+    """_matmul_add_stage for one sequence, also folding o_proj's sums (OAcc) into X; w: the first item's tile,
+    already loading."""
     a = _row(In, width, KP)
     for item in range(pid, tl.cdiv(d_model, TILE), n_programs):
         next_w = _add_tile(W, item + n_programs, d_model, width, TILE, KP)
         cols = item * TILE + tl.arange(0, TILE)
         ok = cols < d_model
-        tl.store(X + cols, tl.load(X + cols, mask=ok, other=0.0, cache_modifier=".cg") + _gemv(w, a), mask=ok)
+        residual = tl.load(X + cols, mask=ok, other=0.0, cache_modifier=".cg")
+        residual += tl.load(OAcc + cols, mask=ok, other=0.0, cache_modifier=".cg")
+        tl.store(X + cols, residual + _gemv(w, a), mask=ok)
         w = next_w
 
 
 @triton.jit
-def _residual_matmul(X, W, In, Sync, target, rows, row_ok, pid, n_programs, d_model, width,
+def _residual_matmul(X, OAcc, W, In, Sync, target, rows, row_ok, pid, n_programs, d_model, width,
                      BARRIER: tl.constexpr, GEMV: tl.constexpr, TILE: tl.constexpr, KP: tl.constexpr,
                      BB: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr):
-    """o_proj or down, X += In @ W.T, opened by a grid barrier (Sync[0] reaching `target`) when BARRIER; the first
-    matrix-vector tile's loads are issued before it."""
+    """down, X += Act @ W.T (the matrix-vector path also folding in OAcc), opened by a grid barrier (Sync[0] reaching
+    `target`) when BARRIER; the first matrix-vector tile's loads are issued before it."""
     if GEMV:
         w = _add_tile(W, pid, d_model, width, TILE, KP)
     if BARRIER:
         _grid_barrier(Sync, target)
     if GEMV:
-        _add_gemv(X, W, In, pid, n_programs, d_model, width, w, TILE, KP)
+        _add_gemv(X, OAcc, W, In, pid, n_programs, d_model, width, w, TILE, KP)
     else:
         _matmul_add_stage(X, W, In, rows, row_ok, pid, n_programs, d_model, width, BB, BLOCK_K, PREC)
 
 
 @triton.jit
 def _layers_kernel(X, Wqkv, Wo, Wgu, Wd, Norm1, Norm2, Kc, Vc, Q, PartO, PartL, Attn, Arrived, Act, Cos, Sin, Slots,
-                   Start, Sync, layer_lo, layer_hi, batch, d_model, d_ff, n_heads, n_kv_heads, n_split, eps, qk_scale,
-                   sc_layer, sc_b, sc_h, sc_l,
+                   Start, Sync, OAcc, layer_lo, layer_hi, batch, d_model, d_ff, n_heads, n_kv_heads, n_split, eps,
+                   qk_scale, sc_layer, sc_b, sc_h, sc_l,
                    STAGE: tl.constexpr, BB: tl.constexpr, HEAD_DIM: tl.constexpr, GROUP: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SPLIT: tl.constexpr, BLOCK_K: tl.constexpr,
                    INTERLEAVED: tl.constexpr, PREC: tl.constexpr, GEMV: tl.constexpr, KP_MODEL: tl.constexpr,
-                   KP_ATTN: tl.constexpr, KP_FF: tl.constexpr, T_QKV: tl.constexpr, T_O: tl.constexpr,
-                   T_GU: tl.constexpr, T_D: tl.constexpr):
-    """STAGE -1: every stage of layers [layer_lo, layer_hi) with a grid barrier before each stage but the first;
-    else that stage only. GEMV: batch 1, matrix-vector tiles whose first loads are issued before the barrier."""
+                   KP_FF: tl.constexpr, T_QKV: tl.constexpr, T_O: tl.constexpr, T_GU: tl.constexpr,
+                   T_D: tl.constexpr):
+    """STAGE -1: every stage of layers [layer_lo, layer_hi) with a grid barrier before each stage but the first (and
+    on the GEMV path but o_proj, whose items wait on counters); else that stage only. GEMV: batch 1, matrix-vector
+    tiles whose first loads are issued before the barrier; o_proj adds into OAcc[layer], not X."""
     pid = tl.program_id(0)
     n_programs = tl.num_programs(0)
     rows = tl.arange(0, BB)
@@ -382,12 +425,14 @@ def _layers_kernel(X, Wqkv, Wo, Wgu, Wd, Norm1, Norm2, Kc, Vc, Q, PartO, PartL, 
     qkv_rows = (n_heads + 2 * n_kv_heads) * HEAD_DIM
     n_qkv_items = (n_heads + 2 * n_kv_heads) * (HEAD_DIM // 2 // T_QKV)
     width = n_heads * HEAD_DIM
+    BARRIERS: tl.constexpr = 3 if GEMV else 4  # per layer
     for layer in range(layer_lo, layer_hi):
         at = tl.cast(layer, tl.int64)
-        arrivals = (layer - layer_lo) * 4 * n_programs  # every program's arrivals at the earlier layers' barriers
+        arrivals = (layer - layer_lo) * BARRIERS * n_programs  # every program's arrivals at earlier layers' barriers
         kc, vc = Kc + at * sc_layer, Vc + at * sc_layer
         wqkv, wo = Wqkv + at * qkv_rows * d_model, Wo + at * d_model * width
         wgu, wd = Wgu + at * 2 * d_ff * d_model, Wd + at * d_model * d_ff
+        o_acc = OAcc + at * d_model
         if STAGE < 0 or STAGE == 0:
             if GEMV:
                 w1, w2 = _qkv_tiles(wqkv, pid, n_qkv_items, d_model, HEAD_DIM, T_QKV, INTERLEAVED, KP_MODEL)
@@ -404,24 +449,29 @@ def _layers_kernel(X, Wqkv, Wo, Wgu, Wd, Norm1, Norm2, Kc, Vc, Q, PartO, PartL, 
         if STAGE < 0 or STAGE == 1:
             _attention_stage(Q, kc, vc, PartO, PartL, Attn, Arrived, Sync, Slots, Start, layer, pid, n_programs,
                              batch, n_heads, n_kv_heads, n_split, sc_b, sc_h, sc_l, qk_scale,
-                             GROUP, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_SPLIT, T_QKV, PREC)
+                             GROUP, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_SPLIT, T_QKV, PREC, not GEMV)
         if STAGE < 0 or STAGE == 2:
-            _residual_matmul(X, wo, Attn, Sync, arrivals + 1 * n_programs, rows, row_ok, pid, n_programs, d_model,
-                             width, STAGE < 0, GEMV, T_O, KP_ATTN, BB, BLOCK_K, PREC)
+            if GEMV:
+                _o_proj_gemv(wo, PartO, PartL, Arrived, o_acc, layer, pid, n_programs, d_model, n_heads, n_split,
+                             GROUP, HEAD_DIM, BLOCK_SPLIT, T_O)
+            else:
+                if STAGE < 0:
+                    _grid_barrier(Sync, arrivals + n_programs)
+                _matmul_add_stage(X, wo, Attn, rows, row_ok, pid, n_programs, d_model, width, BB, BLOCK_K, PREC)
         if STAGE < 0 or STAGE == 3:
             if GEMV:
                 gate_w, up_w = _gate_up_tiles(wgu, pid, d_model, d_ff, T_GU, KP_MODEL)
             if STAGE < 0:
-                _grid_barrier(Sync, arrivals + 2 * n_programs)
+                _grid_barrier(Sync, arrivals + (BARRIERS - 2) * n_programs)
             if GEMV:
-                _gate_up_gemv(X, Norm2 + at * d_model, wgu, Act, pid, n_programs, eps, d_model, d_ff, gate_w, up_w,
-                              T_GU, KP_MODEL)
+                _gate_up_gemv(X, o_acc, Norm2 + at * d_model, wgu, Act, pid, n_programs, eps, d_model, d_ff, gate_w,
+                              up_w, T_GU, KP_MODEL)
             else:
                 _gate_up_stage(X, Norm2 + at * d_model, wgu, Act, rows, row_ok, pid, n_programs, eps, d_model, d_ff,
                                BB, BLOCK_K, PREC)
         if STAGE < 0 or STAGE == 4:
-            _residual_matmul(X, wd, Act, Sync, arrivals + 3 * n_programs, rows, row_ok, pid, n_programs, d_model,
-                             d_ff, STAGE < 0, GEMV, T_D, KP_FF, BB, BLOCK_K, PREC)
+            _residual_matmul(X, o_acc, wd, Act, Sync, arrivals + (BARRIERS - 1) * n_programs, rows, row_ok, pid,
+                             n_programs, d_model, d_ff, STAGE < 0, GEMV, T_D, KP_FF, BB, BLOCK_K, PREC)
 
 
 _RESIDENT: dict[tuple, int] = {}
@@ -502,22 +552,22 @@ def _decode_layers_op(x: torch.Tensor, qkv: torch.Tensor, o: torch.Tensor, gate_
     part_lse = torch.empty(batch, n_heads, split, **f32)
     attn = torch.empty(batch, n_heads * head_dim, dtype=x.dtype, device=x.device)
     act = torch.empty(batch, d_ff, dtype=x.dtype, device=x.device)
-    # Counters, zeroed in one fill: the grid barrier's, each kv head's finished q/k/v items, each (sequence, kv
-    # head)'s finished attention splits
-    sync = torch.zeros(1 + n_kv_heads + batch * n_kv_heads, dtype=torch.int32, device=x.device)
-    arrived = sync[1 + n_kv_heads:]
+    kp_model, kp_ff = triton.next_power_of_2(d_model), triton.next_power_of_2(d_ff)
+    gemv = batch == 1 and max(kp_model, kp_ff) <= GEMV_MAX_WIDTH
+    # Zeroed in one fill: the counters (the grid barrier's, each kv head's finished q/k/v items, each (sequence, kv
+    # head)'s finished attention splits) and, on the matrix-vector path, each layer's o_proj sums (float32 zeros)
+    counters = 1 + n_kv_heads + batch * n_kv_heads
+    sync = torch.zeros(counters + (n_layers * d_model if gemv else 0), dtype=torch.int32, device=x.device)
+    arrived, o_acc = sync[1 + n_kv_heads:counters], sync[counters:].view(torch.float32)
     args = (residual, qkv, o, gate_up, down, norm_attn, norm_ffn, k_cache, v_cache, q, part_out, part_lse, attn,
-            arrived, act, cos, sin, slots, start, sync)
-    widths = [triton.next_power_of_2(w) for w in (d_model, n_heads * head_dim, d_ff)]
-    gemv = batch == 1 and max(widths) <= GEMV_MAX_WIDTH
-    kp_model, kp_attn, kp_ff = widths
+            arrived, act, cos, sin, slots, start, sync, o_acc)
     meta = dict(BB=1 if gemv else max(16, triton.next_power_of_2(batch)), HEAD_DIM=head_dim, GROUP=group,
                 BLOCK_M=max(16, triton.next_power_of_2(group)), BLOCK_N=32,
                 BLOCK_SPLIT=triton.next_power_of_2(split), BLOCK_K=BLOCK_K, INTERLEAVED=interleaved,
                 PREC="ieee" if x.dtype == torch.float32 else "tf32", num_stages=NUM_STAGES,
                 num_warps=GEMV_NUM_WARPS if gemv else NUM_WARPS,
-                GEMV=gemv, KP_MODEL=kp_model, KP_ATTN=kp_attn, KP_FF=kp_ff, T_QKV=_tile_rows(kp_model, head_dim // 2) if gemv else 16,
-                T_O=_tile_rows(kp_attn), T_GU=_tile_rows(kp_model), T_D=_tile_rows(kp_ff))
+                GEMV=gemv, KP_MODEL=kp_model, KP_FF=kp_ff, T_QKV=_tile_rows(kp_model, head_dim // 2) if gemv else 16,
+                T_O=_tile_rows(head_dim) if gemv else 16, T_GU=_tile_rows(kp_model), T_D=_tile_rows(kp_ff))
     shape = (batch, d_model, d_ff, n_heads, n_kv_heads, split, eps, scale * LOG2E,
              k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), k_cache.stride(3))
     if persistent:
