@@ -1,15 +1,16 @@
 """Time the decode megakernel's layer stack alone over its launch settings, then generation with the best.
 
-    python experiments/inference/sweep_megakernel.py --batch 1 32 --out sweep-megakernel.json [--quick]
+    python experiments/inference/sweep_megakernel.py --batch 1 32 --out sweep-megakernel.json [--only [SETTING ...]]
 
 llama400m (vocab 50304, random weights, bf16), one token per sequence at slot 255 of a 384-slot cache: the layer
 stack (`decode_layers`) replayed from a CUDA graph, medians of the last 40 of 50 replays, launched stage by stage and
-persistent for each setting of programs per SM, tile size (GEMV_TILE_ELEMS at batch 1, BLOCK_K above) and warps;
+persistent for each setting of programs per SM, tile size (GEMV_TILE_ELEMS at batch 1, BLOCK_K above), warps and, at
+batch 1, how o_proj waits (GEMV_O_PROJ_ON_COUNTERS);
 with it, each stage's GPU time from the stage-by-stage launches (torch.profiler). Then `lmlab bench generate`'s rows
 (128-token prompts, 256 new tokens) for the megakernel, each batch with its fastest setting, and for the compiled
 engine, in the same process, and the GPU time per generated token of each engine's kernels (torch.profiler over one
-more generation): what the layer stack leaves to the head, sampling and the generation loop. `--quick` times the
-module's settings only.
+more generation): what the layer stack leaves to the head, sampling and the generation loop. `--only SETTING...`
+sweeps those settings alone (the others at the module's values); a bare `--only` times the module's settings.
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ from lmlab.kernels import decode_layers_triton as dl
 
 # Batch 1 takes the matrix-vector path, larger batches the tensor-core tiles: each has its own settings.
 # (2026-12-03, experiments/inference/h200-2026-12-03/: 16384-weight tiles spill registers with 4 warps.)
-SETTINGS = {True: {"GEMV_PROGRAMS_PER_SM": (1, 2), "GEMV_TILE_ELEMS": (4096, 8192), "GEMV_NUM_WARPS": (4, 8)},
+SETTINGS = {True: {"GEMV_O_PROJ_ON_COUNTERS": (False, True), "GEMV_PROGRAMS_PER_SM": (1, 2),
+                   "GEMV_TILE_ELEMS": (4096, 8192), "GEMV_NUM_WARPS": (4, 8)},
             False: {"PROGRAMS_PER_SM": (2, 3), "BLOCK_K": (256, 512), "NUM_WARPS": (4, 8)}}
 STAGES = ("qkv", "attention", "o_proj", "gate_up", "down")
 
@@ -103,7 +105,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 32])
     parser.add_argument("--out", default="sweep-megakernel.json")
-    parser.add_argument("--quick", action="store_true", help="time the module's settings only")
+    parser.add_argument("--only", nargs="*", default=None, metavar="SETTING",
+                        help="sweep these settings only, the others at the module's values (none: no sweep)")
     args = parser.parse_args()
     model, _ = build_model(DEFAULT_OVERRIDES, None, torch.device("cuda"), torch.bfloat16)
     kernel = Megakernel(model)
@@ -114,8 +117,9 @@ def main() -> None:
         print(f"batch {batch:>3} stage by stage: {rows[-1]['us']:8.1f} us; GPU time per stage:",
               ", ".join(f"{k} {v:.1f} us" for k, v in rows[-1]["profile"].items()), flush=True)
         settings = SETTINGS[batch == 1]
-        if args.quick:
-            settings = {name: (getattr(dl, name),) for name in settings}
+        if args.only is not None:
+            settings = {name: values if name in args.only else (getattr(dl, name),)
+                        for name, values in settings.items()}
         for values in itertools.product(*settings.values()):
             setting = dict(zip(settings, values))
             for name, value in setting.items():

@@ -35,6 +35,7 @@ there would never open) and as the many-launch baseline.
 
 from __future__ import annotations
 
+import ctypes
 import math
 from typing import TYPE_CHECKING
 
@@ -57,6 +58,9 @@ BLOCK_K, NUM_WARPS, PROGRAMS_PER_SM = 256, 4, 3
 # Matrix-vector path (batch 1): weights per tile (a few rows over the whole input width, loaded whole; a program
 # issues the next item's tiles before it reduces the current ones, so bytes stay in flight), warps, programs per SM.
 GEMV_TILE_ELEMS, GEMV_NUM_WARPS, GEMV_PROGRAMS_PER_SM = 8192, 4, 2
+# o_proj without a grid barrier: items of (head, output rows) wait on their kv head's attention splits and add into a
+# float32 sum with atomics (else a barrier, then whole-row tiles as in down)
+GEMV_O_PROJ_ON_COUNTERS = True
 GEMV_MAX_WIDTH = 8192  # wider inputs take the tensor-core path (a whole row per tile would not fit in registers)
 NUM_STAGES = 3
 
@@ -394,8 +398,9 @@ def _add_gemv(X, OAcc, W, In, pid, n_programs, d_model, width, w, TILE: tl.const
 def _residual_matmul(X, OAcc, W, In, Sync, target, rows, row_ok, pid, n_programs, d_model, width,
                      BARRIER: tl.constexpr, GEMV: tl.constexpr, TILE: tl.constexpr, KP: tl.constexpr,
                      BB: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr):
-    """down, X += Act @ W.T (the matrix-vector path also folding in OAcc), opened by a grid barrier (Sync[0] reaching
-    `target`) when BARRIER; the first matrix-vector tile's loads are issued before it."""
+    """X += In @ W.T (down; o_proj where its items do not wait on counters), the matrix-vector path also folding in
+    OAcc; opened by a grid barrier (Sync[0] reaching `target`) when BARRIER; the first matrix-vector tile's loads are
+    issued before it."""
     if GEMV:
         w = _add_tile(W, pid, d_model, width, TILE, KP)
     if BARRIER:
@@ -413,8 +418,8 @@ def _layers_kernel(X, Wqkv, Wo, Wgu, Wd, Norm1, Norm2, Kc, Vc, Q, PartO, PartL, 
                    STAGE: tl.constexpr, BB: tl.constexpr, HEAD_DIM: tl.constexpr, GROUP: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SPLIT: tl.constexpr, BLOCK_K: tl.constexpr,
                    INTERLEAVED: tl.constexpr, PREC: tl.constexpr, GEMV: tl.constexpr, KP_MODEL: tl.constexpr,
-                   KP_FF: tl.constexpr, T_QKV: tl.constexpr, T_O: tl.constexpr, T_GU: tl.constexpr,
-                   T_D: tl.constexpr):
+                   KP_ATTN: tl.constexpr, KP_FF: tl.constexpr, T_QKV: tl.constexpr, T_O: tl.constexpr,
+                   T_GU: tl.constexpr, T_D: tl.constexpr, SPLIT_O: tl.constexpr):
     """STAGE -1: every stage of layers [layer_lo, layer_hi) with a grid barrier before each stage but the first (and
     on the GEMV path but o_proj, whose items wait on counters); else that stage only. GEMV: batch 1, matrix-vector
     tiles whose first loads are issued before the barrier; o_proj adds into OAcc[layer], not X."""
@@ -425,7 +430,7 @@ def _layers_kernel(X, Wqkv, Wo, Wgu, Wd, Norm1, Norm2, Kc, Vc, Q, PartO, PartL, 
     qkv_rows = (n_heads + 2 * n_kv_heads) * HEAD_DIM
     n_qkv_items = (n_heads + 2 * n_kv_heads) * (HEAD_DIM // 2 // T_QKV)
     width = n_heads * HEAD_DIM
-    BARRIERS: tl.constexpr = 3 if GEMV else 4  # per layer
+    BARRIERS: tl.constexpr = 3 if SPLIT_O else 4  # per layer
     for layer in range(layer_lo, layer_hi):
         at = tl.cast(layer, tl.int64)
         arrivals = (layer - layer_lo) * BARRIERS * n_programs  # every program's arrivals at earlier layers' barriers
@@ -449,15 +454,14 @@ def _layers_kernel(X, Wqkv, Wo, Wgu, Wd, Norm1, Norm2, Kc, Vc, Q, PartO, PartL, 
         if STAGE < 0 or STAGE == 1:
             _attention_stage(Q, kc, vc, PartO, PartL, Attn, Arrived, Sync, Slots, Start, layer, pid, n_programs,
                              batch, n_heads, n_kv_heads, n_split, sc_b, sc_h, sc_l, qk_scale,
-                             GROUP, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_SPLIT, T_QKV, PREC, not GEMV)
+                             GROUP, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_SPLIT, T_QKV, PREC, not SPLIT_O)
         if STAGE < 0 or STAGE == 2:
-            if GEMV:
+            if SPLIT_O:
                 _o_proj_gemv(wo, PartO, PartL, Arrived, o_acc, layer, pid, n_programs, d_model, n_heads, n_split,
                              GROUP, HEAD_DIM, BLOCK_SPLIT, T_O)
             else:
-                if STAGE < 0:
-                    _grid_barrier(Sync, arrivals + n_programs)
-                _matmul_add_stage(X, wo, Attn, rows, row_ok, pid, n_programs, d_model, width, BB, BLOCK_K, PREC)
+                _residual_matmul(X, o_acc, wo, Attn, Sync, arrivals + n_programs, rows, row_ok, pid, n_programs,
+                                 d_model, width, STAGE < 0, GEMV, T_O, KP_ATTN, BB, BLOCK_K, PREC)
         if STAGE < 0 or STAGE == 3:
             if GEMV:
                 gate_w, up_w = _gate_up_tiles(wgu, pid, d_model, d_ff, T_GU, KP_MODEL)
@@ -475,21 +479,31 @@ def _layers_kernel(X, Wqkv, Wo, Wgu, Wd, Norm1, Norm2, Kc, Vc, Q, PartO, PartL, 
 
 
 _RESIDENT: dict[tuple, int] = {}
+CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT = 9
 
 
-def _resident_per_sm(args: tuple, shape: tuple, meta: dict) -> int:
-    """How many programs of the persistent kernel one SM holds at once (registers, shared memory, threads)."""
-    key = (args[0].device, args[1].dtype, *sorted(meta.items()))
+def _resident_per_sm(args: tuple, meta: dict) -> int:
+    """How many programs of the persistent kernel one SM holds at once, from the CUDA driver's occupancy calculator
+    (registers, shared memory with its per-block reservation, threads), with the shared-memory carveout at its
+    largest. Counting it by hand got it wrong: 2 x 114 KiB of shared memory fits 228 KiB only without the 1 KiB
+    that each block reserves, so half the grid waited for an SM while the other half spun at the first barrier."""
+    specialized = tuple((a == 1, a % 16 == 0) for a in args if type(a) is int)  # what Triton compiles a variant for
+    key = (args[0].device, args[1].dtype, specialized, *sorted(meta.items()))
     if key not in _RESIDENT:
-        kernel = _layers_kernel.warmup(*args, 0, 1, *shape, grid=(1,), STAGE=-1, **meta)
+        kernel = _layers_kernel.warmup(*args, grid=(1,), STAGE=-1, **meta)  # the very kernel the launch runs
         kernel._init_handles()
-        props = torch.cuda.get_device_properties(args[0].device)
-        threads = 32 * meta["num_warps"]
-        regs = math.ceil(kernel.n_regs * 32 / 256) * 256 * meta["num_warps"]  # allocated per warp in 256s
-        smem = max(kernel.metadata.shared, 1)
-        _RESIDENT[key] = max(1, min(getattr(props, "regs_per_multiprocessor", 65536) // regs,
-                                    getattr(props, "shared_memory_per_multiprocessor", 228 * 1024) // smem,
-                                    props.max_threads_per_multi_processor // threads))
+        cuda = ctypes.CDLL("libcuda.so.1")
+        function = ctypes.c_void_p(kernel.function)
+        blocks = ctypes.c_int(0)
+        for result in (cuda.cuFuncSetAttribute(function, CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT, 100),
+                       cuda.cuOccupancyMaxActiveBlocksPerMultiprocessor(
+                           ctypes.byref(blocks), function, ctypes.c_int(32 * meta["num_warps"]),
+                           ctypes.c_size_t(kernel.metadata.shared))):
+            if result != 0:
+                raise RuntimeError(f"decode_layers: the CUDA driver's occupancy query failed (CUresult {result})")
+        if blocks.value < 1:
+            raise RuntimeError("decode_layers: not one program of the persistent kernel fits an SM")
+        _RESIDENT[key] = blocks.value
     return _RESIDENT[key]
 
 
@@ -552,8 +566,9 @@ def _decode_layers_op(x: torch.Tensor, qkv: torch.Tensor, o: torch.Tensor, gate_
     part_lse = torch.empty(batch, n_heads, split, **f32)
     attn = torch.empty(batch, n_heads * head_dim, dtype=x.dtype, device=x.device)
     act = torch.empty(batch, d_ff, dtype=x.dtype, device=x.device)
-    kp_model, kp_ff = triton.next_power_of_2(d_model), triton.next_power_of_2(d_ff)
-    gemv = batch == 1 and max(kp_model, kp_ff) <= GEMV_MAX_WIDTH
+    kp_model, kp_attn, kp_ff = (triton.next_power_of_2(w) for w in (d_model, n_heads * head_dim, d_ff))
+    gemv = batch == 1 and max(kp_model, kp_attn, kp_ff) <= GEMV_MAX_WIDTH
+    split_o = gemv and GEMV_O_PROJ_ON_COUNTERS
     # Zeroed in one fill: the counters (the grid barrier's, each kv head's finished q/k/v items, each (sequence, kv
     # head)'s finished attention splits) and, on the matrix-vector path, each layer's o_proj sums (float32 zeros)
     counters = 1 + n_kv_heads + batch * n_kv_heads
@@ -567,12 +582,14 @@ def _decode_layers_op(x: torch.Tensor, qkv: torch.Tensor, o: torch.Tensor, gate_
                 PREC="ieee" if x.dtype == torch.float32 else "tf32", num_stages=NUM_STAGES,
                 num_warps=GEMV_NUM_WARPS if gemv else NUM_WARPS,
                 GEMV=gemv, KP_MODEL=kp_model, KP_FF=kp_ff, T_QKV=_tile_rows(kp_model, head_dim // 2) if gemv else 16,
-                T_O=_tile_rows(head_dim) if gemv else 16, T_GU=_tile_rows(kp_model), T_D=_tile_rows(kp_ff))
+                T_O=_tile_rows(head_dim if split_o else kp_attn), T_GU=_tile_rows(kp_model), T_D=_tile_rows(kp_ff),
+                KP_ATTN=kp_attn, SPLIT_O=split_o)
     shape = (batch, d_model, d_ff, n_heads, n_kv_heads, split, eps, scale * LOG2E,
              k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), k_cache.stride(3))
     if persistent:
-        programs *= min(GEMV_PROGRAMS_PER_SM if gemv else PROGRAMS_PER_SM, _resident_per_sm(args, shape, meta))
-        _layers_kernel[(programs,)](*args, 0, n_layers, *shape, STAGE=-1, **meta)
+        args = (*args, 0, n_layers, *shape)
+        programs *= min(GEMV_PROGRAMS_PER_SM if gemv else PROGRAMS_PER_SM, _resident_per_sm(args, meta))
+        _layers_kernel[(programs,)](*args, STAGE=-1, **meta)
     else:
         for layer in range(n_layers):
             for stage in range(N_STAGES):
