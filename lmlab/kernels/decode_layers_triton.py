@@ -12,14 +12,17 @@ persistent grid (a few programs per SM, never more than the GPU holds at once, o
 walks the layers; each layer is five stages:
   qkv        the q/k/v matmul of the RMS-normed rows (the norm's 1 / rms applied after the products), RoPE; q to
              scratch, k and v into the caches; each item then counts itself done for its kv head
-  attention  flash-decoding over (sequence, kv head, key split), each item waiting only for its kv head's q/k/v
-             items (a counter, not a grid barrier); the last split of a (sequence, kv head) to finish (an atomic
-             count) combines the splits into the attention output
+  attention  flash-decoding over (sequence, kv head, key split); an item loads its first block of earlier steps'
+             keys and values, then waits only for its kv head's q/k/v items (a counter, not a grid barrier); the
+             last split of a (sequence, kv head) to finish (an atomic count) combines the splits
   o_proj     the o_proj matmul, added into the residual stream
   gate/up    RMSNorm as in qkv, the gate and up matmuls, silu(gate) * up to scratch
   down       the down matmul, added into the residual stream
 and all programs meet at a grid-wide barrier (an atomic counter) before o_proj, gate/up, down and the next layer's
-qkv. The residual stream stays in float32 for the whole step. The matmuls take one of two paths:
+qkv. With GEMV_O_PROJ_ON_COUNTERS at batch 1, o_proj has no barrier: its items are (head, output rows), each waits
+for its kv head's splits (their count), combines that head's splits itself and adds its share into a per-layer
+float32 sum with atomics, which gate/up and down read with the residual (the sums' order, so the last bits, then
+vary from run to run). The residual stream stays in float32 for the whole step. The matmuls take one of two paths:
   batch 1    matrix-vector products: a work item is a few weight rows over the whole input width, loaded as one
              tile and reduced on the CUDA cores. A program issues the loads of its next item before it reduces
              the current one, and those of a stage's first item before the barrier that opens the stage, so the
