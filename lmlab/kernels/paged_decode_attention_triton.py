@@ -29,7 +29,7 @@ import triton.language as tl
 
 # the slot-addressed kernel's split rule (n_splits, over the table's capacity) and its combine kernel
 from lmlab.kernels.decode_attention_triton import (INTERPRET, LOG2E, SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS,
-                                                   combine_splits, n_splits)
+                                                   attend_block, combine_splits, empty_state, n_splits)
 
 MAX_GROUP = 64  # query heads per kv head, one tile of rows
 # Keys per loop step (whole blocks, or part of one large block), warps and pipeline stages: the fastest of
@@ -66,9 +66,8 @@ def _paged_decode_kernel(Q, K, V, Tables, Lens, Out, PartOut, PartLse,
     k_lo = lo_step + split * per_split
     k_hi = tl.minimum(hi, k_lo + per_split)
 
-    m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
-    l_i = tl.zeros((BLOCK_M,), tl.float32)
-    acc = tl.zeros((BLOCK_M, HEAD_DIM), tl.float32)
+    m_i, l_i, acc = empty_state(BLOCK_M, HEAD_DIM)
+    q_pos = tl.zeros((BLOCK_M,), tl.int32) + hi - 1
     table = Tables + b * st_b
     for k0 in range(k_lo, k_hi, BLOCK_N):
         keys = k0 + tl.arange(0, BLOCK_N)
@@ -81,15 +80,8 @@ def _paged_decode_kernel(Q, K, V, Tables, Lens, Out, PartOut, PartLse,
                     mask=seen[:, None], other=0.0)
         v = tl.load(V + block[:, None] * sv_n + offset[:, None] * sv_t + kv_head * sv_h + dims[None, :],
                     mask=seen[:, None], other=0.0)
-        scores = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
-        scores = tl.where(seen[None, :], scores, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing seen yet stays empty
-        alpha = tl.math.exp2(m_i - m_safe)
-        p = tl.math.exp2(scores - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PREC)
-        m_i = m_new
+        # every key in [lo, hi) is at or before the query (hi - 1): `seen` is the whole mask
+        m_i, l_i, acc = attend_block(q, k, v, keys, seen, q_pos, lo, qk_scale, 0, m_i, l_i, acc, False, PREC)
 
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     row = b * n_heads + head  # row of the (batch, heads) output
