@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import ctypes
 import math
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -556,11 +557,40 @@ def _decode_layers_op(x: torch.Tensor, qkv: torch.Tensor, o: torch.Tensor, gate_
                       norm_attn: torch.Tensor, norm_ffn: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       slots: torch.Tensor, start: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_heads: int,
                       n_kv_heads: int, interleaved: bool, eps: float, scale: float, persistent: bool) -> torch.Tensor:
+    programs = sm_count(x.device)
+    plan = launch_plan(x, qkv, o, gate_up, down, norm_attn, norm_ffn, k_cache, v_cache, slots, start, cos, sin, n_heads,
+                       n_kv_heads, interleaved, eps, scale, programs)
+    if persistent:
+        args = (*plan.args, 0, k_cache.shape[0], *plan.shape)
+        programs *= min(plan.programs_per_sm, _resident_per_sm(args, plan.meta))
+        _layers_kernel[(programs,)](*args, STAGE=-1, **plan.meta)
+    else:
+        for layer in range(k_cache.shape[0]):
+            for stage in range(N_STAGES):
+                _layers_kernel[(programs,)](*plan.args, layer, layer + 1, *plan.shape, STAGE=stage, **plan.meta)
+    return plan.args[0].to(x.dtype)  # the float32 residual stream
+
+
+@dataclass
+class LaunchPlan:
+    """What `_layers_kernel` is launched with: its tensors (the float32 residual stream first, then the weights,
+    caches and scratch), its scalars after (layer_lo, layer_hi), its compile-time settings, and the programs per SM
+    wanted (fewer where fewer fit)."""
+
+    args: tuple
+    shape: tuple
+    meta: dict
+    programs_per_sm: int
+
+
+def launch_plan(x, qkv, o, gate_up, down, norm_attn, norm_ffn, k_cache, v_cache, slots, start, cos, sin, n_heads: int,
+                n_kv_heads: int, interleaved: bool, eps: float, scale: float, programs: int) -> LaunchPlan:
+    """The scratch buffers and settings of one decode step on `programs` SMs (any device, "meta" included:
+    experiments/inference/megakernel_resources.py compiles from it without a GPU)."""
     batch, d_model = x.shape
     n_layers, cache_len, head_dim = k_cache.shape[0], k_cache.shape[3], k_cache.shape[4]
     group = n_heads // n_kv_heads
     d_ff = down.shape[2]
-    programs = sm_count(x.device)
     split = n_splits(batch, n_kv_heads, cache_len, programs)
     f32 = dict(dtype=torch.float32, device=x.device)
     residual = x.to(torch.float32, copy=True)
@@ -589,15 +619,7 @@ def _decode_layers_op(x: torch.Tensor, qkv: torch.Tensor, o: torch.Tensor, gate_
                 KP_ATTN=kp_attn, SPLIT_O=split_o)
     shape = (batch, d_model, d_ff, n_heads, n_kv_heads, split, eps, scale * LOG2E,
              k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), k_cache.stride(3))
-    if persistent:
-        args = (*args, 0, n_layers, *shape)
-        programs *= min(GEMV_PROGRAMS_PER_SM if gemv else PROGRAMS_PER_SM, _resident_per_sm(args, meta))
-        _layers_kernel[(programs,)](*args, STAGE=-1, **meta)
-    else:
-        for layer in range(n_layers):
-            for stage in range(N_STAGES):
-                _layers_kernel[(programs,)](*args, layer, layer + 1, *shape, STAGE=stage, **meta)
-    return residual.to(x.dtype)
+    return LaunchPlan(args, shape, meta, GEMV_PROGRAMS_PER_SM if gemv else PROGRAMS_PER_SM)
 
 
 @_decode_layers_op.register_fake

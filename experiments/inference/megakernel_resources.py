@@ -1,0 +1,101 @@
+"""What one SM's resources allow the decode megakernel, worked out on a machine without a GPU.
+
+    python experiments/inference/megakernel_resources.py
+
+Compiles `_layers_kernel` (persistent, every stage) for sm_90 with Triton's compiler and the ptxas that ships with it,
+with the launch settings `launch_plan` gives each case, and prints its registers, spills and shared memory, and how
+many programs an H100/H200 SM holds (64K registers in per-warp steps of 256, 228 KiB of shared memory of which each
+block reserves 1 KiB, 2,048 threads), against the programs per SM the launch wants. A grid of more programs than fit
+hangs at its first barrier: this is how the fp32 tensor-core case's hang was found (2026-12-03; the launch now asks
+the CUDA driver). Needs Triton (any Linux machine); the tensors are on the "meta" device, so no memory is used.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import tempfile
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from lmlab.kernels import decode_layers_triton as dl
+
+SM90 = dict(regs=65536, shared=233472, reserved=1024, threads=2048)
+DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int32: "i32", torch.int64: "i64"}
+# name: (batch, layers, d_model, heads, kv heads, head_dim, d_ff, cache length, dtype)
+CASES = {"llama400m bf16, batch 1": (1, 24, 1024, 16, 16, 64, 2816, 384, torch.bfloat16),
+         "llama400m bf16, batch 32": (32, 24, 1024, 16, 16, 64, 2816, 384, torch.bfloat16),
+         "the GPU test's fp32 GQA, batch 3": (3, 3, 128, 4, 2, 32, 384, 128, torch.float32)}
+
+
+def plan_for(batch, layers, d_model, heads, kv_heads, head_dim, d_ff, cache_len, dtype, programs=132):
+    meta = dict(device="meta", dtype=dtype)
+    w = [torch.empty(layers, rows, cols, **meta) for rows, cols in (((heads + 2 * kv_heads) * head_dim, d_model),
+                                                                    (d_model, heads * head_dim), (2 * d_ff, d_model),
+                                                                    (d_model, d_ff))]
+    norms = [torch.empty(layers, d_model, **meta) for _ in range(2)]
+    k, v = (torch.empty(layers, batch, kv_heads, cache_len, head_dim, **meta) for _ in range(2))
+    rope = [torch.empty(cache_len, head_dim // 2, device="meta") for _ in range(2)]
+    slots, start = torch.empty(1, dtype=torch.long, device="meta"), torch.empty(batch, dtype=torch.long, device="meta")
+    return dl.launch_plan(torch.empty(batch, d_model, **meta), *w, *norms, k, v, slots, start, *rope, heads, kv_heads,
+                          False, 1e-5, head_dim ** -0.5, programs)
+
+
+def compile_sm90(plan: dl.LaunchPlan, layers: int):
+    """The persistent kernel compiled as a launch would specialize it: pointers 16-byte aligned, integers equal to 1
+    made constants, integers divisible by 16 marked so."""
+    names = dl._layers_kernel.arg_names
+    values = dict(zip(names, (*plan.args, 0, layers, *plan.shape)))
+    constants = {**{k: v for k, v in plan.meta.items() if k not in ("num_warps", "num_stages")}, "STAGE": -1}
+    signature, attrs = {}, {}
+    for i, name in enumerate(names):
+        value = values.get(name)
+        if name in constants or (type(value) is int and value == 1):
+            constants.setdefault(name, value)
+            signature[name] = "constexpr"
+        elif isinstance(value, torch.Tensor):
+            signature[name], attrs[(i,)] = "*" + DTYPES[value.dtype], [["tt.divisibility", 16]]
+        elif type(value) is int:
+            signature[name] = "i32"
+            if value % 16 == 0:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+        else:
+            signature[name] = "fp32"
+    source = ASTSource(dl._layers_kernel, signature, {(names.index(k),): v for k, v in constants.items()}, attrs)
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                          options=dict(num_warps=plan.meta["num_warps"], num_stages=plan.meta["num_stages"]))
+
+
+def ptxas_report(kernel) -> tuple[int, int]:
+    """(registers per thread, spilled bytes stored) from `ptxas -v`."""
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "kernel.ptx")
+        with open(path, "w") as f:
+            f.write(kernel.asm["ptx"])
+        log = subprocess.run([ptxas, "-v", "--gpu-name", "sm_90a", path, "-o", os.devnull], capture_output=True,
+                             text=True, check=True).stderr
+    regs = int(log.split("Used ")[1].split(" registers")[0])
+    spills = int(log.split(" bytes spill stores")[0].rsplit(",", 1)[-1])
+    return regs, spills
+
+
+def main() -> None:
+    print(f"{'case':<34} {'warps':>5} {'regs':>5} {'spill B':>8} {'shared KiB':>10} {'fit/SM':>6} {'wanted':>6}")
+    for name, case in CASES.items():
+        plan = plan_for(*case)
+        kernel = compile_sm90(plan, case[1])
+        regs, spills = ptxas_report(kernel)
+        warps, shared = plan.meta["num_warps"], kernel.metadata.shared
+        fit = min(SM90["regs"] // (math.ceil(regs * 32 / 256) * 256 * warps),
+                  SM90["shared"] // (shared + SM90["reserved"]), SM90["threads"] // (32 * warps))
+        print(f"{name:<34} {warps:>5} {regs:>5} {spills:>8} {shared / 1024:>10.1f} {fit:>6} {plan.programs_per_sm:>6}",
+              flush=True)
+
+
+if __name__ == "__main__":
+    main()
