@@ -62,6 +62,9 @@ BLOCK_K, NUM_WARPS, PROGRAMS_PER_SM = 256, 4, 3
 # Matrix-vector path (batch 1): weights per tile (a few rows over the whole input width, loaded whole; a program
 # issues the next item's tiles before it reduces the current ones, so bytes stay in flight), warps, programs per SM.
 GEMV_TILE_ELEMS, GEMV_NUM_WARPS, GEMV_PROGRAMS_PER_SM = 8192, 4, 2
+# gate/up's items hold two tiles (a gate and an up row block), so at GEMV_TILE_ELEMS each they are twice the other
+# stages' items, and llama400m's 352 of them leave 88 of 264 programs two: its own size, for the sweep
+GEMV_GATE_UP_TILE_ELEMS = 8192
 # o_proj without a grid barrier: items of (head, output rows) wait on their kv head's attention splits and add into a
 # float32 sum with atomics (else a barrier, then whole-row tiles as in down)
 GEMV_O_PROJ_ON_COUNTERS = True
@@ -511,9 +514,10 @@ def _resident_per_sm(args: tuple, meta: dict) -> int:
     return _RESIDENT[key]
 
 
-def _tile_rows(width: int, most: int = 1 << 16) -> int:
-    """Rows of a matrix-vector tile over `width` (a power of two) input columns: about GEMV_TILE_ELEMS weights."""
-    return max(1, min(most, GEMV_TILE_ELEMS // width))
+def _tile_rows(width: int, most: int = 1 << 16, elems: int | None = None) -> int:
+    """Rows of a matrix-vector tile over `width` (a power of two) input columns: about `elems` (GEMV_TILE_ELEMS)
+    weights."""
+    return max(1, min(most, (elems or GEMV_TILE_ELEMS) // width))
 
 
 def n_splits(batch: int, n_kv_heads: int, cache_len: int, programs: int) -> int:
@@ -615,7 +619,7 @@ def launch_plan(x, qkv, o, gate_up, down, norm_attn, norm_ffn, k_cache, v_cache,
                 PREC="ieee" if x.dtype == torch.float32 else "tf32", num_stages=NUM_STAGES,
                 num_warps=GEMV_NUM_WARPS if gemv else NUM_WARPS,
                 GEMV=gemv, KP_MODEL=kp_model, KP_FF=kp_ff, T_QKV=_tile_rows(kp_model, head_dim // 2) if gemv else 16,
-                T_O=_tile_rows(head_dim if split_o else kp_attn), T_GU=_tile_rows(kp_model), T_D=_tile_rows(kp_ff),
+                T_O=_tile_rows(head_dim if split_o else kp_attn), T_GU=_tile_rows(kp_model, elems=GEMV_GATE_UP_TILE_ELEMS), T_D=_tile_rows(kp_ff),
                 KP_ATTN=kp_attn, SPLIT_O=split_o)
     shape = (batch, d_model, d_ff, n_heads, n_kv_heads, split, eps, scale * LOG2E,
              k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), k_cache.stride(3))

@@ -141,6 +141,7 @@ def test_matches_the_layer_by_layer_step_under_the_interpreter(batch, attention,
 
     monkeypatch.setattr(dl, "sm_count", lambda device: 3)
     monkeypatch.setattr(dl, "GEMV_TILE_ELEMS", 256)
+    monkeypatch.setattr(dl, "GEMV_GATE_UP_TILE_ELEMS", 256)
     monkeypatch.setattr(dl, "GEMV_O_PROJ_ON_COUNTERS", o_proj_on_counters)
     model = _model(n_layers=2, attention=attention, position={"name": "rope", "layout": layout})  # head_dim 32
     g = torch.Generator().manual_seed(1)
