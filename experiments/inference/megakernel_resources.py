@@ -2,7 +2,7 @@
 
     python experiments/inference/megakernel_resources.py
 
-Compiles `_layers_kernel` (persistent, every stage) for sm_90 with Triton's compiler and the ptxas that ships with it,
+Compiles `layers_kernel` (persistent, every stage) for sm_90 with Triton's compiler and the ptxas that ships with it,
 with the launch settings `launch_plan` gives each case, and prints its registers, spills and shared memory, and how
 many programs an H100/H200 SM holds (64K registers in per-warp steps of 256, 228 KiB of shared memory of which each
 block reserves 1 KiB, 2,048 threads), against the programs per SM the launch wants. A grid of more programs than fit
@@ -22,7 +22,8 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from lmlab.kernels import decode_layers_triton as dl
+from lmlab.kernels import decode_layers as dl
+from lmlab.kernels.decode_layers_triton import layers_kernel
 
 SM90 = dict(regs=65536, shared=233472, reserved=1024, threads=2048)
 DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int32: "i32", torch.int64: "i64"}
@@ -48,7 +49,7 @@ def plan_for(batch, layers, d_model, heads, kv_heads, head_dim, d_ff, cache_len,
 def compile_sm90(plan: dl.LaunchPlan, layers: int):
     """The persistent kernel compiled as a launch would specialize it: pointers 16-byte aligned, integers equal to 1
     made constants, integers divisible by 16 marked so."""
-    names = dl._layers_kernel.arg_names
+    names = layers_kernel.arg_names
     values = dict(zip(names, (*plan.args, 0, layers, *plan.shape)))
     constants = {**{k: v for k, v in plan.meta.items() if k not in ("num_warps", "num_stages")}, "STAGE": -1}
     signature, attrs = {}, {}
@@ -65,7 +66,7 @@ def compile_sm90(plan: dl.LaunchPlan, layers: int):
                 attrs[(i,)] = [["tt.divisibility", 16]]
         else:
             signature[name] = "fp32"
-    source = ASTSource(dl._layers_kernel, signature, {(names.index(k),): v for k, v in constants.items()}, attrs)
+    source = ASTSource(layers_kernel, signature, {(names.index(k),): v for k, v in constants.items()}, attrs)
     return triton.compile(source, target=GPUTarget("cuda", 90, 32),
                           options=dict(num_warps=plan.meta["num_warps"], num_stages=plan.meta["num_stages"]))
 

@@ -24,7 +24,7 @@ import torch
 
 from lmlab.inference.bench import DEFAULT_OVERRIDES, build_model, contender, run_benchmark
 from lmlab.inference.megakernel import Megakernel
-from lmlab.kernels import decode_layers_triton as dl
+from lmlab.kernels import decode_layers as dl
 
 # Batch 1 takes the matrix-vector path, larger batches the tensor-core tiles: each has its own settings.
 # (2026-12-03, experiments/inference/h200-2026-12-03/: 16384-weight tiles spill registers with 4 warps.)
@@ -75,7 +75,7 @@ def stage_profile(kernel: Megakernel, batch: int) -> dict[str, float]:
             step()
         torch.cuda.synchronize()
     launches = sorted((e for e in prof.events()
-                       if "_layers_kernel" in e.name and e.device_type == torch.autograd.DeviceType.CUDA),
+                       if "layers_kernel" in e.name and e.device_type == torch.autograd.DeviceType.CUDA),
                       key=lambda e: e.time_range.start)
     totals = dict.fromkeys(STAGES, 0.0)
     for i, event in enumerate(launches):

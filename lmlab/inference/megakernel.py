@@ -1,4 +1,4 @@
-"""The engine's decode step as one kernel launch for plain Llama stacks (lmlab.kernels.decode_layers_triton).
+"""The engine's decode step as one kernel launch for plain Llama stacks (lmlab.kernels.decode_layers).
 
 `Megakernel.unsupported(model)` says why a model cannot take it (None: it can): pre-norm blocks with
 RMSNorm, softmax attention without windows, soft-capping, QK-norm or shared KV, RoPE, SwiGLU, no
@@ -148,7 +148,7 @@ class Megakernel:
 
     def step(self, x: torch.Tensor, state: CacheState) -> torch.Tensor:
         """x (batch, 1, d_model), embedded tokens at slot state.slots[0] -> the last layer's output, same shape."""
-        from lmlab.kernels.decode_layers_triton import decode_layers
+        from lmlab.kernels.decode_layers import decode_layers
 
         block = self.model.layers[0]
         rope = self.model.position

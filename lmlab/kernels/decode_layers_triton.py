@@ -1,10 +1,9 @@
-"""One decode step through a whole Llama layer stack in one persistent Triton kernel (a megakernel).
+"""One decode step through a whole Llama layer stack in one persistent Triton kernel (a megakernel): the device
+code. `lmlab.kernels.decode_layers` launches it (`decode_layers(...)`, its settings and the scratch it needs).
 
-`decode_layers(x, weights, k_cache, v_cache, slots, start, cos, sin, eps, scale)` runs one new token per
-sequence, x (batch, d_model), through every layer of a pre-norm RMSNorm / RoPE / softmax attention
+`layers_kernel` runs one new token per sequence through every layer of a pre-norm RMSNorm / RoPE / softmax attention
 (MHA, GQA, MQA) / SwiGLU stack whose weights are stacked per kind (`lmlab.inference.megakernel.StackedWeights`:
-layer-major, q/k/v as one matrix, gate/up as one), writes each layer's new key and value at cache slot `slots[0]`, and
-returns the last layer's output (before the final norm) in x's dtype.
+layer-major, q/k/v as one matrix, gate/up as one) and writes each layer's new key and value into the caches.
 
 Why one kernel: at batch 1 the ~400M model's compiled decode step launched 269 kernels (11 a layer),
 and each cost 2.5-4 us in CUDA-graph replay whatever the bytes it read (experiments/inference/). Here a
@@ -31,45 +30,18 @@ vary from run to run). The residual stream stays in float32 for the whole step. 
 The first version had only the second path and was slower than the compiled step at batch 1 (1.14 ms for the
 layer stack against 0.82 ms for the whole compiled step): its tiles kept too few weight bytes in flight.
 
-`persistent=False` launches each (layer, stage) as a kernel of its own instead (no barrier): the same
-code, for Triton's CPU interpreter (TRITON_INTERPRET=1 runs programs one after another, so a barrier
-there would never open) and as the many-launch baseline.
+STAGE >= 0 runs one (layer, stage) as a kernel of its own instead (no barrier): the same code, for Triton's CPU
+interpreter (TRITON_INTERPRET=1 runs programs one after another, so a barrier there would never open) and as the
+many-launch baseline.
 """
 
 from __future__ import annotations
 
-import ctypes
-import math
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
-import torch
 import triton
 import triton.language as tl
 
-from lmlab.kernels.decode_attention_triton import (INTERPRET, KEYS_PER_SPLIT, LOG2E, attend_block, attend_key_range,
-                                                   combined_output, empty_state, key_split, sm_count)
-
-if TYPE_CHECKING:
-    from lmlab.inference.megakernel import StackedWeights
-
-N_STAGES = 5
-SUPPORTED_HEAD_DIMS = (32, 64, 128)
-# Launch settings of the two paths, the fastest of experiments/inference/sweep_megakernel.py on an H200. Programs per
-# SM: at most what the GPU keeps resident at once (checked at launch), or a grid barrier would wait forever.
-# Tensor-core path (batch > 1): input columns per loop step, warps, programs per SM.
-BLOCK_K, NUM_WARPS, PROGRAMS_PER_SM = 256, 4, 3
-# Matrix-vector path (batch 1): weights per tile (a few rows over the whole input width, loaded whole; a program
-# issues the next item's tiles before it reduces the current ones, so bytes stay in flight), warps, programs per SM.
-GEMV_TILE_ELEMS, GEMV_NUM_WARPS, GEMV_PROGRAMS_PER_SM = 8192, 4, 2
-# gate/up's items hold two tiles (a gate and an up row block), so at GEMV_TILE_ELEMS each they are twice the other
-# stages' items, and llama400m's 352 of them leave 88 of 264 programs two: its own size, for the sweep
-GEMV_GATE_UP_TILE_ELEMS = 8192
-# o_proj without a grid barrier: items of (head, output rows) wait on their kv head's attention splits and add into a
-# float32 sum with atomics (else a barrier, then whole-row tiles as in down)
-GEMV_O_PROJ_ON_COUNTERS = True
-GEMV_MAX_WIDTH = 8192  # wider inputs take the tensor-core path (a whole row per tile would not fit in registers)
-NUM_STAGES = 3
+from lmlab.kernels.decode_attention_triton import (attend_block, attend_key_range, combined_output, empty_state,
+                                                   key_split)
 
 
 @triton.jit
@@ -419,7 +391,7 @@ def _residual_matmul(X, OAcc, W, In, Sync, target, rows, row_ok, pid, n_programs
 
 
 @triton.jit
-def _layers_kernel(X, Wqkv, Wo, Wgu, Wd, Norm1, Norm2, Kc, Vc, Q, PartO, PartL, Attn, Arrived, Act, Cos, Sin, Slots,
+def layers_kernel(X, Wqkv, Wo, Wgu, Wd, Norm1, Norm2, Kc, Vc, Q, PartO, PartL, Attn, Arrived, Act, Cos, Sin, Slots,
                    Start, Sync, OAcc, layer_lo, layer_hi, batch, d_model, d_ff, n_heads, n_kv_heads, n_split, eps,
                    qk_scale, sc_layer, sc_b, sc_h, sc_l,
                    STAGE: tl.constexpr, BB: tl.constexpr, HEAD_DIM: tl.constexpr, GROUP: tl.constexpr,
@@ -483,150 +455,3 @@ def _layers_kernel(X, Wqkv, Wo, Wgu, Wd, Norm1, Norm2, Kc, Vc, Q, PartO, PartL, 
         if STAGE < 0 or STAGE == 4:
             _residual_matmul(X, o_acc, wd, Act, Sync, arrivals + (BARRIERS - 1) * n_programs, rows, row_ok, pid,
                              n_programs, d_model, d_ff, STAGE < 0, GEMV, T_D, KP_FF, BB, BLOCK_K, PREC)
-
-
-_RESIDENT: dict[tuple, int] = {}
-CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT = 9
-
-
-def _resident_per_sm(args: tuple, meta: dict) -> int:
-    """How many programs of the persistent kernel one SM holds at once, from the CUDA driver's occupancy calculator
-    (registers, shared memory with its per-block reservation, threads), with the shared-memory carveout at its
-    largest. Counting it by hand got it wrong: 2 x 114 KiB of shared memory fits 228 KiB only without the 1 KiB
-    that each block reserves, so half the grid waited for an SM while the other half spun at the first barrier."""
-    specialized = tuple((a == 1, a % 16 == 0) for a in args if type(a) is int)  # what Triton compiles a variant for
-    key = (args[0].device, args[1].dtype, specialized, *sorted(meta.items()))
-    if key not in _RESIDENT:
-        kernel = _layers_kernel.warmup(*args, grid=(1,), STAGE=-1, **meta)  # the very kernel the launch runs
-        kernel._init_handles()
-        cuda = ctypes.CDLL("libcuda.so.1")
-        function = ctypes.c_void_p(kernel.function)
-        blocks = ctypes.c_int(0)
-        for result in (cuda.cuFuncSetAttribute(function, CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT, 100),
-                       cuda.cuOccupancyMaxActiveBlocksPerMultiprocessor(
-                           ctypes.byref(blocks), function, ctypes.c_int(32 * meta["num_warps"]),
-                           ctypes.c_size_t(kernel.metadata.shared))):
-            if result != 0:
-                raise RuntimeError(f"decode_layers: the CUDA driver's occupancy query failed (CUresult {result})")
-        if blocks.value < 1:
-            raise RuntimeError("decode_layers: not one program of the persistent kernel fits an SM")
-        _RESIDENT[key] = blocks.value
-    return _RESIDENT[key]
-
-
-def _tile_rows(width: int, most: int = 1 << 16, elems: int | None = None) -> int:
-    """Rows of a matrix-vector tile over `width` (a power of two) input columns: about `elems` (GEMV_TILE_ELEMS)
-    weights."""
-    return max(1, min(most, (elems or GEMV_TILE_ELEMS) // width))
-
-
-def n_splits(batch: int, n_kv_heads: int, cache_len: int, programs: int) -> int:
-    """Key-range splits per (sequence, kv head): at most one attention work item per program."""
-    return max(1, min(programs // (batch * n_kv_heads), cache_len // KEYS_PER_SPLIT))
-
-
-def unsupported(x: torch.Tensor, weights: StackedWeights, k_cache: torch.Tensor) -> str | None:
-    """Why these shapes cannot run here (None: they can)."""
-    if not INTERPRET and not x.is_cuda:
-        return "x must be a CUDA tensor"
-    if weights.head_dim not in SUPPORTED_HEAD_DIMS:
-        return f"head_dim={weights.head_dim} (supported: {', '.join(map(str, SUPPORTED_HEAD_DIMS))})"
-    if weights.n_heads % weights.n_kv_heads or weights.n_heads // weights.n_kv_heads > 64:
-        return f"{weights.n_heads} query heads over {weights.n_kv_heads} kv heads"
-    if x.shape[0] > 64:
-        return f"batch {x.shape[0]} > 64 (the matmuls hold the whole batch in one tile)"
-    if k_cache.stride(-1) != 1 or k_cache.dtype != weights.qkv.dtype:
-        return "the caches need a contiguous head_dim and the weights' dtype"
-    return None
-
-
-def decode_layers(x: torch.Tensor, weights: StackedWeights, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                  slots: torch.Tensor, start: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, eps: float,
-                  scale: float | None = None, persistent: bool = True) -> torch.Tensor:
-    """x (batch, d_model) -> the last layer's output (batch, d_model); k_cache and v_cache
-    (layers, batch, kv_heads, cache_len, head_dim) get each layer's new key and value at slots[0]. cos and sin:
-    RoPE's tables (positions, head_dim / 2). scale: of the attention scores (None: 1 / sqrt(head_dim))."""
-    problem = unsupported(x, weights, k_cache)
-    if problem:
-        raise ValueError(f"decode_layers: {problem}")
-    scale = 1.0 / math.sqrt(weights.head_dim) if scale is None else float(scale)
-    return _decode_layers_op(x, weights.qkv, weights.o, weights.gate_up, weights.down, weights.norm_attn,
-                             weights.norm_ffn, k_cache, v_cache, slots, start, cos, sin, weights.n_heads,
-                             weights.n_kv_heads, weights.rope_interleaved, eps, scale, persistent)
-
-
-# A custom op, so torch.compile treats the launch as one opaque call (and a CUDA graph captures it).
-@torch.library.custom_op("lmlab::decode_layers", mutates_args=("k_cache", "v_cache"))
-def _decode_layers_op(x: torch.Tensor, qkv: torch.Tensor, o: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
-                      norm_attn: torch.Tensor, norm_ffn: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                      slots: torch.Tensor, start: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_heads: int,
-                      n_kv_heads: int, interleaved: bool, eps: float, scale: float, persistent: bool) -> torch.Tensor:
-    programs = sm_count(x.device)
-    plan = launch_plan(x, qkv, o, gate_up, down, norm_attn, norm_ffn, k_cache, v_cache, slots, start, cos, sin, n_heads,
-                       n_kv_heads, interleaved, eps, scale, programs)
-    if persistent:
-        args = (*plan.args, 0, k_cache.shape[0], *plan.shape)
-        programs *= min(plan.programs_per_sm, _resident_per_sm(args, plan.meta))
-        _layers_kernel[(programs,)](*args, STAGE=-1, **plan.meta)
-    else:
-        for layer in range(k_cache.shape[0]):
-            for stage in range(N_STAGES):
-                _layers_kernel[(programs,)](*plan.args, layer, layer + 1, *plan.shape, STAGE=stage, **plan.meta)
-    return plan.args[0].to(x.dtype)  # the float32 residual stream
-
-
-@dataclass
-class LaunchPlan:
-    """What `_layers_kernel` is launched with: its tensors (the float32 residual stream first, then the weights,
-    caches and scratch), its scalars after (layer_lo, layer_hi), its compile-time settings, and the programs per SM
-    wanted (fewer where fewer fit)."""
-
-    args: tuple
-    shape: tuple
-    meta: dict
-    programs_per_sm: int
-
-
-def launch_plan(x, qkv, o, gate_up, down, norm_attn, norm_ffn, k_cache, v_cache, slots, start, cos, sin, n_heads: int,
-                n_kv_heads: int, interleaved: bool, eps: float, scale: float, programs: int) -> LaunchPlan:
-    """The scratch buffers and settings of one decode step on `programs` SMs (any device, "meta" included:
-    experiments/inference/megakernel_resources.py compiles from it without a GPU)."""
-    batch, d_model = x.shape
-    n_layers, cache_len, head_dim = k_cache.shape[0], k_cache.shape[3], k_cache.shape[4]
-    group = n_heads // n_kv_heads
-    d_ff = down.shape[2]
-    split = n_splits(batch, n_kv_heads, cache_len, programs)
-    f32 = dict(dtype=torch.float32, device=x.device)
-    residual = x.to(torch.float32, copy=True)
-    q = torch.empty(batch, n_heads, head_dim, **f32)
-    part_out = torch.empty(batch, n_heads, split, head_dim, **f32)
-    part_lse = torch.empty(batch, n_heads, split, **f32)
-    attn = torch.empty(batch, n_heads * head_dim, dtype=x.dtype, device=x.device)
-    act = torch.empty(batch, d_ff, dtype=x.dtype, device=x.device)
-    kp_model, kp_attn, kp_ff = (triton.next_power_of_2(w) for w in (d_model, n_heads * head_dim, d_ff))
-    gemv = batch == 1 and max(kp_model, kp_attn, kp_ff) <= GEMV_MAX_WIDTH
-    split_o = gemv and GEMV_O_PROJ_ON_COUNTERS
-    # Zeroed in one fill: the counters (the grid barrier's, each kv head's finished q/k/v items, each (sequence, kv
-    # head)'s finished attention splits) and, on the matrix-vector path, each layer's o_proj sums (float32 zeros)
-    counters = 1 + n_kv_heads + batch * n_kv_heads
-    sync = torch.zeros(counters + (n_layers * d_model if gemv else 0), dtype=torch.int32, device=x.device)
-    arrived, o_acc = sync[1 + n_kv_heads:counters], sync[counters:].view(torch.float32)
-    args = (residual, qkv, o, gate_up, down, norm_attn, norm_ffn, k_cache, v_cache, q, part_out, part_lse, attn,
-            arrived, act, cos, sin, slots, start, sync, o_acc)
-    meta = dict(BB=1 if gemv else max(16, triton.next_power_of_2(batch)), HEAD_DIM=head_dim, GROUP=group,
-                BLOCK_M=max(16, triton.next_power_of_2(group)), BLOCK_N=32,
-                BLOCK_SPLIT=triton.next_power_of_2(split), BLOCK_K=BLOCK_K, INTERLEAVED=interleaved,
-                PREC="ieee" if x.dtype == torch.float32 else "tf32", num_stages=NUM_STAGES,
-                num_warps=GEMV_NUM_WARPS if gemv else NUM_WARPS,
-                GEMV=gemv, KP_MODEL=kp_model, KP_FF=kp_ff, T_QKV=_tile_rows(kp_model, head_dim // 2) if gemv else 16,
-                T_O=_tile_rows(head_dim if split_o else kp_attn), T_GU=_tile_rows(kp_model, elems=GEMV_GATE_UP_TILE_ELEMS), T_D=_tile_rows(kp_ff),
-                KP_ATTN=kp_attn, SPLIT_O=split_o)
-    shape = (batch, d_model, d_ff, n_heads, n_kv_heads, split, eps, scale * LOG2E,
-             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), k_cache.stride(3))
-    return LaunchPlan(args, shape, meta, GEMV_PROGRAMS_PER_SM if gemv else PROGRAMS_PER_SM)
-
-
-@_decode_layers_op.register_fake
-def _(x, qkv, o, gate_up, down, norm_attn, norm_ffn, k_cache, v_cache, slots, start, cos, sin, n_heads, n_kv_heads,
-      interleaved, eps, scale, persistent):
-    return torch.empty_like(x)

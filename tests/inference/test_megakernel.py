@@ -137,7 +137,7 @@ def test_matches_the_layer_by_layer_step_under_the_interpreter(batch, attention,
                                                                monkeypatch):
     """Stage by stage (the interpreter runs programs in turn), with 3 programs and small tiles, so a program takes
     several work items and prefetches across them; at batch 1 with o_proj's items on counters or after a barrier."""
-    from lmlab.kernels import decode_layers_triton as dl
+    from lmlab.kernels import decode_layers as dl
 
     monkeypatch.setattr(dl, "sm_count", lambda device: 3)
     monkeypatch.setattr(dl, "GEMV_TILE_ELEMS", 256)
