@@ -16,7 +16,10 @@ Backward recomputes the probabilities P = exp(S - LSE) block by block, so no seq
 ever stored. A dQ kernel runs first, one program per (query block, batch * head) looping over key
 blocks; it also stores delta = rowsum(dO * O) for its rows. A dK/dV kernel then runs one program
 per (key block, batch * kv head) that keeps its K/V tile resident and loops over the group's
-query heads and their query blocks, accumulating dK and dV in registers (no atomics). Causal attention skips
+query heads and their query blocks, accumulating dK and dV in registers (no atomics). Letting that kernel also
+add dQ with atomics would save the dQ kernel's recomputation of P and dP (five block matmuls instead of seven),
+but on an H200 it measured slower, with pointer atomics or TMA reductions (experiments/kernels/h200-2026-12-03c/,
+code at commit 0803e9c). Causal attention skips
 fully masked blocks and applies the mask only to the blocks on the diagonal. Each grid is 1-D and
 `_schedule` orders its programs: heads' blocks together for L2 reuse, and with causal attention the
 heavy blocks first so the grid ends without a tail.
@@ -66,14 +69,10 @@ _FWD_BLOCKS = ([(128, 64, 8, 4), (128, 64, 8, 3), (128, 128, 8, 3), (64, 64, 4, 
 _DKDV_BLOCKS = ([(64, 128, 8, 3), (64, 128, 8, 4), (32, 128, 4, 3), (32, 128, 4, 4), (32, 64, 4, 3)],
                 (32, 64, 4, 2), (16, 32, 4, 1))
 _DQ_BLOCKS = ([(128, 64, 8, 4), (128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3)], (64, 32, 4, 2), (32, 16, 4, 1))
-_DELTA_BLOCK_M = {False: 64, True: 16}  # rows per program of the delta kernel, on a GPU and interpreting
 
 
-def _autotune(blocks: tuple[list, tuple, tuple], resident: str, n_resident: int, streamed: str,
-              extra_key: tuple[str, ...] = (), reset_to_zero: tuple[str, ...] = ()):
-    """triton.autotune over `blocks`, keyed on head_dim, lengths, causal, group, `extra_key` and
-    (implicitly) dtype. Arguments in `reset_to_zero` are zeroed before each timed config and again
-    before the real launch, for kernels that accumulate into their output.
+def _autotune(blocks: tuple[list, tuple, tuple], resident: str, n_resident: int, streamed: str):
+    """triton.autotune over `blocks`, keyed on head_dim, lengths, causal, group and (implicitly) dtype.
 
     The pruner picks the float32 config for float32 inputs and drops 16-bit configs whose estimated
     shared memory won't fit: the tiles a program keeps resident (q; or k and v; or q and dO) plus two
@@ -97,8 +96,8 @@ def _autotune(blocks: tuple[list, tuple, tuple], resident: str, n_resident: int,
         return [c for c in configs if need(c) <= limit] or [min(configs, key=need)]
 
     configs = _configs([interpreter] if _INTERPRET else wide)
-    return triton.autotune(configs=configs, key=["HEAD_DIM", "SEQ_Q", "SEQ_K", "CAUSAL", "GROUP", *extra_key],
-                           prune_configs_by={"early_config_prune": prune}, reset_to_zero=list(reset_to_zero) or None)
+    return triton.autotune(configs=configs, key=["HEAD_DIM", "SEQ_Q", "SEQ_K", "CAUSAL", "GROUP"],
+                           prune_configs_by={"early_config_prune": prune})
 
 
 @triton.jit
@@ -226,15 +225,13 @@ def _fwd_kernel(Q, K, V, O, LSE,
 
 
 @triton.jit
-def _dkdv_inner(dk, dv, k, v, q_base, do_base, dq_base, lse_base, delta_base, stride_qm, stride_dom, stride_dqm,
-                start, end, offs_n, SEQ_Q, qk_scale, scale, MASKED: tl.constexpr, HEAD_DIM: tl.constexpr,
-                BLOCK_M: tl.constexpr, PREC: tl.constexpr, ATOMIC_DQ: tl.constexpr):
+def _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qm, stride_dom, start, end,
+                offs_n, SEQ_Q, qk_scale, MASKED: tl.constexpr, HEAD_DIM: tl.constexpr,
+                BLOCK_M: tl.constexpr, PREC: tl.constexpr):
     """Accumulates dK (unscaled) and dV of one key block over the query blocks in [start, end).
 
     Works in the transposed (key, query) orientation so P^T and dS^T feed the dots directly.
     Query rows past SEQ_Q load q = dO = 0 and LSE = +inf, so they contribute exactly nothing.
-    With ATOMIC_DQ, each query block's share of dQ (dS K, scaled) is also added into the float32
-    dq_base rows with atomics, so no separate dQ pass has to recompute P and dP.
     """
     offs_d = tl.arange(0, HEAD_DIM)
     for start_m in range(start, end, BLOCK_M):
@@ -249,24 +246,19 @@ def _dkdv_inner(dk, dv, k, v, q_base, do_base, dq_base, lse_base, delta_base, st
         dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=PREC)
         delta = tl.load(delta_base + offs_m, mask=row_ok, other=0.0)
         dp_t = tl.dot(v, tl.trans(do), input_precision=PREC)
-        ds_t = (p_t * (dp_t - delta[None, :])).to(q.dtype)
-        dk = tl.dot(ds_t, q, dk, input_precision=PREC)
-        if ATOMIC_DQ:
-            dq = tl.dot(tl.trans(ds_t), k, input_precision=PREC) * scale
-            tl.atomic_add(dq_base + offs_m[:, None] * stride_dqm + offs_d[None, :], dq, mask=row_ok[:, None],
-                          sem="relaxed")
+        ds_t = p_t * (dp_t - delta[None, :])
+        dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=PREC)
     return dk, dv
 
 
-@_autotune(_DKDV_BLOCKS, "BLOCK_N", 2, "BLOCK_M", extra_key=("ATOMIC_DQ",), reset_to_zero=("DQ",))
+@_autotune(_DKDV_BLOCKS, "BLOCK_N", 2, "BLOCK_M")
 @triton.jit
-def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DQ,
+def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV,
                      stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
                      stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_dom,
                      stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
-                     stride_dqb, stride_dqh, stride_dqm,
                      H, GROUP, SEQ_Q, SEQ_K, qk_scale, scale, N_SMS,
-                     HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, PREC: tl.constexpr, ATOMIC_DQ: tl.constexpr,
+                     HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, PREC: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     # Early key blocks see the most (causal) queries: they are the heavy ones.
     pid_n, bkv = _schedule(tl.cdiv(SEQ_K, BLOCK_N), tl.num_programs(0) // tl.cdiv(SEQ_K, BLOCK_N), N_SMS,
@@ -289,45 +281,25 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DQ,
         h = kvh * GROUP + g
         q_base = Q + b * stride_qb + h * stride_qh
         do_base = DO + b * stride_dob + h * stride_doh
-        dq_base = DQ + b * stride_dqb + h * stride_dqh
         row_base = (b * H + h) * SEQ_Q
         if CAUSAL:
             # Queries before start_n see none of these keys; those in [start_n, start_n + BLOCK_N)
             # straddle the diagonal and need the mask; later ones see the whole block.
             diag_end = tl.minimum(start_n + BLOCK_N, SEQ_Q)
-            dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, dq_base, LSE + row_base, DELTA + row_base,
-                                 stride_qm, stride_dom, stride_dqm, start_n, diag_end, offs_n, SEQ_Q, qk_scale,
-                                 scale, True, HEAD_DIM, BLOCK_M, PREC, ATOMIC_DQ)
+            dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, LSE + row_base, DELTA + row_base,
+                                 stride_qm, stride_dom, start_n, diag_end, offs_n, SEQ_Q, qk_scale,
+                                 True, HEAD_DIM, BLOCK_M, PREC)
             lo = diag_end
         else:
             lo = 0
-        dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, dq_base, LSE + row_base, DELTA + row_base,
-                             stride_qm, stride_dom, stride_dqm, lo, SEQ_Q, offs_n, SEQ_Q, qk_scale,
-                             scale, False, HEAD_DIM, BLOCK_M, PREC, ATOMIC_DQ)
+        dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, LSE + row_base, DELTA + row_base,
+                             stride_qm, stride_dom, lo, SEQ_Q, offs_n, SEQ_Q, qk_scale,
+                             False, HEAD_DIM, BLOCK_M, PREC)
 
     tl.store(DK + b * stride_dkb + kvh * stride_dkh + offs_n[:, None] * stride_dkn + offs_d[None, :],
              (dk * scale).to(DK.dtype.element_ty), mask=col_ok[:, None])
     tl.store(DV + b * stride_dvb + kvh * stride_dvh + offs_n[:, None] * stride_dvn + offs_d[None, :],
              dv.to(DV.dtype.element_ty), mask=col_ok[:, None])
-
-
-@triton.jit
-def _bwd_delta_kernel(O, DO, DELTA, DQ, stride_ob, stride_oh, stride_om, stride_dob, stride_doh, stride_dom,
-                      H, SEQ_Q, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr):
-    """delta = rowsum(dO * O) of one query block, and zeros in its rows of the float32 dQ the dK/dV
-    kernel adds into (contiguous, batch x heads x seq x head_dim)."""
-    bh = tl.program_id(1).to(tl.int64)
-    b, h = bh // H, bh % H
-    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, HEAD_DIM)
-    row_ok = offs_m < SEQ_Q
-    o = tl.load(O + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_om + offs_d[None, :],
-                mask=row_ok[:, None], other=0.0)
-    do = tl.load(DO + b * stride_dob + h * stride_doh + offs_m[:, None] * stride_dom + offs_d[None, :],
-                 mask=row_ok[:, None], other=0.0)
-    tl.store(DELTA + bh * SEQ_Q + offs_m, tl.sum(o.to(tl.float32) * do.to(tl.float32), 1), mask=row_ok)
-    tl.store(DQ + (bh * SEQ_Q + offs_m[:, None]) * HEAD_DIM + offs_d[None, :],
-             tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32), mask=row_ok[:, None])
 
 
 @triton.jit
@@ -422,57 +394,42 @@ def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: fl
 
 @torch.library.custom_op("lmlab::flash_attention_triton_bwd", mutates_args=())
 def _backward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
-                 d_out: torch.Tensor, causal: bool, scale: float, deterministic: bool
+                 d_out: torch.Tensor, causal: bool, scale: float
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """4-D tensors from the forward plus d_out -> contiguous (dq, dk, dv) in the input dtype.
-
-    By default the dK/dV kernel also adds each block's share of dQ into a float32 buffer with
-    atomics: five block matmuls per (query, key) block pair. `deterministic` runs a dQ kernel of
-    its own instead, which recomputes P and dP (seven matmuls) but sums in a fixed order.
-    """
+    """4-D tensors from the forward plus d_out -> contiguous (dq, dk, dv) in the input dtype."""
     q, k, v, out, d_out = (_last_dim_contiguous(x) for x in (q, k, v, out, d_out))
     batch, heads, seq_q, head_dim = q.shape
     kv_heads, seq_k = k.shape[1], k.shape[2]
     group = heads // kv_heads
     delta = torch.empty_like(lse)
+    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     prec = _precision(q.dtype)
     n_sms = _sm_count(q.device)
 
-    if deterministic:
-        dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-        dq_sum = dq.new_empty(0, 0, 0)  # the dK/dV kernel adds nothing into it
+    # dQ first: it also computes delta, which the dK/dV kernel reads.
+    def dq_grid(meta: dict) -> tuple[int]:
+        return (triton.cdiv(seq_q, meta["BLOCK_M"]) * batch * heads,)
 
-        def dq_grid(meta: dict) -> tuple[int]:
-            return (triton.cdiv(seq_q, meta["BLOCK_M"]) * batch * heads,)
-
-        # It also computes delta, which the dK/dV kernel reads.
-        _bwd_dq_kernel[dq_grid](
-            q, k, v, out, d_out, lse, delta, dq, *_strides(q), *_strides(k), *_strides(v), *_strides(out),
-            *_strides(d_out), *_strides(dq), heads, group, seq_q, seq_k, scale * _LOG2E, scale, n_sms,
-            HEAD_DIM=head_dim, CAUSAL=causal, PREC=prec)
-    else:
-        dq_sum = torch.empty(q.shape, dtype=torch.float32, device=q.device)
-        block = _DELTA_BLOCK_M[_INTERPRET]
-        _bwd_delta_kernel[(triton.cdiv(seq_q, block), batch * heads)](
-            out, d_out, delta, dq_sum, *_strides(out), *_strides(d_out), heads, seq_q, HEAD_DIM=head_dim,
-            BLOCK_M=block)
+    _bwd_dq_kernel[dq_grid](
+        q, k, v, out, d_out, lse, delta, dq, *_strides(q), *_strides(k), *_strides(v), *_strides(out),
+        *_strides(d_out), *_strides(dq), heads, group, seq_q, seq_k, scale * _LOG2E, scale, n_sms,
+        HEAD_DIM=head_dim, CAUSAL=causal, PREC=prec)
 
     def dkdv_grid(meta: dict) -> tuple[int]:
         return (triton.cdiv(seq_k, meta["BLOCK_N"]) * batch * kv_heads,)
 
     _bwd_dkdv_kernel[dkdv_grid](
-        q, k, v, d_out, lse, delta, dk, dv, dq_sum, *_strides(q), *_strides(k), *_strides(v), *_strides(d_out),
-        *_strides(dk), *_strides(dv), *_strides(dq_sum), heads, group, seq_q, seq_k,
-        scale * _LOG2E, scale, n_sms, HEAD_DIM=head_dim, CAUSAL=causal, PREC=prec, ATOMIC_DQ=not deterministic)
-    return (dq if deterministic else dq_sum.to(q.dtype)), dk, dv
+        q, k, v, d_out, lse, delta, dk, dv, *_strides(q), *_strides(k), *_strides(v), *_strides(d_out),
+        *_strides(dk), *_strides(dv), heads, group, seq_q, seq_k, scale * _LOG2E, scale, n_sms,
+        HEAD_DIM=head_dim, CAUSAL=causal, PREC=prec)
+    return dq, dk, dv
 
 
 @_backward_op.register_fake
 def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
-      d_out: torch.Tensor, causal: bool, scale: float, deterministic: bool
-      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+      d_out: torch.Tensor, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
@@ -532,8 +489,7 @@ class FlashAttentionTriton(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         if ctx.one_head:  # the kernels take a head axis
             q, k, v, out, lse, d_out = (t[:, None] for t in (q, k, v, out, lse, d_out))
-        dq, dk, dv = _backward_op(q, k, v, out, lse, d_out, ctx.causal, ctx.scale,
-                                  torch.are_deterministic_algorithms_enabled())
+        dq, dk, dv = _backward_op(q, k, v, out, lse, d_out, ctx.causal, ctx.scale)
         if ctx.one_head:
             dq, dk, dv = dq[:, 0], dk[:, 0], dv[:, 0]
         return dq, dk, dv, None, None

@@ -181,44 +181,6 @@ def test_torch_compile_matches_eager() -> None:
                                grad_rtol=1e-4, grad_atol=1e-4)
 
 
-@gpu
-@pytest.mark.parametrize("causal", [False, True])
-def test_deterministic_backward_matches_and_repeats_bit_for_bit(causal: bool) -> None:
-    """Under torch.use_deterministic_algorithms the backward takes the dQ kernel (no atomics): it still matches the
-    reference, and two runs give the same bits; the default (atomic dQ) path agrees with it to rounding."""
-    q, k, v = inputs((1, 8, 257, 128), (1, 2, 257, 128), torch.bfloat16)
-    d_out = torch.randn(q.shape, device="cuda", dtype=torch.bfloat16)
-    before = torch.are_deterministic_algorithms_enabled()
-    torch.use_deterministic_algorithms(True, warn_only=True)
-    try:
-        check_against_reference(q, k, v, causal, d_out)
-        runs = [torch.autograd.grad(FlashAttentionTriton.apply(q, k, v, causal), (q, k, v), d_out) for _ in range(2)]
-    finally:
-        torch.use_deterministic_algorithms(before)
-    for a, b in zip(*runs):
-        assert torch.equal(a, b)
-    atomic = torch.autograd.grad(FlashAttentionTriton.apply(q, k, v, causal), (q, k, v), d_out)
-    for name, a, b in zip("qkv", atomic, runs[0]):
-        assert_near(a, b, torch.bfloat16, f"d{name}")
-
-
-@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
-                    reason="runs under Triton's CPU interpreter (TRITON_INTERPRET=1)")
-@pytest.mark.parametrize("deterministic", [False, True])
-@pytest.mark.parametrize("causal", [False, True])
-def test_both_backward_paths_under_the_interpreter(causal: bool, deterministic: bool) -> None:
-    """GQA with a ragged length, on CPU tensors: the interpreter's small blocks give several key and query blocks,
-    so atomic dQ sums over several key blocks and the causal diagonal is masked in both paths."""
-    gen = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(s, generator=gen).requires_grad_() for s in ((1, 4, 50, 32), (1, 2, 50, 32), (1, 2, 50, 32)))
-    before = torch.are_deterministic_algorithms_enabled()
-    torch.use_deterministic_algorithms(deterministic)
-    try:
-        check_against_reference(q, k, v, causal)
-    finally:
-        torch.use_deterministic_algorithms(before)
-
-
 # The input checks run before any launch, so these need neither CUDA nor the interpreter.
 cpu_checks = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1",
                                 reason="the interpreter accepts CPU tensors")
