@@ -34,9 +34,10 @@ BLOCK_K, NUM_WARPS, PROGRAMS_PER_SM = 256, 4, 3
 # Matrix-vector path (batch 1): weights per tile (a few rows over the whole input width, loaded whole; a program
 # issues the next item's tiles before it reduces the current ones, so bytes stay in flight), warps, programs per SM.
 GEMV_TILE_ELEMS, GEMV_NUM_WARPS, GEMV_PROGRAMS_PER_SM = 8192, 4, 2
-# gate/up's items hold two tiles (a gate and an up row block), so at GEMV_TILE_ELEMS each they are twice the other
-# stages' items, and llama400m's 352 of them leave 88 of 264 programs two: its own size, for the sweep
-GEMV_GATE_UP_TILE_ELEMS = 8192
+# gate/up's items hold two tiles (a gate and an up row block), so at GEMV_TILE_ELEMS each they would be twice the
+# other stages' items: its own size, for the sweep. At 4096, llama400m's 704 items spread over 264 programs, and the
+# layer stack took 547 us against 599 us at 8192 (same process; experiments/inference/h200-2026-12-03c/)
+GEMV_GATE_UP_TILE_ELEMS = 4096
 # o_proj without a grid barrier: items of (head, output rows) wait on their kv head's attention splits and add into a
 # float32 sum with atomics (else a barrier, then whole-row tiles as in down)
 GEMV_O_PROJ_ON_COUNTERS = True
