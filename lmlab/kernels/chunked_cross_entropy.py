@@ -9,7 +9,8 @@ the non-ignored rows (with label smoothing) and, asked for, the mean squared log
 logit and (for label smoothing) the logits' sum; the backward recomputes each tile's softmax from
 the saved log-sum-exp and adds its share to d_hidden and d_weight. With 32k tokens and a 50k
 vocabulary that is the difference between 3.3 GB of bf16 logits (and as much again for their
-gradient) and one 64 MB float32 tile.
+gradient) and 256 MB float32 tiles. On CUDA each row chunk's walk over the vocabulary is one compiled
+graph (forward, and again backward), so a step makes a few calls, not one per tile.
 
 The tile's matmul runs in the inputs' dtype (under autocast, in autocast's), as the model's own head
 would, and everything after it, the losses too, in float32 (float64 for float64 inputs). Gradients come
@@ -24,8 +25,11 @@ from typing import Any
 
 import torch
 
-CHUNK_SIZE = 2048
-VOCAB_CHUNK_SIZE = 8192
+# On an H200 at 32768 tokens x d 1024 x vocabulary 50304 (bf16, forward+backward; experiments/kernels/
+# h200-2026-12-03c/linear-ce-tiles.txt): 2048 x 8192 tiles 34.9 ms and 740 MiB, these 29.4 ms and 1,162 MiB,
+# 8192 x 16384 28.2 ms and 1,964 MiB; F.linear + cross-entropy compiled 18.3 ms and 3,306 MiB.
+CHUNK_SIZE = 4096
+VOCAB_CHUNK_SIZE = 16384
 
 
 def _check(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, ignore_index: int,
@@ -63,8 +67,9 @@ def _logits(h: torch.Tensor, w: torch.Tensor, acc: torch.dtype, multiplier: floa
 
 def _on_cuda_compiled(fn):
     """`fn` under torch.compile for CUDA tensors, where Inductor fuses a tile's softmax passes into one or two
-    kernels (eager, the tile's float32 passes made the loss 5x slower than the compiled unfused one); as written
-    elsewhere (the CPU, where compiling each tile shape would cost more than it saves)."""
+    kernels and a row chunk's tiles into one graph (eager, the tiles' float32 passes and launches made the loss 5x
+    slower than the compiled unfused one); as written elsewhere (the CPU, where compiling each shape would cost
+    more than it saves)."""
     compiled = torch.compile(fn, dynamic=False)
 
     @functools.wraps(fn)
@@ -76,33 +81,53 @@ def _on_cuda_compiled(fn):
 
 
 @_on_cuda_compiled
-def _tile_forward(h: torch.Tensor, w: torch.Tensor, local: torch.Tensor, acc: torch.dtype, multiplier: float,
-                  softcap: float | None, smoothing: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One tile's (log-sum-exp, target logit or 0 where the target lies in another tile, logits' sum) per row."""
-    logits = _logits(h, w, acc, multiplier, softcap)
-    here = (local >= 0) & (local < logits.shape[1])
-    target = logits.gather(1, local.clamp(0, logits.shape[1] - 1)[:, None])[:, 0] * here
-    total = logits.sum(dim=-1) if smoothing else torch.zeros_like(target)
-    return torch.logsumexp(logits, dim=-1), target, total
+def _rows_forward(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, acc: torch.dtype, multiplier: float,
+                  softcap: float | None, smoothing: bool, vocab_chunk_size: int
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(log-sum-exp, target logit, logits' sum or zeros) per row of a chunk, a vocabulary tile at a time. Compiled,
+    the loop over tiles unrolls into one graph: one call per row chunk, with the tiles' running statistics fused
+    into their reductions."""
+    lse = torch.full(h.shape[:1], float("-inf"), dtype=acc, device=h.device)
+    target = torch.zeros(h.shape[:1], dtype=acc, device=h.device)
+    total = torch.zeros_like(target)
+    for v0 in range(0, weight.shape[0], vocab_chunk_size):
+        logits = _logits(h, weight[v0:v0 + vocab_chunk_size], acc, multiplier, softcap)
+        local = targets - v0
+        here = (local >= 0) & (local < logits.shape[1])
+        target = target + logits.gather(1, local.clamp(0, logits.shape[1] - 1)[:, None])[:, 0] * here
+        if smoothing:
+            total = total + logits.sum(dim=-1)
+        lse = torch.logaddexp(lse, torch.logsumexp(logits, dim=-1))
+    return lse, target, total
 
 
 @_on_cuda_compiled
-def _tile_backward(h: torch.Tensor, w: torch.Tensor, local: torch.Tensor, lse: torch.Tensor, ce_scale: torch.Tensor,
-                   z_scale: torch.Tensor, acc: torch.dtype, label_smoothing: float, vocab: int, multiplier: float,
-                   softcap: float | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """One tile's shares of d_hidden and d_weight."""
-    logits = _logits(h, w, acc, multiplier, softcap)
-    # d logits = softmax - (1 - eps) one_hot(target) - eps / V for the loss, 2 lse softmax for z.
-    d_logits = torch.exp(logits - lse[:, None]) * (ce_scale + z_scale)[:, None]
-    here = (local >= 0) & (local < logits.shape[1])
-    d_logits = d_logits.scatter_add(1, local.clamp(0, logits.shape[1] - 1)[:, None],
-                                    (-(1 - label_smoothing) * ce_scale * here)[:, None])
-    if label_smoothing:
-        d_logits = d_logits - (label_smoothing / vocab) * ce_scale[:, None]
-    if softcap is not None:  # d/dx c tanh(x / c) = 1 - tanh^2, with tanh = logits / c
-        d_logits = d_logits * (1 - (logits / softcap).pow(2))
-    d_raw = d_logits * multiplier
-    return d_raw.to(w.dtype) @ w, d_raw.T.to(h.dtype) @ h
+def _rows_backward(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor,
+                   ce_scale: torch.Tensor, z_scale: torch.Tensor, acc: torch.dtype, label_smoothing: float,
+                   multiplier: float, softcap: float | None, vocab_chunk_size: int
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """A row chunk's d_hidden (in `acc`) and its share of d_weight, a vocabulary tile at a time (one call per chunk
+    when compiled)."""
+    vocab = weight.shape[0]
+    d_hidden = torch.zeros(h.shape, dtype=acc, device=h.device)
+    d_weight = []
+    for v0 in range(0, vocab, vocab_chunk_size):
+        w = weight[v0:v0 + vocab_chunk_size]
+        logits = _logits(h, w, acc, multiplier, softcap)
+        # d logits = softmax - (1 - eps) one_hot(target) - eps / V for the loss, 2 lse softmax for z.
+        d_logits = torch.exp(logits - lse[:, None]) * (ce_scale + z_scale)[:, None]
+        local = targets - v0
+        here = (local >= 0) & (local < logits.shape[1])
+        d_logits = d_logits.scatter_add(1, local.clamp(0, logits.shape[1] - 1)[:, None],
+                                        (-(1 - label_smoothing) * ce_scale * here)[:, None])
+        if label_smoothing:
+            d_logits = d_logits - (label_smoothing / vocab) * ce_scale[:, None]
+        if softcap is not None:  # d/dx c tanh(x / c) = 1 - tanh^2, with tanh = logits / c
+            d_logits = d_logits * (1 - (logits / softcap).pow(2))
+        d_raw = d_logits * multiplier
+        d_hidden = d_hidden + (d_raw.to(w.dtype) @ w).to(acc)
+        d_weight.append(d_raw.T.to(h.dtype) @ h)
+    return d_hidden, torch.cat(d_weight)
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
@@ -115,18 +140,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
         n, vocab = hidden.shape[0], weight.shape[0]
         kept = targets != ignore_index
         safe_targets = targets.masked_fill(~kept, 0)  # any valid index; those rows are masked out
-        lse = torch.full((n,), float("-inf"), dtype=acc, device=hidden.device)
-        target_logit = torch.zeros(n, dtype=acc, device=hidden.device)
-        logit_sum = torch.zeros(n, dtype=acc, device=hidden.device)
-        for r0 in range(0, n, chunk_size):
-            rows = slice(r0, r0 + chunk_size)
-            for v0 in range(0, vocab, vocab_chunk_size):
-                tile_lse, target, total = _tile_forward(hidden[rows], weight[v0:v0 + vocab_chunk_size],
-                                                        safe_targets[rows] - v0, acc, multiplier, softcap,
-                                                        bool(label_smoothing))
-                lse[rows] = torch.logaddexp(lse[rows], tile_lse)
-                target_logit[rows] += target
-                logit_sum[rows] += total
+        stats = [_rows_forward(hidden[r0:r0 + chunk_size], weight, safe_targets[r0:r0 + chunk_size], acc, multiplier,
+                               softcap, bool(label_smoothing), vocab_chunk_size) for r0 in range(0, n, chunk_size)]
+        lse, target_logit, logit_sum = (torch.cat(parts) for parts in zip(*stats))
         # Label smoothing mixes in the uniform target: (1 - eps) (lse - x_t) + eps (lse - mean_j x_j).
         ce_rows = lse - (1 - label_smoothing) * target_logit - label_smoothing * logit_sum / vocab
         n_kept = kept.sum()
@@ -142,22 +158,18 @@ class _LinearCrossEntropy(torch.autograd.Function):
         hidden, weight, safe_targets, kept, lse, n_kept = ctx.saved_tensors
         label_smoothing, multiplier, softcap, chunk_size, vocab_chunk_size = ctx.settings
         acc = lse.dtype
-        vocab = weight.shape[0]
         # clamp: with every target ignored, every row's gradient is masked to zero anyway (as in torch).
         scale = kept.to(acc) / n_kept.clamp(min=1)
         ce_scale, z_scale = scale * d_ce.to(acc), scale * d_z.to(acc) * 2 * lse  # d(lse^2) = 2 lse d(lse)
-        d_hidden = torch.zeros(hidden.shape, dtype=acc, device=hidden.device)
+        d_hidden = torch.empty(hidden.shape, dtype=hidden.dtype, device=hidden.device)
         d_weight = torch.zeros(weight.shape, dtype=acc, device=weight.device)
         for r0 in range(0, hidden.shape[0], chunk_size):
             rows = slice(r0, r0 + chunk_size)
-            for v0 in range(0, vocab, vocab_chunk_size):
-                cols = slice(v0, v0 + vocab_chunk_size)
-                d_h, d_w = _tile_backward(hidden[rows], weight[cols], safe_targets[rows] - v0, lse[rows],
-                                          ce_scale[rows], z_scale[rows], acc, label_smoothing, vocab, multiplier,
-                                          softcap)
-                d_hidden[rows] += d_h
-                d_weight[cols] += d_w
-        return d_hidden.to(hidden.dtype), d_weight.to(weight.dtype), None, None, None, None, None, None, None
+            d_h, d_w = _rows_backward(hidden[rows], weight, safe_targets[rows], lse[rows], ce_scale[rows],
+                                      z_scale[rows], acc, label_smoothing, multiplier, softcap, vocab_chunk_size)
+            d_hidden[rows] = d_h
+            d_weight += d_w
+        return d_hidden, d_weight.to(weight.dtype), None, None, None, None, None, None, None
 
 
 def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100,

@@ -177,7 +177,7 @@ def test_compiled_tiles_match_the_eager_ones(monkeypatch) -> None:
     args = (hidden, weight, targets, -100, 0.1, True, 0.5, 3.0, 16, 24)
     eager = linear_cross_entropy(*args)
     eager_grads = torch.autograd.grad(eager[0] + 0.1 * eager[1], (hidden, weight))
-    for name in ("_tile_forward", "_tile_backward"):
+    for name in ("_rows_forward", "_rows_backward"):
         monkeypatch.setattr(module, name, getattr(module, name).compiled)
     compiled = linear_cross_entropy(*args)
     torch.testing.assert_close(compiled, eager, **TOL[torch.float32])
