@@ -5,8 +5,7 @@
 llama400m (vocab 50304, random weights, bf16), one token per sequence at slot 255 of a 384-slot cache: the layer
 stack (`decode_layers`) replayed from a CUDA graph, medians of the last 40 of 50 replays, launched stage by stage and
 persistent for each setting of programs per SM, tile size (GEMV_TILE_ELEMS and GEMV_GATE_UP_TILE_ELEMS at batch 1,
-BLOCK_K above), warps and, at batch 1, how o_proj waits (GEMV_O_PROJ_ON_COUNTERS) and whether down runs in gate/up's
-stage (GEMV_DOWN_IN_GATE_UP);
+BLOCK_K above), warps and, at batch 1, how o_proj waits (GEMV_O_PROJ_ON_COUNTERS);
 with it, each stage's GPU time from the stage-by-stage launches (torch.profiler). Then `lmlab bench generate`'s rows
 (128-token prompts, 256 new tokens) for the megakernel, each batch with its fastest setting, and for the compiled
 engine, in the same process, and the GPU time per generated token of each engine's kernels (torch.profiler over one
@@ -29,8 +28,7 @@ from lmlab.kernels import decode_layers as dl
 
 # Batch 1 takes the matrix-vector path, larger batches the tensor-core tiles: each has its own settings.
 # (2026-12-03, experiments/inference/h200-2026-12-03/: 16384-weight tiles spill registers with 4 warps.)
-SETTINGS = {True: {"GEMV_O_PROJ_ON_COUNTERS": (False, True), "GEMV_DOWN_IN_GATE_UP": (False, True),
-                   "GEMV_PROGRAMS_PER_SM": (1, 2),
+SETTINGS = {True: {"GEMV_O_PROJ_ON_COUNTERS": (False, True), "GEMV_PROGRAMS_PER_SM": (1, 2),
                    "GEMV_TILE_ELEMS": (4096, 8192), "GEMV_GATE_UP_TILE_ELEMS": (4096, 8192), "GEMV_NUM_WARPS": (4, 8)},
             False: {"PROGRAMS_PER_SM": (2, 3), "BLOCK_K": (256, 512), "NUM_WARPS": (4, 8)}}
 STAGES = ("qkv", "attention", "o_proj", "gate_up", "down")

@@ -41,11 +41,6 @@ GEMV_GATE_UP_TILE_ELEMS = 4096
 # o_proj without a grid barrier: items of (head, output rows) wait on their kv head's attention splits and add into a
 # float32 sum with atomics (else a barrier, then whole-row tiles as in down)
 GEMV_O_PROJ_ON_COUNTERS = True
-# down inside gate/up's stage (with o_proj on counters): an item's activations go straight into down's matching
-# columns and each program adds its share of down's output into a float32 sum, so no grid barrier waits for the whole
-# activation vector (two barriers a layer instead of three). Checked stage by stage under Triton's interpreter; off
-# until it is timed and tested on a GPU (experiments/inference/sweep_megakernel.py --only GEMV_DOWN_IN_GATE_UP)
-GEMV_DOWN_IN_GATE_UP = False
 GEMV_MAX_WIDTH = 8192  # wider inputs take the tensor-core path (a whole row per tile would not fit in registers)
 NUM_STAGES = 3
 
@@ -170,18 +165,13 @@ def launch_plan(x, qkv, o, gate_up, down, norm_attn, norm_ffn, k_cache, v_cache,
     kp_model, kp_attn, kp_ff = (triton.next_power_of_2(w) for w in (d_model, n_heads * head_dim, d_ff))
     gemv = batch == 1 and max(kp_model, kp_attn, kp_ff) <= GEMV_MAX_WIDTH
     split_o = gemv and GEMV_O_PROJ_ON_COUNTERS
-    fused_down = split_o and GEMV_DOWN_IN_GATE_UP
     # Zeroed in one fill: the counters (the grid barrier's, each kv head's finished q/k/v items, each (sequence, kv
-    # head)'s finished attention splits) and, on the matrix-vector path, each layer's o_proj sums and, with down in
-    # gate/up's stage, its down sums (float32 zeros)
+    # head)'s finished attention splits) and, on the matrix-vector path, each layer's o_proj sums (float32 zeros)
     counters = 1 + n_kv_heads + batch * n_kv_heads
-    sums = n_layers * d_model if gemv else 0
-    sync = torch.zeros(counters + sums * (2 if fused_down else 1), dtype=torch.int32, device=x.device)
-    arrived = sync[1 + n_kv_heads:counters]
-    o_acc, d_acc = sync[counters:counters + sums].view(torch.float32), sync[counters + sums:].view(torch.float32)
-    streams = torch.empty(2 if fused_down else 0, d_model, **f32)  # the residual stream, by layer parity
+    sync = torch.zeros(counters + (n_layers * d_model if gemv else 0), dtype=torch.int32, device=x.device)
+    arrived, o_acc = sync[1 + n_kv_heads:counters], sync[counters:].view(torch.float32)
     args = (residual, qkv, o, gate_up, down, norm_attn, norm_ffn, k_cache, v_cache, q, part_out, part_lse, attn,
-            arrived, act, cos, sin, slots, start, sync, o_acc, d_acc, streams)
+            arrived, act, cos, sin, slots, start, sync, o_acc)
     meta = dict(BB=1 if gemv else max(16, triton.next_power_of_2(batch)), HEAD_DIM=head_dim, GROUP=group,
                 BLOCK_M=max(16, triton.next_power_of_2(group)), BLOCK_N=32,
                 BLOCK_SPLIT=triton.next_power_of_2(split), BLOCK_K=BLOCK_K, INTERLEAVED=interleaved,
@@ -189,7 +179,7 @@ def launch_plan(x, qkv, o, gate_up, down, norm_attn, norm_ffn, k_cache, v_cache,
                 num_warps=GEMV_NUM_WARPS if gemv else NUM_WARPS,
                 GEMV=gemv, KP_MODEL=kp_model, KP_FF=kp_ff, T_QKV=_tile_rows(kp_model, head_dim // 2) if gemv else 16,
                 T_O=_tile_rows(head_dim if split_o else kp_attn), T_GU=_tile_rows(kp_model, elems=GEMV_GATE_UP_TILE_ELEMS), T_D=_tile_rows(kp_ff),
-                KP_ATTN=kp_attn, SPLIT_O=split_o, FUSED_DOWN=fused_down)
+                KP_ATTN=kp_attn, SPLIT_O=split_o)
     shape = (batch, d_model, d_ff, n_heads, n_kv_heads, split, eps, scale * LOG2E,
              k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), k_cache.stride(3))
     return LaunchPlan(args, shape, meta, GEMV_PROGRAMS_PER_SM if gemv else PROGRAMS_PER_SM)

@@ -21,11 +21,7 @@ and all programs meet at a grid-wide barrier (an atomic counter) before o_proj, 
 qkv. With GEMV_O_PROJ_ON_COUNTERS at batch 1, o_proj has no barrier: its items are (head, output rows), each waits
 for its kv head's splits (their count), combines that head's splits itself and adds its share into a per-layer
 float32 sum with atomics, which gate/up and down read with the residual (the sums' order, so the last bits, then
-vary from run to run). With GEMV_DOWN_IN_GATE_UP too, down has no stage of its own: each gate/up item multiplies
-its activations into down's matching columns, and each program adds its share of down's output into a second
-per-layer sum, read by the next layer with the first; the stream a layer starts from is kept by layer parity in a
-two-row buffer, so no program overwrites a row another may still be reading. Two barriers a layer remain, before
-gate/up and before the next qkv. The residual stream stays in float32 for the whole step. The matmuls take one of two paths:
+vary from run to run). The residual stream stays in float32 for the whole step. The matmuls take one of two paths:
   batch 1    matrix-vector products: a work item is a few weight rows over the whole input width, loaded as one
              tile and reduced on the CUDA cores. A program issues the loads of its next item before it reduces
              the current one, and those of a stage's first item before the barrier that opens the stage, so the
@@ -195,15 +191,14 @@ def _qkv_tiles(W, item, n_items, d_model, HEAD_DIM: tl.constexpr, PAIRS: tl.cons
 
 
 @triton.jit
-def _qkv_gemv(x, NormW, W, Q, Kc, Vc, Cos, Sin, Sync, Slots, Start, pid, n_programs, n_items, eps, sc_b, sc_h, sc_l,
+def _qkv_gemv(X, NormW, W, Q, Kc, Vc, Cos, Sin, Sync, Slots, Start, pid, n_programs, n_items, eps, sc_b, sc_h, sc_l,
               d_model, n_heads, n_kv_heads, w1, w2,
               HEAD_DIM: tl.constexpr, PAIRS: tl.constexpr, INTERLEAVED: tl.constexpr, KP: tl.constexpr):
-    """_qkv_stage for one sequence, as matrix-vector products, of its residual row x (float32, KP); w1, w2: the
-    first item's tiles, already loading."""
+    """_qkv_stage for one sequence, as matrix-vector products; w1, w2: the first item's tiles, already loading."""
     rows = tl.arange(0, 1)
     slot = tl.load(Slots)
     pos = tl.maximum(slot - tl.load(Start + rows), 0)
-    x, inv_rms = _normed_row(x, NormW, d_model, eps, KP)
+    x, inv_rms = _normed_row(_row(X, d_model, KP), NormW, d_model, eps, KP)
     for item in range(pid, n_items, n_programs):
         next1, next2 = _qkv_tiles(W, item + n_programs, n_items, d_model, HEAD_DIM, PAIRS, INTERLEAVED, KP)
         head, freq, first, second = _qkv_rows(item, HEAD_DIM, PAIRS, INTERLEAVED)
@@ -358,58 +353,6 @@ def _gate_up_gemv(X, OAcc, NormW, W, Act, pid, n_programs, eps, d_model, d_ff, g
 
 
 @triton.jit
-def _down_tile(W, item, d_model, d_ff, TILE: tl.constexpr, KP: tl.constexpr):
-    """down's columns for gate/up's item: W[:, item's TILE columns] of the (d_model, d_ff) matrix, a (KP, TILE)
-    tile (TILE contiguous weights a row; the neighbouring items, on other programs at the same time, read the rest
-    of each 32-byte sector, from L2)."""
-    cols = item * TILE + tl.arange(0, TILE)
-    ks = tl.arange(0, KP)
-    return tl.load(W + ks[:, None] * d_ff + cols[None, :], mask=(ks < d_model)[:, None] & (cols < d_ff)[None, :],
-                   other=0.0, eviction_policy="evict_first")
-
-
-@triton.jit
-def _gate_up_down_gemv(X, OAcc, NormW, Wgu, Wd, DAcc, pid, n_programs, eps, d_model, d_ff, gate_w, up_w, down_w,
-                       TILE: tl.constexpr, KP: tl.constexpr):
-    """gate/up and down in one stage, for one sequence whose residual is X + OAcc: an item's TILE activations,
-    silu(gate) * up, go straight into down's matching columns, so no grid barrier waits for every activation. A
-    program sums its items' shares of down's output in registers and adds them into DAcc with atomics once (the next
-    layer reads the residual as X + OAcc + DAcc). gate_w, up_w, down_w: the first item's tiles, already loading."""
-    x, inv_rms = _normed_row(_row(X, d_model, KP) + _row(OAcc, d_model, KP), NormW, d_model, eps, KP)
-    out = tl.zeros([KP], dtype=tl.float32)
-    n_items = tl.cdiv(d_ff, TILE)
-    for item in range(pid, n_items, n_programs):
-        next_gate, next_up = _gate_up_tiles(Wgu, item + n_programs, d_model, d_ff, TILE, KP)
-        next_down = _down_tile(Wd, item + n_programs, d_model, d_ff, TILE, KP)
-        act = _swiglu(_normed_gemv(gate_w, x, inv_rms), _normed_gemv(up_w, x, inv_rms), Wd.dtype.element_ty)
-        out += _gemv(down_w, act.to(tl.float32))
-        gate_w, up_w, down_w = next_gate, next_up, next_down
-    ks = tl.arange(0, KP)
-    tl.atomic_add(DAcc + ks, out, mask=(ks < d_model) & (pid < n_items), sem="relaxed", scope="gpu")
-
-
-@triton.jit
-def _residual_row(X, Xbuf, OAcc, DAcc, layer, d_model, KP: tl.constexpr):
-    """With down fused into gate/up: the residual entering `layer`, X (the input) at layer 0, else the last
-    layer's stream (Xbuf[(layer - 1) % 2]) plus its o_proj and down sums (its rows of OAcc and DAcc)."""
-    if layer == 0:
-        x = _row(X, d_model, KP)
-    else:
-        x = (_row(Xbuf + ((layer - 1) % 2) * d_model, d_model, KP) + _row(OAcc + (layer - 1) * d_model, d_model, KP)
-             + _row(DAcc + (layer - 1) * d_model, d_model, KP))
-    return x
-
-
-@triton.jit
-def _store_share(Dst, x, pid, n_programs, d_model, KP: tl.constexpr):
-    """This program's share of the columns of the row x into Dst: every program holds the whole row, each writes
-    its own slice."""
-    ks = tl.arange(0, KP)
-    share = tl.cdiv(d_model, n_programs)
-    tl.store(Dst + ks, x, mask=(ks >= pid * share) & (ks < (pid + 1) * share) & (ks < d_model))
-
-
-@triton.jit
 def _add_tile(W, item, d_model, width, TILE: tl.constexpr, KP: tl.constexpr):
     cols = item * TILE + tl.arange(0, TILE)
     return _tile(W, cols, cols < d_model, width, KP)
@@ -449,18 +392,16 @@ def _residual_matmul(X, OAcc, W, In, Sync, target, rows, row_ok, pid, n_programs
 
 @triton.jit
 def layers_kernel(X, Wqkv, Wo, Wgu, Wd, Norm1, Norm2, Kc, Vc, Q, PartO, PartL, Attn, Arrived, Act, Cos, Sin, Slots,
-                   Start, Sync, OAcc, DAcc, Xbuf, layer_lo, layer_hi, batch, d_model, d_ff, n_heads, n_kv_heads, n_split, eps,
+                   Start, Sync, OAcc, layer_lo, layer_hi, batch, d_model, d_ff, n_heads, n_kv_heads, n_split, eps,
                    qk_scale, sc_layer, sc_b, sc_h, sc_l,
                    STAGE: tl.constexpr, BB: tl.constexpr, HEAD_DIM: tl.constexpr, GROUP: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SPLIT: tl.constexpr, BLOCK_K: tl.constexpr,
                    INTERLEAVED: tl.constexpr, PREC: tl.constexpr, GEMV: tl.constexpr, KP_MODEL: tl.constexpr,
                    KP_ATTN: tl.constexpr, KP_FF: tl.constexpr, T_QKV: tl.constexpr, T_O: tl.constexpr,
-                   T_GU: tl.constexpr, T_D: tl.constexpr, SPLIT_O: tl.constexpr, FUSED_DOWN: tl.constexpr):
+                   T_GU: tl.constexpr, T_D: tl.constexpr, SPLIT_O: tl.constexpr):
     """STAGE -1: every stage of layers [layer_lo, layer_hi) with a grid barrier before each stage but the first (and
     on the GEMV path but o_proj, whose items wait on counters); else that stage only. GEMV: batch 1, matrix-vector
-    tiles whose first loads are issued before the barrier; o_proj adds into OAcc[layer], not X. FUSED_DOWN (with
-    SPLIT_O): down runs inside gate/up's stage and adds into DAcc[layer]; each layer's qkv stage writes the stream it
-    read to Xbuf[layer % 2], and X gets the last layer's output at the end (stage 4 when staged)."""
+    tiles whose first loads are issued before the barrier; o_proj adds into OAcc[layer], not X."""
     pid = tl.program_id(0)
     n_programs = tl.num_programs(0)
     rows = tl.arange(0, BB)
@@ -468,27 +409,21 @@ def layers_kernel(X, Wqkv, Wo, Wgu, Wd, Norm1, Norm2, Kc, Vc, Q, PartO, PartL, A
     qkv_rows = (n_heads + 2 * n_kv_heads) * HEAD_DIM
     n_qkv_items = (n_heads + 2 * n_kv_heads) * (HEAD_DIM // 2 // T_QKV)
     width = n_heads * HEAD_DIM
-    BARRIERS: tl.constexpr = 2 if FUSED_DOWN else (3 if SPLIT_O else 4)  # per layer
-    GATE_UP_BARRIER: tl.constexpr = 1 if FUSED_DOWN else BARRIERS - 2  # its place among a layer's barriers
+    BARRIERS: tl.constexpr = 3 if SPLIT_O else 4  # per layer
     for layer in range(layer_lo, layer_hi):
         at = tl.cast(layer, tl.int64)
         arrivals = (layer - layer_lo) * BARRIERS * n_programs  # every program's arrivals at earlier layers' barriers
         kc, vc = Kc + at * sc_layer, Vc + at * sc_layer
         wqkv, wo = Wqkv + at * qkv_rows * d_model, Wo + at * d_model * width
         wgu, wd = Wgu + at * 2 * d_ff * d_model, Wd + at * d_model * d_ff
-        o_acc, d_acc, x_now = OAcc + at * d_model, DAcc + at * d_model, Xbuf + (layer % 2) * d_model
+        o_acc = OAcc + at * d_model
         if STAGE < 0 or STAGE == 0:
             if GEMV:
                 w1, w2 = _qkv_tiles(wqkv, pid, n_qkv_items, d_model, HEAD_DIM, T_QKV, INTERLEAVED, KP_MODEL)
             if STAGE < 0 and layer > layer_lo:
                 _grid_barrier(Sync, arrivals)
-            if FUSED_DOWN:
-                x = _residual_row(X, Xbuf, OAcc, DAcc, layer, d_model, KP_MODEL)
-                _store_share(x_now, x, pid, n_programs, d_model, KP_MODEL)
-            elif GEMV:
-                x = _row(X, d_model, KP_MODEL)
             if GEMV:
-                _qkv_gemv(x, Norm1 + at * d_model, wqkv, Q, kc, vc, Cos, Sin, Sync, Slots, Start, pid, n_programs,
+                _qkv_gemv(X, Norm1 + at * d_model, wqkv, Q, kc, vc, Cos, Sin, Sync, Slots, Start, pid, n_programs,
                           n_qkv_items, eps, sc_b, sc_h, sc_l, d_model, n_heads, n_kv_heads, w1, w2,
                           HEAD_DIM, T_QKV, INTERLEAVED, KP_MODEL)
             else:
@@ -509,27 +444,14 @@ def layers_kernel(X, Wqkv, Wo, Wgu, Wd, Norm1, Norm2, Kc, Vc, Q, PartO, PartL, A
         if STAGE < 0 or STAGE == 3:
             if GEMV:
                 gate_w, up_w = _gate_up_tiles(wgu, pid, d_model, d_ff, T_GU, KP_MODEL)
-            if FUSED_DOWN:
-                down_w = _down_tile(wd, pid, d_model, d_ff, T_GU, KP_MODEL)
             if STAGE < 0:
-                _grid_barrier(Sync, arrivals + GATE_UP_BARRIER * n_programs)
-            if FUSED_DOWN:
-                _gate_up_down_gemv(x_now, o_acc, Norm2 + at * d_model, wgu, wd, d_acc, pid, n_programs, eps, d_model,
-                                   d_ff, gate_w, up_w, down_w, T_GU, KP_MODEL)
-            elif GEMV:
+                _grid_barrier(Sync, arrivals + (BARRIERS - 2) * n_programs)
+            if GEMV:
                 _gate_up_gemv(X, o_acc, Norm2 + at * d_model, wgu, Act, pid, n_programs, eps, d_model, d_ff, gate_w,
                               up_w, T_GU, KP_MODEL)
             else:
                 _gate_up_stage(X, Norm2 + at * d_model, wgu, Act, rows, row_ok, pid, n_programs, eps, d_model, d_ff,
                                BB, BLOCK_K, PREC)
-        if FUSED_DOWN:
-            if STAGE == 4:  # staged, each layer's stage 4 writes its output to X; the last one's stays
-                _store_share(X, _residual_row(X, Xbuf, OAcc, DAcc, layer + 1, d_model, KP_MODEL), pid, n_programs,
-                             d_model, KP_MODEL)
-        elif STAGE < 0 or STAGE == 4:
+        if STAGE < 0 or STAGE == 4:
             _residual_matmul(X, o_acc, wd, Act, Sync, arrivals + (BARRIERS - 1) * n_programs, rows, row_ok, pid,
                              n_programs, d_model, d_ff, STAGE < 0, GEMV, T_D, KP_FF, BB, BLOCK_K, PREC)
-    if FUSED_DOWN and STAGE < 0:  # the last layer's output, once every program's down sums are in
-        _grid_barrier(Sync, (layer_hi - layer_lo) * BARRIERS * n_programs)
-        _store_share(X, _residual_row(X, Xbuf, OAcc, DAcc, layer_hi, d_model, KP_MODEL), pid, n_programs, d_model,
-                     KP_MODEL)
