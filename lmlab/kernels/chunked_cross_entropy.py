@@ -80,6 +80,13 @@ def _on_cuda_compiled(fn):
     return run
 
 
+def _target_column(targets: torch.Tensor, v0: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's target as a column index (N, 1) of the tile of `width` entries from vocabulary entry v0, clamped
+    into it, and whether the target lies in that tile."""
+    local = targets - v0
+    return local.clamp(0, width - 1)[:, None], (local >= 0) & (local < width)
+
+
 @_on_cuda_compiled
 def _rows_forward(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, acc: torch.dtype, multiplier: float,
                   softcap: float | None, smoothing: bool, vocab_chunk_size: int
@@ -92,9 +99,8 @@ def _rows_forward(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, 
     total = torch.zeros_like(target)
     for v0 in range(0, weight.shape[0], vocab_chunk_size):
         logits = _logits(h, weight[v0:v0 + vocab_chunk_size], acc, multiplier, softcap)
-        local = targets - v0
-        here = (local >= 0) & (local < logits.shape[1])
-        target = target + logits.gather(1, local.clamp(0, logits.shape[1] - 1)[:, None])[:, 0] * here
+        column, here = _target_column(targets, v0, logits.shape[1])
+        target = target + logits.gather(1, column)[:, 0] * here
         if smoothing:
             total = total + logits.sum(dim=-1)
         lse = torch.logaddexp(lse, torch.logsumexp(logits, dim=-1))
@@ -116,10 +122,8 @@ def _rows_backward(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
         logits = _logits(h, w, acc, multiplier, softcap)
         # d logits = softmax - (1 - eps) one_hot(target) - eps / V for the loss, 2 lse softmax for z.
         d_logits = torch.exp(logits - lse[:, None]) * (ce_scale + z_scale)[:, None]
-        local = targets - v0
-        here = (local >= 0) & (local < logits.shape[1])
-        d_logits = d_logits.scatter_add(1, local.clamp(0, logits.shape[1] - 1)[:, None],
-                                        (-(1 - label_smoothing) * ce_scale * here)[:, None])
+        column, here = _target_column(targets, v0, logits.shape[1])
+        d_logits = d_logits.scatter_add(1, column, (-(1 - label_smoothing) * ce_scale * here)[:, None])
         if label_smoothing:
             d_logits = d_logits - (label_smoothing / vocab) * ce_scale[:, None]
         if softcap is not None:  # d/dx c tanh(x / c) = 1 - tanh^2, with tanh = logits / c
