@@ -30,7 +30,7 @@ from einops import rearrange
 
 from lmlab.errors import ConfigError
 from lmlab.nn.attention import MultiHeadAttention, softcapped_attention
-from lmlab.nn.positions import PositionEncoding
+from lmlab.nn.positions import PositionEncoding, RoPE
 
 CacheFactory = Callable[..., "LayerCache"]
 CACHE_FACTORIES: dict[type, CacheFactory] = {}
@@ -156,6 +156,17 @@ def _kernel_applies(attn: MultiHeadAttention, position: PositionEncoding, q: tor
     return plain_softmax(attn, position) and unsupported(q, keys) is None
 
 
+def kernel_rotary(position: PositionEncoding):
+    """What the decode kernel needs to rotate like `position`: None (no rotation), RoPE's (cos, sin, interleaved),
+    or False where it cannot (a rotation of another kind)."""
+    rotate = type(position).rotate
+    if rotate is PositionEncoding.rotate:
+        return None
+    if rotate is RoPE.rotate:
+        return position.cos, position.sin, position.layout == "interleaved"
+    return False
+
+
 class KVCache(LayerCache):
     """Keys and values of every slot, n_kv_heads of them (GQA/MQA heads are never repeated)."""
 
@@ -167,7 +178,15 @@ class KVCache(LayerCache):
         self.key_slots = torch.arange(max_len, device=device)
 
     def __call__(self, attn, x, position, positions):
-        q, k, v = attn.project(x, position, positions)
+        q, k, v = attn.unrotated(x)
+        kernel, rotary = self.state.attention_kernel, kernel_rotary(position)
+        if (kernel is not None and rotary is not False and not attn.shares_kv
+                and _kernel_applies(attn, position, q, self.tensors["k"])):
+            # the kernel rotates q and k and stores k and v: no launches of their own
+            out = kernel(q, self.tensors["k"], self.tensors["v"], self.state.slots, self.state.start, attn.score_scale,
+                         attn.window, new_keys=k, new_values=v, rotary=rotary)
+            return attn.o_proj(rearrange(out, "b h s d -> b s (h d)"))
+        q, k, v = attn.rotated(q, k, v, position, positions)
         self.tensors["k"].index_copy_(2, self.state.slots, k)
         self.tensors["v"].index_copy_(2, self.state.slots, v)
         return self.attend(attn, position, q)

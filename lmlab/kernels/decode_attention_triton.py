@@ -15,6 +15,13 @@ range [first visible slot, last query slot], and, when the batch gives too few p
 the GPU, splits that range across programs whose partial results (output and log-sum-exp) a
 second small kernel combines. Softmax runs in base 2 with log2(e) folded into the scale.
 
+`new_keys`/`new_values` (batch, kv_heads, S, head_dim), with `rotary=(cos, sin, interleaved)` (RoPE's
+float32 tables, (positions, head_dim/2)): the step's own keys and values come in unrotated and unstored. The
+kernel rotates them and the queries (at position slot - start), attends them from registers, and its last
+key split writes them to the caches at `slots`. That takes the RoPE and the two cache writes, two launches
+a layer at decode, into this one (the key split reads only the slots before `slots`, so it never races the
+write).
+
 The launch is a torch.library custom op, so torch.compile treats it as one opaque call and a CUDA
 graph captures it. With TRITON_INTERPRET=1 it runs on CPU tensors through Triton's interpreter.
 """
@@ -96,12 +103,35 @@ def attend_key_range(q, k_base, v_base, sk_l, sv_l, k_lo, k_hi, q_slot, start, q
     return m_i, l_i, acc
 
 
+ROPE_NONE, ROPE_HALF, ROPE_INTERLEAVED = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)  # the kernel's ROPE
+
+
 @triton.jit
-def _decode_kernel(Q, K, V, Slots, Start, Out, PartOut, PartLse,
-                   sq_b, sq_h, sq_s, sk_b, sk_h, sk_l, sv_b, sv_h, sv_l,
+def rotated_rows(base, row_offset, dims, pos, Cos, Sin, mask, HEAD_DIM: tl.constexpr, ROPE: tl.constexpr):
+    """The rows at base + row_offset (BLOCK,) as float32 (BLOCK, HEAD_DIM), rotated by RoPE at positions pos (BLOCK,).
+    ROPE_HALF pairs feature i with i + HEAD_DIM/2 (Hugging Face Llama), ROPE_INTERLEAVED 2i with 2i + 1; the
+    tables are rounded to the rows' dtype first, as `lmlab.nn.positions.RoPE.rotate` does."""
+    x = tl.load(base + row_offset[:, None] + dims[None, :], mask=mask[:, None], other=0.0)
+    if ROPE == ROPE_NONE:
+        return x.to(tl.float32)
+    if ROPE == ROPE_HALF:
+        partner, freq, leads = (dims + HEAD_DIM // 2) % HEAD_DIM, dims % (HEAD_DIM // 2), dims < HEAD_DIM // 2
+    else:
+        partner, freq, leads = dims ^ 1, dims // 2, dims % 2 == 0
+    other = tl.load(base + row_offset[:, None] + partner[None, :], mask=mask[:, None], other=0.0).to(tl.float32)
+    table = pos[:, None] * (HEAD_DIM // 2) + freq[None, :]
+    cos = tl.load(Cos + table, mask=mask[:, None], other=1.0).to(x.dtype).to(tl.float32)
+    sin = tl.load(Sin + table, mask=mask[:, None], other=0.0).to(x.dtype).to(tl.float32)
+    return x.to(tl.float32) * cos + tl.where(leads[None, :], -other, other) * sin
+
+
+@triton.jit
+def _decode_kernel(Q, K, V, Slots, Start, Out, PartOut, PartLse, KNew, VNew, Cos, Sin,
+                   sq_b, sq_h, sq_s, sk_b, sk_h, sk_l, sv_b, sv_h, sv_l, skn_b, skn_h, skn_s, svn_b, svn_h, svn_s,
                    n_kv_heads, n_heads, qk_scale, window, n_split,
                    S: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
-                   BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr, SPLIT: tl.constexpr, PREC: tl.constexpr):
+                   BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr, SPLIT: tl.constexpr, PREC: tl.constexpr,
+                   NEW_KV: tl.constexpr, BLOCK_S: tl.constexpr, ROPE: tl.constexpr):
     bh = tl.program_id(0)
     split = tl.program_id(1)
     b = bh // n_kv_heads
@@ -111,21 +141,34 @@ def _decode_kernel(Q, K, V, Slots, Start, Out, PartOut, PartLse,
     head = kv_head * GROUP + rows // S
     tok = rows % S
     dims = tl.arange(0, HEAD_DIM)
-    q = tl.load(Q + b * sq_b + head[:, None] * sq_h + tok[:, None] * sq_s + dims[None, :],
-                mask=row_ok[:, None], other=0.0)
     q_slot = tl.load(Slots + tok)
     first = tl.load(Slots)
     start = tl.load(Start + b)
+    q = rotated_rows(Q + b * sq_b, head * sq_h + tok * sq_s, dims, tl.maximum(q_slot - start, 0), Cos, Sin, row_ok,
+                     HEAD_DIM, ROPE).to(Q.dtype.element_ty)
     lo = tl.minimum(start, first)
     if HAS_WINDOW:
         lo = tl.maximum(lo, first - window + 1)
-    hi = tl.load(Slots + S - 1) + 1
+    hi = first if NEW_KV else tl.load(Slots + S - 1) + 1  # NEW_KV: this step's slots come from KNew/VNew
     k_lo, k_hi = key_split(lo, hi, split, n_split, BLOCK_N)
 
     m_i, l_i, acc = empty_state(BLOCK_M, HEAD_DIM)
-    m_i, l_i, acc = attend_key_range(q, K + b * sk_b + kv_head * sk_h, V + b * sv_b + kv_head * sv_h, sk_l, sv_l,
-                                     k_lo, k_hi, q_slot, start, qk_scale, window, m_i, l_i, acc,
-                                     BLOCK_N, HEAD_DIM, HAS_WINDOW, PREC)
+    k_base, v_base = K + b * sk_b + kv_head * sk_h, V + b * sv_b + kv_head * sv_h
+    m_i, l_i, acc = attend_key_range(q, k_base, v_base, sk_l, sv_l, k_lo, k_hi, q_slot, start, qk_scale, window,
+                                     m_i, l_i, acc, BLOCK_N, HEAD_DIM, HAS_WINDOW, PREC)
+    if NEW_KV:
+        if split == n_split - 1:  # the last split attends this step's keys and stores them
+            t = tl.arange(0, BLOCK_S)
+            t_ok = t < S
+            t_slot = tl.load(Slots + t, mask=t_ok, other=0)
+            k = rotated_rows(KNew + b * skn_b + kv_head * skn_h, t * skn_s, dims, tl.maximum(t_slot - start, 0),
+                             Cos, Sin, t_ok, HEAD_DIM, ROPE).to(K.dtype.element_ty)
+            v = tl.load(VNew + b * svn_b + kv_head * svn_h + t[:, None] * svn_s + dims[None, :], mask=t_ok[:, None],
+                        other=0.0).to(V.dtype.element_ty)
+            m_i, l_i, acc = attend_block(q, k, v, t_slot, t_ok, q_slot, start, qk_scale, window, m_i, l_i, acc,
+                                         HAS_WINDOW, PREC)
+            tl.store(k_base + t_slot[:, None] * sk_l + dims[None, :], k, mask=t_ok[:, None])
+            tl.store(v_base + t_slot[:, None] * sv_l + dims[None, :], v, mask=t_ok[:, None])
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     row = (b * n_heads + head) * S + tok  # row of the (batch, heads, S) output
     if SPLIT:
@@ -170,10 +213,9 @@ def n_splits(programs: int, cache_len: int, device: torch.device) -> int:
     return max(1, min(wanted, cache_len // KEYS_PER_SPLIT))
 
 
-@torch.library.custom_op("lmlab::decode_attention", mutates_args=())
-def _decode_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
-               start: torch.Tensor, scale: float, window: int) -> torch.Tensor:
-    """window 0: none. Returns a contiguous (batch, heads, S, head_dim) tensor in q's dtype."""
+def _launch(q, k_cache, v_cache, slots, start, scale: float, window: int, k_new=None, v_new=None, cos=None, sin=None,
+            rope: int = ROPE_NONE.value) -> torch.Tensor:
+    """The kernel (and the split combine) for either op below; k_new/v_new None: this step's keys are cached."""
     batch, n_heads, s, head_dim = q.shape
     n_kv_heads, cache_len = k_cache.shape[1], k_cache.shape[2]
     group = n_heads // n_kv_heads
@@ -183,22 +225,47 @@ def _decode_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, sl
     if split > 1:
         part_out = torch.empty((batch, n_heads, s, split, head_dim), dtype=torch.float32, device=q.device)
         part_lse = torch.empty((batch, n_heads, s, split), dtype=torch.float32, device=q.device)
+    new_kv = k_new is not None
+    k_new, v_new = (k_new, v_new) if new_kv else (q, q)  # unused without new keys
+    cos, sin = (cos, sin) if rope != ROPE_NONE.value else (out, out)  # unused without RoPE
     _decode_kernel[(batch * n_kv_heads, split)](
-        q, k_cache, v_cache, slots, start, out, part_out, part_lse,
+        q, k_cache, v_cache, slots, start, out, part_out, part_lse, k_new, v_new, cos, sin,
         q.stride(0), q.stride(1), q.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), k_new.stride(0), k_new.stride(1), k_new.stride(2),
+        v_new.stride(0), v_new.stride(1), v_new.stride(2),
         n_kv_heads, n_heads, scale * LOG2E, window, split,
         S=s, GROUP=group, HEAD_DIM=head_dim, BLOCK_M=max(16, triton.next_power_of_2(group * s)),
         BLOCK_N=BLOCK_N, HAS_WINDOW=window > 0, SPLIT=split > 1,
-        PREC="ieee" if q.dtype == torch.float32 else "tf32", num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+        PREC="ieee" if q.dtype == torch.float32 else "tf32", NEW_KV=new_kv, BLOCK_S=max(16, triton.next_power_of_2(s)),
+        ROPE=rope, num_warps=NUM_WARPS, num_stages=NUM_STAGES)
     if split > 1:
         combine_splits[(batch * n_heads * s,)](part_out, part_lse, out, split, HEAD_DIM=head_dim,
                                                 BLOCK_SPLIT=triton.next_power_of_2(split))
     return out
 
 
+@torch.library.custom_op("lmlab::decode_attention", mutates_args=())
+def _decode_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+               start: torch.Tensor, scale: float, window: int) -> torch.Tensor:
+    """window 0: none. Returns a contiguous (batch, heads, S, head_dim) tensor in q's dtype."""
+    return _launch(q, k_cache, v_cache, slots, start, scale, window)
+
+
 @_decode_op.register_fake
 def _(q, k_cache, v_cache, slots, start, scale, window):
+    return torch.empty(q.shape, dtype=q.dtype, device=q.device)
+
+
+@torch.library.custom_op("lmlab::decode_attention_appending", mutates_args=("k_cache", "v_cache"))
+def _appending_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+                  start: torch.Tensor, scale: float, window: int, k_new: torch.Tensor, v_new: torch.Tensor,
+                  cos: torch.Tensor | None, sin: torch.Tensor | None, rope: int) -> torch.Tensor:
+    """_decode_op that also rotates q and k_new (rope) and writes k_new and v_new to the caches at `slots`."""
+    return _launch(q, k_cache, v_cache, slots, start, scale, window, k_new, v_new, cos, sin, rope)
+
+
+@_appending_op.register_fake
+def _(q, k_cache, v_cache, slots, start, scale, window, k_new, v_new, cos, sin, rope):
     return torch.empty(q.shape, dtype=q.dtype, device=q.device)
 
 
@@ -218,13 +285,33 @@ def unsupported(q: torch.Tensor, k_cache: torch.Tensor) -> str | None:
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
-                     start: torch.Tensor, scale: float | None = None, window: int | None = None) -> torch.Tensor:
-    """Attention of q (batch, heads, S, head_dim) at cache slots `slots` over the caches; see the
-    module docstring. Returns (batch, heads, S, head_dim) in q's dtype."""
+                     start: torch.Tensor, scale: float | None = None, window: int | None = None,
+                     new_keys: torch.Tensor | None = None, new_values: torch.Tensor | None = None,
+                     rotary: tuple[torch.Tensor, torch.Tensor, bool] | None = None) -> torch.Tensor:
+    """Attention of q (batch, heads, S, head_dim) at cache slots `slots` over the caches; with new_keys and
+    new_values (batch, kv_heads, S, head_dim), those are this step's keys and values, stored here, and
+    `rotary` (cos, sin, interleaved) rotates them and q. See the module docstring. Returns (batch, heads, S,
+    head_dim) in q's dtype."""
     problem = unsupported(q, k_cache)
     if problem:
         raise ValueError(f"decode_attention: {problem}")
-    if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1 or q.stride(-1) != 1:
-        raise ValueError("decode_attention: q and the caches need a contiguous head_dim")
+    new = [t for t in (new_keys, new_values) if t is not None]
+    if any(t.stride(-1) != 1 for t in (q, k_cache, v_cache, *new)):
+        raise ValueError("decode_attention: q, the caches and the new keys and values need a contiguous head_dim")
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-    return _decode_op(q, k_cache, v_cache, slots, start, scale, window or 0)
+    if not new:
+        if rotary is not None:
+            raise ValueError("decode_attention: rotary rotates new_keys and q; without new keys, rotate q before")
+        return _decode_op(q, k_cache, v_cache, slots, start, scale, window or 0)
+    expected = (q.shape[0], k_cache.shape[1], q.shape[2], q.shape[3])
+    if len(new) == 1 or any(tuple(t.shape) != expected or t.dtype != k_cache.dtype for t in new):
+        raise ValueError(f"decode_attention: new_keys and new_values must both be {expected} tensors of the "
+                         f"caches' dtype, got {[None if t is None else tuple(t.shape) for t in (new_keys, new_values)]}")
+    cos, sin, rope = None, None, ROPE_NONE.value
+    if rotary is not None:
+        cos, sin, interleaved = rotary
+        if cos.shape != sin.shape or cos.shape[-1] * 2 != q.shape[-1] or not (cos.is_contiguous() and sin.is_contiguous()):
+            raise ValueError(f"decode_attention: rotary tables must be contiguous (positions, {q.shape[-1] // 2}), "
+                             f"got {tuple(cos.shape)} and {tuple(sin.shape)}")
+        rope = (ROPE_INTERLEAVED if interleaved else ROPE_HALF).value
+    return _appending_op(q, k_cache, v_cache, slots, start, scale, window or 0, new_keys, new_values, cos, sin, rope)

@@ -162,19 +162,29 @@ class MultiHeadAttention(nn.Module):
     def project(self, x: torch.Tensor, position: PositionEncoding, positions: torch.Tensor):
         """Queries (b, n_heads, s, d), keys and values (b, n_kv_heads, s, d), normed and rotated; a KV cache
         (generation) stores the keys and values."""
-        fused = fused_outputs(self, x)  # one matmul for q, k and v where an inference engine fused them
-        q, *kv = (fused[name] if fused else getattr(self, name)(x) for name in self.fusable_projections)
-        # heads counted from head_dim: under tensor parallelism a rank holds only some of them
-        q = self.q_norm(rearrange(q, "b s (h d) -> b h s d", d=self.head_dim))
+        return self.rotated(*self.unrotated(x), position, positions)
+
+    def rotated(self, q, k, v, position: PositionEncoding, positions: torch.Tensor):
+        """project's second half: `unrotated`'s outputs rotated (a CLA layer's keys and values are its source's)."""
         if self.kv_source is not None:  # CLA: the group's first layer ran just before, on the same tokens
             k, v = self.kv_source.shared_kv
             return position.rotate(q, k[:, :0], positions)[0], k, v  # (no keys of its own to rotate)
-        k = self.k_norm(rearrange(kv[0], "b s (h d) -> b h s d", d=self.head_dim))
-        v = rearrange(kv[1], "b s (h d) -> b h s d", d=self.head_dim)
         q, k = position.rotate(q, k, positions)
         if self.shares_kv:
             self.shared_kv = (k, v)
         return q, k, v
+
+    def unrotated(self, x: torch.Tensor):
+        """project's queries, keys and values before the rotation (keys and values None for a CLA layer, which has
+        none of its own); a decode kernel that rotates them itself takes these."""
+        fused = fused_outputs(self, x)  # one matmul for q, k and v where an inference engine fused them
+        q, *kv = (fused[name] if fused else getattr(self, name)(x) for name in self.fusable_projections)
+        # heads counted from head_dim: under tensor parallelism a rank holds only some of them
+        q = self.q_norm(rearrange(q, "b s (h d) -> b h s d", d=self.head_dim))
+        if not kv:
+            return q, None, None
+        k = self.k_norm(rearrange(kv[0], "b s (h d) -> b h s d", d=self.head_dim))
+        return q, k, rearrange(kv[1], "b s (h d) -> b h s d", d=self.head_dim)
 
     def forward(self, x: torch.Tensor, position: PositionEncoding, positions: torch.Tensor) -> torch.Tensor:
         q, k, v = self.project(x, position, positions)
