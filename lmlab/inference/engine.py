@@ -52,14 +52,15 @@ class Engine:
     """Generation with a KV cache per layer; see the module docstring."""
 
     def __init__(self, model: Transformer, compile: bool = False, cuda_graphs: bool | None = None,
-                 attention_kernel: bool | None = None, megakernel: bool = False, matmul_kernel: bool | None = None):
+                 attention_kernel: bool | None = None, megakernel: bool = False, matmul_kernel: bool = False):
         """compile: torch.compile the decode step. cuda_graphs: replay it from a CUDA graph (default: when
         compiled on CUDA; without compile it still removes the Python cost of launching each kernel).
         attention_kernel: decode steps attend with the Triton flash-decoding kernel where it applies
         (default: on CUDA with Triton), else SDPA with a mask. megakernel: one-token steps run every layer in
         one persistent Triton kernel (lmlab.inference.megakernel; plain Llama stacks only). matmul_kernel: a
-        gated FFN's activation and down_proj run as one Triton launch on a few rows
-        (lmlab.kernels.skinny_matmul_triton; default: on CUDA with Triton), else the activation then cuBLAS."""
+        gated FFN's activation and down_proj run as one Triton launch on 2-64 rows
+        (lmlab.kernels.skinny_matmul_triton), else the activation then cuBLAS; opt-in, as its first version
+        measured slower on an H200 (experiments/inference/README.md)."""
         check_generatable(model)
         self.model = model.eval()
         weight = model.embed_tokens.weight

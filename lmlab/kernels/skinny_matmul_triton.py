@@ -40,15 +40,17 @@ ACTIVATIONS = {"silu": 1, "gelu": 2, "gelu_tanh": 3}
 
 @triton.jit
 def _gated(gate, up, ACT: tl.constexpr):
-    """act(gate) * up in float32 (ACT codes as in ACTIVATIONS)."""
+    """act(gate) * up in float32 (ACT codes as in ACTIVATIONS). Every program of a K slice recomputes it for its
+    rows, so it uses exp2 and the fast division: with the IEEE ones the prologue took 3-4x the matmul's time
+    (H200, 32 rows, down_proj: 18.5-20.9 us against 4.8-6.2 us)."""
     g = gate.to(tl.float32)
-    if ACT == 1:
-        a = g * tl.sigmoid(g)
+    if ACT == 1:  # g * sigmoid(g)
+        a = tl.fdiv(g, 1.0 + tl.math.exp2(-1.4426950408889634 * g))
     elif ACT == 2:
         a = 0.5 * g * (1.0 + tl.math.erf(g * 0.7071067811865476))
-    else:  # tanh approximation; tanh(z) = 2 sigmoid(2z) - 1
+    else:  # tanh approximation: g * sigmoid(2z), since (1 + tanh(z)) / 2 = sigmoid(2z)
         z = 0.7978845608028654 * (g + 0.044715 * g * g * g)
-        a = g * tl.sigmoid(2.0 * z)
+        a = tl.fdiv(g, 1.0 + tl.math.exp2(-2.8853900817779268 * z))
     return a * up.to(tl.float32)
 
 
