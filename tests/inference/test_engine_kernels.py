@@ -23,17 +23,12 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 def _engine(model: Transformer) -> Engine:
     if DEVICE == "cuda":
-        engine = Engine(model, attention_kernel=True, matmul_kernel=True)
-        assert all(m.gated_down_kernel is not None for m in model.modules() if isinstance(m, GLU))
-        return engine
+        return Engine(model, attention_kernel=True, matmul_kernel=True)
     from lmlab.kernels.decode_attention_triton import decode_attention
     from lmlab.kernels.skinny_matmul_triton import decode_gated_matmul
 
     engine = Engine(model)
-    engine.attention_kernel = decode_attention
-    for module in model.modules():
-        if isinstance(module, GLU):
-            module.gated_down_kernel = decode_gated_matmul
+    engine.attention_kernel, engine.gated_down = decode_attention, decode_gated_matmul  # what CUDA would choose
     return engine
 
 
@@ -56,6 +51,7 @@ def test_cached_decoding_with_the_kernels_equals_a_full_forward(position, attent
         unpadded = model(ids[1:, 2:])[0]  # sequence 1 starts at slot 2
     engine = _engine(model)
     engine.begin(2, 12, start=torch.tensor([0, 2]))
+    assert all(m.gated_down_kernel is not None for m in model.modules() if isinstance(m, GLU))
     got = [engine.extend(ids[:, :7], all_logits=True)]
     got = torch.cat(got + [engine.decode(ids[:, t]).clone()[:, None] for t in range(7, 12)], dim=1)
     torch.testing.assert_close(got[0], full[0], atol=1e-5, rtol=1e-5)
