@@ -1,4 +1,4 @@
-"""Tile sweep of the skinny matmul (`lmlab/kernels/skinny_matmul_triton.py`) against cuBLAS and Inductor on llama400m's decode matmuls (CUDA).
+"""Tile sweep of the skinny matmul (`skinny_matmul.py`, beside this script) against cuBLAS and Inductor on llama400m's decode matmuls (CUDA).
 
     python experiments/inference/sweep_skinny_matmul.py --rows 1 8 32 --out sweep.json
 
@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from lmlab.kernels.skinny_matmul_triton import Launch, choose_launch, launch_skinny, sm_count
+from skinny_matmul import Launch, choose_launch, launch_skinny, sm_count  # beside this script
 
 SHAPES = {"qkv": (3072, 1024), "o_proj": (1024, 1024), "gate_up": (5504, 1024), "down": (1024, 2752),
           "head": (50304, 1024)}

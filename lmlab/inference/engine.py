@@ -25,7 +25,6 @@ from lmlab.errors import ConfigError
 from lmlab.inference import delta_state, linear_state, mla_cache, sparse_cache, ssm_state  # noqa: F401 - their caches register on import
 from lmlab.inference.cache import CacheState, LayerCache, factory_for
 from lmlab.kernels.registry import optional_triton_kernel, triton_unavailable
-from lmlab.nn.ffn import GLU
 from lmlab.nn.fused import fuse_projections
 from lmlab.nn.moe import MoELayer
 from lmlab.nn.transformer import Transformer
@@ -52,15 +51,12 @@ class Engine:
     """Generation with a KV cache per layer; see the module docstring."""
 
     def __init__(self, model: Transformer, compile: bool = False, cuda_graphs: bool | None = None,
-                 attention_kernel: bool | None = None, megakernel: bool = False, matmul_kernel: bool = False):
+                 attention_kernel: bool | None = None, megakernel: bool = False):
         """compile: torch.compile the decode step. cuda_graphs: replay it from a CUDA graph (default: when
         compiled on CUDA; without compile it still removes the Python cost of launching each kernel).
         attention_kernel: decode steps attend with the Triton flash-decoding kernel where it applies
         (default: on CUDA with Triton), else SDPA with a mask. megakernel: one-token steps run every layer in
-        one persistent Triton kernel (lmlab.inference.megakernel; plain Llama stacks only). matmul_kernel: a
-        gated FFN's activation and down_proj run as one Triton launch on 2-64 rows
-        (lmlab.kernels.skinny_matmul_triton), else the activation then cuBLAS; opt-in, as its first version
-        measured slower on an H200 (experiments/inference/README.md)."""
+        one persistent Triton kernel (lmlab.inference.megakernel; plain Llama stacks only)."""
         check_generatable(model)
         self.model = model.eval()
         weight = model.embed_tokens.weight
@@ -70,8 +66,6 @@ class Engine:
         self.attention_kernel = optional_triton_kernel(self.device, attention_kernel,
                                                        "lmlab.kernels.decode_attention_triton", "decode_attention")
         fuse_projections(model)  # q/k/v and gate/up as one matmul each
-        self.gated_down = optional_triton_kernel(self.device, matmul_kernel, "lmlab.kernels.skinny_matmul_triton",
-                                                 "decode_gated_matmul", "matmul_kernel")
         self.megakernel = self._megakernel(model) if megakernel else None
         if compile:  # one compiled graph per (batch, cache length, tokens per step): allow many
             torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 256)
@@ -103,9 +97,6 @@ class Engine:
         if self.megakernel is not None:
             self.megakernel.refresh()  # before fusing: the fused groups are views of its stack
         fuse_projections(self.model)  # again where the model changed since (moved, quantized)
-        for module in self.model.modules():  # set here: another engine on the same model may have set its own
-            if isinstance(module, GLU):
-                module.gated_down_kernel = self.gated_down  # None: the FFN's own activation and down_proj
         if shape != self.shape:
             self._allocate(*shape)
         else:

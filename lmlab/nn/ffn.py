@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lmlab.errors import ConfigError
-from lmlab.nn.fused import fused_outputs, plain_linear
+from lmlab.nn.fused import fused_outputs
 
 Projection = Callable[[str, torch.Tensor], torch.Tensor]  # (projection name, input) -> input @ W.T
 from lmlab.registry import Registry
@@ -61,11 +61,7 @@ class FFN(nn.Module):
         raise NotImplementedError
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # the projections of x, from one matmul, where an inference engine fused them
-        return self.combine_projections(x, fused_outputs(self, x))
-
-    def combine_projections(self, x: torch.Tensor, fused: dict[str, torch.Tensor]) -> torch.Tensor:
-        """`combine` with the projections in `fused` taken from there, the others from the module's Linears."""
+        fused = fused_outputs(self, x)  # the projections of x, from one matmul, where an inference engine fused them
         return self.combine(x, lambda name, h: fused[name] if name in fused else getattr(self, name)(h))
 
 
@@ -111,7 +107,6 @@ class GeluMLP(MLP):
     def __init__(self, d_model: int, cfg: Config):
         super().__init__(d_model, cfg)
         self.approximate = _check_gelu_approximate(cfg.approximate)
-        self.kernel_activation = "gelu_tanh" if self.approximate == "tanh" else "gelu"
 
     def act(self, h):
         return F.gelu(h, approximate=self.approximate)
@@ -124,8 +119,6 @@ class SiluMLP(MLP):
     @dataclass
     class Config(MLP.Config):
         pass
-
-    kernel_activation = "silu"
 
     def act(self, h):
         return F.silu(h)
@@ -166,22 +159,6 @@ class GLU(FFN):
     def combine(self, x: torch.Tensor, proj: Projection) -> torch.Tensor:
         return proj("down_proj", self.gated(proj("gate_proj", x), proj("up_proj", x)))
 
-    # The activation's name for lmlab.kernels.skinny_matmul_triton.gated_matmul (None: it has none)
-    kernel_activation: str | None = None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        fused = fused_outputs(self, x)
-        out = self.gated_down(fused["gate_proj"], fused["up_proj"]) if fused else None
-        return self.combine_projections(x, fused) if out is None else out
-
-    def gated_down(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor | None:
-        """down_proj(act(gate) * up) in one launch, from the kernel an inference engine set (it returns None for
-        inputs it cannot take, as many rows as a prefill's); None where there is none."""
-        kernel = self.__dict__.get("gated_down_kernel")  # set by lmlab.inference.engine where it runs
-        if kernel is None or self.kernel_activation is None or not plain_linear(self.down_proj):
-            return None
-        return kernel(gate, up, self.down_proj.weight, self.kernel_activation)
-
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """The reference SwiGLU activation, silu(gate) * up."""
@@ -204,8 +181,6 @@ class SwiGLU(GLU):
         if ops.swiglu is not None:
             self.kernel = ops.swiglu
 
-    kernel_activation = "silu"
-
     def act(self, h):
         return F.silu(h)
 
@@ -224,7 +199,6 @@ class GeGLU(GLU):
     def __init__(self, d_model: int, cfg: Config):
         super().__init__(d_model, cfg)
         self.approximate = _check_gelu_approximate(cfg.approximate)
-        self.kernel_activation = "gelu_tanh" if self.approximate == "tanh" else "gelu"
 
     def act(self, h):
         return F.gelu(h, approximate=self.approximate)

@@ -38,20 +38,6 @@ def are_views(params: list[torch.Tensor], packed: torch.Tensor) -> bool:
     return True
 
 
-def hooked(module: nn.Module) -> bool:
-    """A forward hook (the module's or a global one) watches the module's calls."""
-    hooks = nn.modules.module
-    return bool(hooks._global_forward_pre_hooks or hooks._global_forward_hooks or module._forward_pre_hooks
-                or module._forward_hooks)
-
-
-def plain_linear(linear: nn.Module) -> bool:
-    """A bias-free nn.Linear with a plain-tensor weight and no hook watching it: a kernel may use its weight in
-    place of calling it (not a quantized or sharded replacement)."""
-    return (type(linear) is nn.Linear and linear.bias is None and type(linear.weight.data) is torch.Tensor
-            and not hooked(linear))
-
-
 class FusedLinears:
     """One weight for several bias-free Linears of one module; calling it returns their outputs."""
 
@@ -69,7 +55,11 @@ class FusedLinears:
 
     def watched(self, module: nn.Module) -> bool:
         """A forward hook (module or global) would miss the Linears' calls if they ran fused."""
-        return any(hooked(getattr(module, name)) for name in self.names)
+        hooks = nn.modules.module
+        if hooks._global_forward_pre_hooks or hooks._global_forward_hooks:
+            return True
+        return any(getattr(module, name)._forward_pre_hooks or getattr(module, name)._forward_hooks
+                   for name in self.names)
 
     def aliased(self) -> bool:
         """Every parameter is still a view of the fused weight (a device move breaks that)."""
