@@ -1,10 +1,9 @@
-"""Tile sweep of the few-row matmul (lmlab.kernels.skinny_matmul_triton) against cuBLAS and Inductor on llama400m's decode matmuls (CUDA).
+"""Tile sweep of the skinny matmul (`skinny_matmul.py`, beside this script) against cuBLAS and Inductor on llama400m's decode matmuls (CUDA).
 
     python experiments/inference/sweep_skinny_matmul.py --rows 1 8 32 --out sweep.json
 
-For each weight shape of llama400m (q/k/v fused, o_proj, gate/up fused, down_proj, the head, and gate/up with
-SwiGLU's activation, `gate_up_silu`) and each row count: F.linear (cuBLAS; for `gate_up_silu` followed by an
-Inductor kernel for silu(gate) * up), the same under torch.compile with coordinate-descent tuning (Inductor's
+For each weight shape of llama400m (q/k/v fused, o_proj, gate/up fused, down_proj, the head) and each
+row count: F.linear (cuBLAS), the same under torch.compile with coordinate-descent tuning (Inductor's
 matmul-as-reduction at one row), the kernel with its default tiles (`choose_launch`), and a grid of
 tiles. Each is timed as a CUDA graph of calls on distinct weights (more bytes than the L2 holds, as
 the layers of a model are), replayed after warm-up; medians per call, and the weight bytes per second
@@ -23,11 +22,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from lmlab.kernels.skinny_matmul_triton import ACTIVATIONS, Launch, choose_launch, launch_skinny, sm_count
+from skinny_matmul import Launch, choose_launch, launch_skinny, sm_count  # beside this script
 
 SHAPES = {"qkv": (3072, 1024), "o_proj": (1024, 1024), "gate_up": (5504, 1024), "down": (1024, 2752),
-          "head": (50304, 1024), "gate_up_silu": (5504, 1024)}
-GATED = {"gate_up_silu": "silu"}  # shape -> the activation in the kernel's epilogue
+          "head": (50304, 1024)}
 L2_MULTIPLE = 200 << 20  # weights cycled per graph: several times the L2
 
 
@@ -59,17 +57,11 @@ def copy_bandwidth() -> float:
     return 2 * src.numel() / graph_time(lambda i: dst.copy_(src), 1)
 
 
-def candidates(m: int, gated: bool) -> list[Launch]:
+def candidates(m: int) -> list[Launch]:
     tiles = [(8, 512), (16, 256), (16, 512), (32, 128), (32, 256), (64, 128)] if m == 1 else \
         [(16, 128), (16, 256), (32, 64), (32, 128), (32, 256), (64, 64), (64, 128)]
     return [Launch(n, k, split, warps, stages) for (n, k), split, warps, stages
-            in itertools.product(tiles, (1,) if gated else (1, 2, 4, 8), (4, 8) if gated else (4,), (3, 4, 6))]
-
-
-def gated_reference(act: str):
-    """cuBLAS's fused gate/up matmul, then act(gate) * up as an Inductor kernel: the engine's step without the kernel."""
-    activation = torch.compile(lambda h: getattr(F, act)(h[:, :h.shape[1] // 2]) * h[:, h.shape[1] // 2:], dynamic=False)
-    return lambda x, w: activation(F.linear(x, w))
+            in itertools.product(tiles, (1, 2, 4, 8), (4,), (3, 4, 6))]
 
 
 def main() -> None:
@@ -88,26 +80,23 @@ def main() -> None:
         n, k = SHAPES[name]
         copies = max(2, L2_MULTIPLE // (n * k * 2))
         weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5 for _ in range(copies)]
-        act = ACTIVATIONS.get(GATED.get(name), 0)
-        reference = gated_reference(GATED[name]) if act else F.linear
         for m in args.rows:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-            want = reference(x, weights[0])
-            compiled = torch.compile(reference, dynamic=False)
+            want = F.linear(x, weights[0])
+            linear = torch.compile(F.linear, dynamic=False)
             row = {"shape": name, "n": n, "k": k, "rows": m, "bytes": n * k * 2,
-                   "cublas_s": graph_time(lambda i: reference(x, weights[i]), copies),
-                   "inductor_s": graph_time(lambda i: compiled(x, weights[i]), copies)}
-            default = choose_launch(n // 2 if act else n, k, sms, gated=bool(act))
-            err = (launch_skinny(x, weights[0], default, act).float() - want.float()).abs().max().item()
-            row["default"] = {**default.__dict__, "max_abs_err": err,
-                              "s": graph_time(lambda i: launch_skinny(x, weights[i], default, act), copies)}
+                   "cublas_s": graph_time(lambda i: F.linear(x, weights[i]), copies),
+                   "inductor_s": graph_time(lambda i: linear(x, weights[i]), copies)}
+            default = choose_launch(m, n, k, sms)
+            err = (launch_skinny(x, weights[0], default).float() - want.float()).abs().max().item()
+            row["default"] = {**default.__dict__, "s": graph_time(lambda i: launch_skinny(x, weights[i], default), copies),
+                              "max_abs_err": err}
             sweep, began = [], time.perf_counter()
-            for launch in candidates(m, bool(act)):
+            for launch in candidates(m):
                 if time.perf_counter() - began > args.budget_s:
                     break
                 try:
-                    sweep.append({**launch.__dict__,
-                                  "s": graph_time(lambda i: launch_skinny(x, weights[i], launch, act), copies)})
+                    sweep.append({**launch.__dict__, "s": graph_time(lambda i: launch_skinny(x, weights[i], launch), copies)})
                 except Exception as failure:  # a tile that does not fit (shared memory): skip it
                     print(f"  skip {launch}: {type(failure).__name__}", flush=True)
             sweep.sort(key=lambda r: r["s"])
@@ -115,7 +104,7 @@ def main() -> None:
             results.append(row)
             gbs = lambda s: row["bytes"] / s / 1e9  # noqa: E731
             best = sweep[0]
-            print(f"{name:12} m={m:<3} cuBLAS {row['cublas_s'] * 1e6:6.2f} us ({gbs(row['cublas_s']):5,.0f} GB/s)  "
+            print(f"{name:8} m={m:<3} cuBLAS {row['cublas_s'] * 1e6:6.2f} us ({gbs(row['cublas_s']):5,.0f} GB/s)  "
                   f"Inductor {row['inductor_s'] * 1e6:6.2f} ({gbs(row['inductor_s']):5,.0f})  "
                   f"default {row['default']['s'] * 1e6:6.2f} ({gbs(row['default']['s']):5,.0f})  "
                   f"best {best['s'] * 1e6:6.2f} ({gbs(best['s']):5,.0f}) n{best['block_n']} k{best['block_k']} "

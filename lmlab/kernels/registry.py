@@ -100,14 +100,12 @@ def triton_unavailable() -> str | None:
     return None
 
 
-def optional_triton_kernel(device: torch.device, wanted: bool | None, module: str, name: str,
-                           option: str = "attention_kernel") -> Callable | None:
-    """The Triton kernel `module.name` where it can run, or None (the caller's PyTorch path). wanted (the
-    caller's `option`)=None: on CUDA with Triton; False: never; True: always, and one clear error where it
-    cannot run."""
+def optional_triton_kernel(device: torch.device, wanted: bool | None, module: str, name: str) -> Callable | None:
+    """The Triton kernel `module.name` where it can run, or None (the caller's PyTorch path). wanted=None:
+    on CUDA with Triton; False: never; True: always, and one clear error where it cannot run."""
     missing = triton_unavailable() if device.type == "cuda" else "the model is not on a CUDA device"
     if wanted and missing:
-        raise ConfigError(f"{option}=True, but {missing}")
+        raise ConfigError(f"attention_kernel=True, but {missing}")
     if missing or wanted is False:
         return None
     return getattr(importlib.import_module(module), name)  # imported here: only set kernels need Triton

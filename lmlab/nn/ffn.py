@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lmlab.errors import ConfigError
-from lmlab.nn.fused import fused_outputs, usable_group
+from lmlab.nn.fused import fused_outputs
 
 Projection = Callable[[str, torch.Tensor], torch.Tensor]  # (projection name, input) -> input @ W.T
 from lmlab.registry import Registry
@@ -153,22 +153,11 @@ class GLU(FFN):
         self.up_proj = nn.Linear(d_model, d_ff, bias=False)
         self.down_proj = nn.Linear(d_ff, d_model, bias=False)
 
-    kernel_activation: str | None = None  # `act` by its name in lmlab.kernels.skinny_matmul_triton.ACTIVATIONS
-
     def gated(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         return self.act(gate) * up
 
     def combine(self, x: torch.Tensor, proj: Projection) -> torch.Tensor:
         return proj("down_proj", self.gated(proj("gate_proj", x), proj("up_proj", x)))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # an inference engine may set a kernel that runs the fused gate/up matmul with the activation as its epilogue
-        kernel, group = self.__dict__.get("gated_kernel"), usable_group(self)
-        if kernel is not None and group is not None and self.kernel_activation is not None:
-            hidden = kernel(x, group.weight, self.kernel_activation)  # None: not a case the kernel takes
-            if hidden is not None:
-                return self.down_proj(hidden)
-        return super().forward(x)
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -187,8 +176,6 @@ class SwiGLU(GLU):
     def __init__(self, d_model: int, cfg: Config):
         super().__init__(d_model, cfg)
         self.kernel = swiglu  # (gate, up) -> silu(gate) * up; `kernels=` may swap in a fused one
-
-    kernel_activation = "silu"
 
     def use_kernels(self, ops) -> None:
         if ops.swiglu is not None:
@@ -212,7 +199,6 @@ class GeGLU(GLU):
     def __init__(self, d_model: int, cfg: Config):
         super().__init__(d_model, cfg)
         self.approximate = _check_gelu_approximate(cfg.approximate)
-        self.kernel_activation = "gelu_tanh" if self.approximate == "tanh" else "gelu"
 
     def act(self, h):
         return F.gelu(h, approximate=self.approximate)

@@ -101,16 +101,10 @@ def _fuse_all(model: nn.Module) -> int:
     return fused
 
 
-def usable_group(module: nn.Module) -> FusedLinears | None:
-    """The module's fused group, or None where the module must run its own Linears (not fused, autograd on,
-    the group no longer serves the module, or hooks watch them)."""
+def fused_outputs(module: nn.Module, x: torch.Tensor) -> dict[str, torch.Tensor]:
+    """{name: projection of x} of the module's fused group, or {} where the module must run its own
+    Linears (not fused, autograd on, the group no longer serves the module, or hooks watch them)."""
     group = module.__dict__.get("fused_projections")
     if group is None or torch.is_grad_enabled() or not group.serves(module) or group.watched(module):
-        return None
-    return group
-
-
-def fused_outputs(module: nn.Module, x: torch.Tensor) -> dict[str, torch.Tensor]:
-    """{name: projection of x} of the module's usable fused group, or {} (see usable_group)."""
-    group = usable_group(module)
-    return {} if group is None else group(x)
+        return {}
+    return group(x)
