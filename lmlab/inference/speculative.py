@@ -11,7 +11,11 @@ drafter proposes d_1..d_k, each drawn from its processed distribution q_i; the t
 [x, d_1..d_k] in its static (k+1)-token step (a CUDA graph when compiled) for p_0..p_k; d_i stands
 with probability min(1, p/q) and the first rejection is replaced by a draw from norm(max(0, p - q)),
 or, when all stand, a bonus token comes from p_k. Both caches then roll back to the accepted length.
-The host syncs once per round, to read how many stood.
+The host syncs once per round, to read how many stood. A greedy sampler makes p and q one-hot, so the
+test reduces to comparing the drafts with the target's argmaxes (`greedy_accept`), a few launches where
+the general test takes tens: at batch 1 the host's launches, not the GPU, set a round's pace. Every
+round drafts k tokens, also the last (its extra tokens are dropped), so the verification is always the
+static step; only the model's context limit makes a round shorter.
 
 Drafters: `DraftModel`, a smaller model with the same tokenizer on an Engine of its own; and
 `MTPDraft`, the target's own multi-token-prediction modules (DeepSeek-V3): module d takes the
@@ -60,6 +64,14 @@ def accept_and_correct(p: Tensor, q: Tensor, draft_tokens: Tensor,
     return accepted, exponential_race(row, generator)  # the race needs no normalised row
 
 
+def greedy_accept(target_tokens: Tensor, draft_tokens: Tensor) -> tuple[Tensor, Tensor]:
+    """accept_and_correct for one-hot p and q: target_tokens (..., k+1) are the target's argmaxes at the k+1
+    positions. The drafts stand up to the first that differs from the target's token, which replaces it (or,
+    when all stand, the target's token after them follows)."""
+    accepted = (target_tokens[..., :-1] == draft_tokens).long().cumprod(-1).sum(-1)
+    return accepted, target_tokens.gather(-1, accepted[..., None]).squeeze(-1)
+
+
 def check_draft(target_model, draft_model, target_tokenizer=None, draft_tokenizer=None) -> None:
     """One clear error for a draft whose token ids do not mean what the target's mean."""
     if draft_model.vocab_size != target_model.vocab_size:
@@ -105,13 +117,18 @@ class Drafter(ABC):
 
     def propose(self, seq: Tensor, n: int, k: int, sampler: Sampler, counts: Tensor | None,
                 generator: torch.Generator | None, beyond: Tensor | None = None) -> tuple[Tensor, Tensor]:
-        """(tokens (k,), q (k, V)): k >= 1 draft tokens, each drawn from the sampler's processed distribution
-        (without the padding ids `beyond`, as the target's)."""
+        """(tokens (k,), q (k, V)): k >= 1 draft tokens, each drawn from the sampler's processed distribution q
+        (without the padding ids `beyond`, as the target's). A greedy sampler takes the argmax and returns the
+        draft's raw logits as q: the acceptance test needs no distribution then, only a check that they are finite."""
         self.catch_up(seq, n)
         tokens, probs = [], []
         for i in range(k):
-            q = sampler.probs(without_padding(self.logits(seq, n, i), beyond), counts)
-            token = q.argmax(-1) if sampler.greedy else exponential_race(q, generator)
+            raw = self.logits(seq, n, i)
+            if sampler.greedy:
+                q, token = raw, sampler.sample(without_padding(raw, beyond), counts)
+            else:
+                q = sampler.probs(without_padding(raw, beyond), counts)
+                token = exponential_race(q, generator)
             seq[:, n + i + 1] = token
             if counts is not None:
                 counts = counts.scatter_add(1, token[:, None], torch.ones_like(q[:, :1]))
@@ -246,13 +263,15 @@ def speculative_generate(target: Engine, draft: Engine | None, prompt: Sequence[
     model, device = target.model, target.device
     [prompt] = prepare_prompts([prompt], max_new_tokens, model.max_seq_len, truncate)
     max_len = len(prompt) + max_new_tokens
+    context = model.max_seq_len if draft is None else min(model.max_seq_len, draft.model.max_seq_len)
+    room = min(max_len + k, context)  # slots for the last round's drafts past max_new_tokens
     if draft is not None and draft.model.max_seq_len < max_len:
         raise ConfigError(f"the prompt of {len(prompt)} tokens plus max_new_tokens={max_new_tokens} exceeds the draft "
                           f"model's context of {draft.model.max_seq_len} tokens; lower max_new_tokens")
     stops = StopStrings(stop_strings, tokenizer, include_stop_str_in_output)
     beyond = padding_ids(model.vocab_size, tokenizer, device)  # never sampled, by the draft nor the target
     out = _Emitted(max_new_tokens, stop_token_ids, stops, stream)
-    drafter = MTPDraft(target, k) if draft is None else DraftModel(draft, max_len)
+    drafter = MTPDraft(target, k) if draft is None else DraftModel(draft, room)
     generator = sampler.generator(device)
     seq = torch.zeros(1, max_len + k + 1, dtype=torch.long, device=device)  # room for the last round's drafts
     seq[0, :len(prompt)] = torch.tensor(prompt)
@@ -263,7 +282,7 @@ def speculative_generate(target: Engine, draft: Engine | None, prompt: Sequence[
 
     sync()
     began = time.perf_counter()
-    target.begin(1, max_len, lookahead=k)
+    target.begin(1, room, lookahead=k)
     logits = target.extend(prompt_ids)
     token = sampler.sample(without_padding(logits, beyond), counts, generator)
     bad, first = torch.stack([(~torch.isfinite(logits).all()).long(), token[0]]).tolist()
@@ -278,7 +297,7 @@ def speculative_generate(target: Engine, draft: Engine | None, prompt: Sequence[
     drafter.start(prompt_ids, k)
     rounds = proposed = accepted = 0
     while not done:
-        k_now = min(k, max_new_tokens - len(out.tokens) - 1)  # no drafts past max_new_tokens (nor the context)
+        k_now = min(k, room - 1 - n)  # no drafts past the context
         if k_now:
             drafts, q = drafter.propose(seq, n, k_now, sampler, counts, generator, beyond)
         else:
@@ -289,8 +308,9 @@ def speculative_generate(target: Engine, draft: Engine | None, prompt: Sequence[
         if counts is not None:
             ahead = F.one_hot(drafts, model.vocab_size).cumsum(0)
             per_position = counts + F.pad(ahead, (0, 0, 1, 0)).to(counts.dtype)
-        stood, token = accept_and_correct(sampler.probs(without_padding(logits[0], beyond), per_position), q, drafts,
-                                          generator)
+        scores = without_padding(logits[0], beyond)
+        stood, token = (greedy_accept(sampler.sample(scores, per_position), drafts) if sampler.greedy
+                        else accept_and_correct(sampler.probs(scores, per_position), q, drafts, generator))
         bad = torch.stack([~torch.isfinite(logits).all(), ~torch.isfinite(q).all()])
         host = torch.cat([bad.long(), stood[None], token[None], drafts]).tolist()  # the round's one sync
         _check_finite(host[0], host[1], len(out.tokens) + 1)
@@ -305,6 +325,7 @@ def speculative_generate(target: Engine, draft: Engine | None, prompt: Sequence[
     sync()
     result = build_generation([out.tokens], stop_token_ids, stops, tokenizer, ttft, time.perf_counter() - decode_began,
                      len(out.tokens) - 1, len(prompt), target.kv_cache_bytes() + drafter.cache_bytes())
-    result.extra.update(acceptance_rate=accepted / max(proposed, 1), tokens_per_round=(accepted + rounds) / max(rounds, 1),
-                        rounds=rounds)
+    # tokens_per_round: the tokens a round added to the output (a last round's past max_new_tokens are dropped)
+    result.extra.update(acceptance_rate=accepted / max(proposed, 1),
+                        tokens_per_round=(len(out.tokens) - 1) / max(rounds, 1), rounds=rounds)
     return result

@@ -66,7 +66,7 @@ def test_a_draft_equal_to_the_target_always_stands():
     target, draft = Engine(model), Engine(model)
     out = speculative_generate(target, draft, PROMPTS[1], k=3, max_new_tokens=20)
     assert out.tokens[0] == target.generate([PROMPTS[1]], max_new_tokens=20).tokens[0]
-    # 19 tokens after the first in rounds of 4, the last one cut to 3 tokens so as not to pass max_new_tokens
+    # 19 tokens after the first in rounds of 4: the last round's fourth token passes max_new_tokens and is dropped
     assert out.extra == {"acceptance_rate": 1.0, "tokens_per_round": 19 / 5, "rounds": 5}
 
 
@@ -172,6 +172,17 @@ def test_accept_and_correct_with_one_hot_distributions_is_greedy():
     assert (int(stood), int(token)) == (1, 1)  # 5 is not the target's argmax: replaced by it
     stood, token = accept_and_correct(one_hot(3, 5, 2), one_hot(3, 5), torch.tensor([3, 5]))
     assert (int(stood), int(token)) == (2, 2)  # all stand, and the bonus token is the argmax after them
+
+
+def test_greedy_accept_is_accept_and_correct_on_one_hot_distributions():
+    g = torch.Generator().manual_seed(0)
+    target = torch.randint(0, 3, (200, 5), generator=g)  # few ids, so drafts often match
+    drafts = torch.randint(0, 3, (200, 4), generator=g)
+    one_hot = lambda ids: torch.nn.functional.one_hot(ids, 3).float()  # noqa: E731
+    want = accept_and_correct(one_hot(target), one_hot(drafts), drafts, g)
+    got = speculative.greedy_accept(target, drafts)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert set(got[0].tolist()) == {0, 1, 2, 3, 4}  # every outcome, from none standing to all
 
 
 def test_bad_requests_fail_before_any_work():
