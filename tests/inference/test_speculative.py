@@ -53,6 +53,14 @@ def test_greedy_output_is_the_targets_with_a_draft_that_is_sometimes_wrong(atten
     assert 0 < min(rates) and max(rates) < 1  # both rejections and acceptances ran
 
 
+def test_greedy_output_is_the_targets_up_to_the_end_of_the_context():
+    # 7 prompt tokens + 41 new = max_seq_len 48: the last rounds have no room for k drafts and run shorter
+    target, draft = Engine(_model()), Engine(_noisy_copy(_model()))
+    expected = target.generate([PROMPTS[1]], max_new_tokens=41).tokens[0]
+    out = speculative_generate(target, draft, PROMPTS[1], k=4, max_new_tokens=41)
+    assert out.tokens[0] == expected and len(expected) == 41
+
+
 def test_greedy_output_is_the_targets_with_an_unrelated_draft_and_penalties():
     target, draft = Engine(_model()), Engine(_model(seed=1, n_layers=1))
     sampler = SAMPLERS.build({"name": "greedy", "repetition_penalty": 1.5, "frequency_penalty": 0.3})
