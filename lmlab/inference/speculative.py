@@ -273,7 +273,7 @@ def speculative_generate(target: Engine, draft: Engine | None, prompt: Sequence[
     out = _Emitted(max_new_tokens, stop_token_ids, stops, stream)
     drafter = MTPDraft(target, k) if draft is None else DraftModel(draft, room)
     generator = sampler.generator(device)
-    seq = torch.zeros(1, max_len + k + 1, dtype=torch.long, device=device)  # room for the last round's drafts
+    seq = torch.zeros(1, room + 1, dtype=torch.long, device=device)  # a round writes up to slot n + k_now + 1 <= room
     seq[0, :len(prompt)] = torch.tensor(prompt)
     prompt_ids = seq[:, :len(prompt)]
     counts = None
