@@ -14,10 +14,15 @@
 #          (the run saves checkpoints/last.ckpt) and the same command without it finishes the run
 #   draft  a ~4x smaller draft (d_model 768, 4 layers: fewer layers, since a batch-1 step costs per
 #          layer) on the same data, into $D/draft; checkpoints stay on the machine
+#   draft2 the same with 2 layers, into $D/draft2 (not part of train)
 #   checkpoint  on those checkpoints: validation perplexity and batch-1 speed of int8 and int4
 #          (GPTQ), and speculative decoding with the draft against the target alone
+#   sweep  speculative decoding with each draft trained ($D/draft, $D/draft2), its one-token steps compiled and
+#          in the decode megakernel, at each K, against the target alone (sweep_speculative.py)
 # Env: STEPS (target training steps, 600), DRAFT_STEPS (STEPS), TRAIN_COMPILE (true), TRAIN_SECONDS (none),
-#      QUANT (entries for checkpoint, "int8 int4"; empty: speculative decoding only), CORPUS.
+#      QUANT (entries for checkpoint, "int8 int4"; empty: speculative decoding only), CORPUS,
+#      TOKENIZER (its overrides, "tokenizer.vocab_size=8192"; "tokenizer=byte" for bytes), TARGET_LR (optim.lr
+#      of the target, 0.003), K (the sweep's draft tokens per round, "4 6"), SWEEP_SECONDS (its budget, 300).
 # Usage: experiments/inference/run.sh OUT_DIR [tests|bench|quant|train|checkpoint ...]
 #        (tests bench quant by default; checkpoint needs train in the same call, or in an earlier call
 #        on the same machine while it stays warm: a machine given back keeps nothing)
@@ -29,7 +34,7 @@ mkdir -p "$D"
 LMLAB="python -m lmlab.cli.main"  # runs from a checkout without installing, as on the GPU machine
 B="$LMLAB bench generate model=llama400m model.vocab_size=50304 --prompt 128 --new 256 --repeats 1"
 CORPUS=${CORPUS:-outputs/data/tinyshakespeare.txt}
-DATA="data=text_files data.paths=[$CORPUS] tokenizer.vocab_size=8192 model.vocab_size=50304 data.context_length=512
+DATA="data=text_files data.paths=[$CORPUS] ${TOKENIZER:-tokenizer.vocab_size=8192} model.vocab_size=50304 data.context_length=512
       data.batch_size=32 trainer.compile=${TRAIN_COMPILE:-true} trainer.progress_bar=false cache_dir=$D/cache"
 TRAIN="python -m lmlab.cli.train $DATA trainer.val_every=200 trainer.checkpoint_every=100000 ckpt_path=auto"
 PARTS=${PARTS//train/target draft}
@@ -48,15 +53,22 @@ for part in $PARTS; do
         quant) $B --engines compiled --batch 1 --quant int8 int4 --json "$D/bench-quant.json" 2>&1 \
                    | grep -v -i warn | tail -8 | tee "$D/bench-quant.txt" ;;
         target) # timeout's 124 (TRAIN_SECONDS ran out: the run saved and stopped) is not a failure
-                ${TRAIN_SECONDS:+timeout -s TERM $TRAIN_SECONDS} $TRAIN model=llama400m trainer.max_steps=${STEPS:-600} \
+                ${TRAIN_SECONDS:+timeout -s TERM $TRAIN_SECONDS} $TRAIN model=llama400m trainer.max_steps=${STEPS:-600} optim.lr=${TARGET_LR:-0.003} \
                     hydra.run.dir="$D/target" 2>&1 | tail -4 | tee -a "$D/train-target.txt" || [ $? = 124 ] ;;
         draft) $TRAIN model=llama400m model.d_model=768 model.n_layers=4 model.attention.n_heads=12 \
                    trainer.max_steps=${DRAFT_STEPS:-${STEPS:-600}} hydra.run.dir="$D/draft" 2>&1 | tail -4 \
                    | tee "$D/train-draft.txt" ;;
+        draft2) $TRAIN model=llama400m model.d_model=768 model.n_layers=2 model.attention.n_heads=12 \
+                    trainer.max_steps=${DRAFT_STEPS:-${STEPS:-600}} hydra.run.dir="$D/draft2" 2>&1 | tail -4 \
+                    | tee "$D/train-draft2.txt" ;;
+        sweep) python experiments/inference/sweep_speculative.py "$D/target/checkpoints/last.ckpt" \
+                   --drafts $(ls "$D"/draft*/checkpoints/last.ckpt) --k ${K:-4 6} --draft-engines compiled megakernel \
+                   --budget-s ${SWEEP_SECONDS:-300} --json "$D/sweep-speculative.json" 2>&1 \
+                   | grep --line-buffered -v -i warn | tee "$D/sweep-speculative.txt" ;;
         checkpoint) $LMLAB bench generate --ckpt "$D/target/checkpoints/last.ckpt" --engines compiled --batch 1 \
                         --prompt 128 --new 256 --repeats 1 --quant ${QUANT-int8 int4} --draft "$D/draft/checkpoints/last.ckpt" \
                         --json "$D/bench-checkpoint.json" 2>&1 | grep --line-buffered -v -i warn \
                         | tee "$D/bench-checkpoint.txt" ;;
-        *) echo "unknown part '$part'; parts: tests bench megakernel quant train target draft checkpoint" >&2; exit 2 ;;
+        *) echo "unknown part '$part'; parts: tests bench megakernel quant train target draft draft2 checkpoint sweep" >&2; exit 2 ;;
     esac
 done

@@ -73,7 +73,7 @@ class GenerateConfig:
     dtype: str = "auto"  # auto (bfloat16 on CUDA, float32 on CPU) | float32 | bfloat16
     compile: bool = False  # torch.compile the decode step (a wait of up to a minute), replayed as a CUDA graph on CUDA
     cuda_graphs: bool | None = None  # replay the decode step from a CUDA graph; None: on CUDA (a fraction of a second)
-    megakernel: bool = False  # one-token steps through every layer in one persistent Triton kernel (CUDA, plain Llama)
+    megakernel: bool = False  # one-token steps through every layer in one persistent Triton kernel (CUDA, plain Llama; the draft's too)
     plugins: list[str] = field(default_factory=list)  # modules imported before the config is composed
 
     def __post_init__(self) -> None:
@@ -325,8 +325,8 @@ def generate(cfg: GenerateConfig, out=None, err=None) -> None:
               f"{report['bytes_before'] / 2**20:,.2f} -> {report['bytes_after'] / 2**20:,.2f} MiB", file=err)
     graphs = cfg.cuda_graphs is not False  # Engine replays graphs on CUDA only
     engine = Engine(model, compile=cfg.compile, cuda_graphs=graphs, megakernel=cfg.megakernel)
-    draft_engine = (Engine(draft.load().to(device, dtype), compile=cfg.compile, cuda_graphs=graphs)
-                    if draft is not None else None)
+    draft_engine = (Engine(draft.load().to(device, dtype), compile=cfg.compile, cuda_graphs=graphs,
+                           megakernel=cfg.megakernel) if draft is not None else None)
     options = dict(max_new_tokens=cfg.max_new_tokens, stop_token_ids=target.stop_ids, stop_strings=cfg.stop,
                    tokenizer=target.tokenizer)
 

@@ -299,7 +299,7 @@ def checkpoint_speculative(model: Transformer, data, args) -> dict:
 
     draft, _ = build_model([], args.draft, model.embed_tokens.weight.device, model.embed_tokens.weight.dtype)
     prompts = data.prompts(args.spec_prompts, args.prompt[0])
-    row = speculative_speedup(model, draft, prompts, args.new, args.draft_k)
+    row = speculative_speedup(model, draft, prompts, args.new, args.draft_k, draft_megakernel=args.draft_megakernel)
     print(f"speculative, k={row['k']}, {row['draft_parameters'] / 1e6:.1f}M draft for a "
           f"{row['target_parameters'] / 1e6:.1f}M target: {row['speculative_tokens_per_s']:,.0f} against "
           f"{row['target_tokens_per_s']:,.0f} tokens/s alone ({row['speedup']:.2f}x), acceptance "
@@ -327,6 +327,8 @@ def main(argv: list[str]) -> int:
                         help="with --ckpt: speculative decoding with this draft checkpoint against the target alone "
                              "(batch 1, greedy, prompts from the validation split)")
     parser.add_argument("--draft-k", type=int, default=4, help="draft tokens per round (default 4)")
+    parser.add_argument("--draft-megakernel", action="store_true",
+                        help="the draft's one-token steps in the decode megakernel (CUDA; the target stays compiled)")
     parser.add_argument("--spec-prompts", type=int, default=8, help="prompts for the speculative comparison")
     parser.add_argument("--kv-table", action="store_true", help="only print the KV bytes per attention kind")
     parser.add_argument("--json", type=Path, default=None)

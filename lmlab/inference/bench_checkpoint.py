@@ -81,34 +81,55 @@ def quant_quality(model: Transformer, data: CheckpointData, quants: list, new: i
     return rows
 
 
-def speculative_speedup(target: Transformer, draft: Transformer, prompts: list[list[int]], new: int, k: int,
-                        compile: bool = True) -> dict:
-    """Batch-1 greedy decoding of each prompt, target alone and with the draft, both (compiled) engines."""
-    check_draft(target, draft)
-    alone, target_engine = Engine(target, compile=compile), Engine(target, compile=compile)
-    draft_engine = Engine(draft, compile=compile)
-    speculative_generate(target_engine, draft_engine, prompts[0], k=k, max_new_tokens=new)  # compiles, captures
-    alone.generate([prompts[0]], max_new_tokens=new)
-    times, outputs, accepted = {"target": 0.0, "speculative": 0.0}, {"target": [], "speculative": []}, []
-    for prompt in prompts:
-        for name, run in (("target", lambda p=prompt: alone.generate([p], max_new_tokens=new)),
-                          ("speculative", lambda p=prompt: speculative_generate(target_engine, draft_engine, p, k=k,
-                                                                                 max_new_tokens=new))):
+class SpeculativeComparison:
+    """Batch-1 greedy decoding of each prompt by the target alone, timed once, against speculative decoding
+    with any number of drafters and k, on (compiled) engines built once: a sweep compiles each shape once."""
+
+    def __init__(self, target: Transformer, prompts: list[list[int]], new: int, compile: bool = True):
+        self.target, self.prompts, self.new, self.compile = target, prompts, new, compile
+        self.engine = Engine(target, compile=compile)  # speculative decoding's target
+        alone = Engine(target, compile=compile)
+        alone.generate([prompts[0]], max_new_tokens=new)  # compiles and captures
+        self.alone_seconds, self.alone_generations = self._timed(lambda p: alone.generate([p], max_new_tokens=new))
+
+    def _timed(self, run) -> tuple[float, list]:
+        """Seconds of run(prompt) over the prompts, synced, and its Generations."""
+        seconds, outputs = 0.0, []
+        for prompt in self.prompts:
             sync()
             start = time.perf_counter()
-            out = run()
+            out = run(prompt)
             sync()
-            times[name] += time.perf_counter() - start
-            outputs[name].append(out.tokens[0])
-            if name == "speculative":
-                accepted.append(out.extra["acceptance_rate"])
-    speed = {name: sum(len(t) for t in outputs[name]) / times[name] for name in times}
-    return {"k": k, "prompts": len(prompts), "new": new, "target_tokens_per_s": speed["target"],
-            "speculative_tokens_per_s": speed["speculative"], "speedup": speed["speculative"] / speed["target"],
-            "acceptance_rate": sum(accepted) / len(accepted),
-            "identical_outputs": sum(a == b for a, b in zip(outputs["target"], outputs["speculative"])),
-            "divergences": divergences(target, prompts, outputs["target"], outputs["speculative"]),
-            "draft_parameters": draft.num_parameters(), "target_parameters": target.num_parameters()}
+            seconds += time.perf_counter() - start
+            outputs.append(out)
+        return seconds, outputs
+
+    def measure(self, draft_engine: Engine, k: int) -> dict:
+        """The target alone against speculative decoding with `draft_engine` drafting k tokens a round."""
+        check_draft(self.target, draft_engine.model)
+        run = lambda p: speculative_generate(self.engine, draft_engine, p, k=k, max_new_tokens=self.new)  # noqa: E731
+        run(self.prompts[0])  # compiles and captures this k's shapes
+        seconds, generations = self._timed(run)
+        alone = [out.tokens[0] for out in self.alone_generations]
+        spec = [out.tokens[0] for out in generations]
+        speed = {"target": sum(map(len, alone)) / self.alone_seconds, "speculative": sum(map(len, spec)) / seconds}
+        return {"k": k, "prompts": len(self.prompts), "new": self.new, "target_tokens_per_s": speed["target"],
+                "speculative_tokens_per_s": speed["speculative"], "speedup": speed["speculative"] / speed["target"],
+                "acceptance_rate": sum(out.extra["acceptance_rate"] for out in generations) / len(generations),
+                "tokens_per_round": sum(map(len, spec)) / sum(out.extra["rounds"] for out in generations),
+                "identical_outputs": sum(a == b for a, b in zip(alone, spec)),
+                "divergences": divergences(self.target, self.prompts, alone, spec),
+                "draft_parameters": draft_engine.model.num_parameters(),
+                "target_parameters": self.target.num_parameters()}
+
+
+def speculative_speedup(target: Transformer, draft: Transformer, prompts: list[list[int]], new: int, k: int,
+                        compile: bool = True, draft_megakernel: bool = False) -> dict:
+    """Batch-1 greedy decoding of each prompt, target alone and with the draft, both (compiled) engines;
+    draft_megakernel: the draft's one-token steps in the decode megakernel (CUDA, plain Llama stacks)."""
+    check_draft(target, draft)
+    comparison = SpeculativeComparison(target, prompts, new, compile)
+    return comparison.measure(Engine(draft, compile=compile, megakernel=draft_megakernel), k)
 
 
 @torch.inference_mode()

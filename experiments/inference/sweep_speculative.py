@@ -1,0 +1,80 @@
+"""Speculative decoding's batch-1 speed-up over the target alone, across drafts, draft engines and k.
+
+    python experiments/inference/sweep_speculative.py TARGET_CKPT --drafts D1 [D2 ...] [--k 4 6]
+        [--draft-engines compiled megakernel] [--prompts 8] [--new 256] [--budget-s 300] [--json F]
+
+In one process, greedy, on prompts from the target's validation split (as `lmlab bench generate --draft`):
+the target alone is timed once on its compiled engine, then speculative decoding with each draft on each
+draft engine (`compiled`: torch.compile and a CUDA graph; `megakernel`: its one-token steps in the decode
+megakernel) and each k, the target on one compiled engine throughout. Each row reports tokens/s, the
+speed-up, the acceptance rate, tokens per round and how many outputs equal the target's own, with the
+first differing token of the others and the target's top-1 minus top-2 logit there. Rows left when
+`--budget-s` runs out are skipped and named.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from lmlab.inference.bench import build_model
+from lmlab.inference.bench_checkpoint import CheckpointData, SpeculativeComparison
+from lmlab.inference.engine import Engine
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("target")
+    parser.add_argument("--drafts", nargs="+", required=True)
+    parser.add_argument("--k", type=int, nargs="+", default=[4])
+    parser.add_argument("--draft-engines", nargs="+", default=["compiled"], choices=["compiled", "megakernel"])
+    parser.add_argument("--prompts", type=int, default=8)
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--new", type=int, default=256)
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--budget-s", type=float, default=None, help="skip the rows left after this many seconds")
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args()
+    began = time.perf_counter()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = getattr(torch, args.dtype)
+    compile = device.type == "cuda"  # the CPU: a check of the script
+    target, _ = build_model([], args.target, device, dtype)
+    prompts = CheckpointData(args.target).prompts(args.prompts, args.prompt_len)
+    comparison = SpeculativeComparison(target, prompts, args.new, compile)
+    alone = sum(len(g.tokens[0]) for g in comparison.alone_generations) / comparison.alone_seconds
+    print(f"target alone ({target.num_parameters() / 1e6:.1f}M, {args.dtype}, "
+          f"{'compiled' if compile else 'eager: no CUDA'}): {alone:,.0f} tokens/s", flush=True)
+    print(f"{'draft':<40} {'engine':<11} {'k':>2} {'tok/s':>7} {'speed-up':>8} {'accept':>7} {'tok/round':>9} "
+          f"{'identical':>9}", flush=True)
+    engines = [(path, kind, Engine(build_model([], path, device, dtype)[0], compile=compile,
+                                   megakernel=kind == "megakernel"))
+               for path in args.drafts for kind in args.draft_engines]
+    rows, skipped = [], []
+    for k in args.k:  # outermost: each k reshapes the target's caches and step, compiled once per k
+        for path, kind, engine in engines:
+            if args.budget_s is not None and time.perf_counter() - began > args.budget_s:
+                skipped.append(f"{path} {kind} k={k}")
+                continue
+            row = {"draft": path, "draft_engine": kind, **comparison.measure(engine, k)}
+            rows.append(row)
+            margins = ", ".join(f"{d['at']} ({d['target_margin']:.3f})" for d in row["divergences"])
+            print(f"{path[-40:]:<40} {kind:<11} {k:>2} {row['speculative_tokens_per_s']:>7,.0f} "
+                  f"{row['speedup']:>7.2f}x {row['acceptance_rate']:>7.0%} {row['tokens_per_round']:>9.2f} "
+                  f"{row['identical_outputs']:>4}/{row['prompts']}" + (f"  first differences: {margins}" if margins else ""),
+                  flush=True)
+    if skipped:
+        print(f"skipped after the {args.budget_s:.0f} s budget: {'; '.join(skipped)}", flush=True)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+                                         "torch": torch.__version__, "dtype": args.dtype, "target": args.target,
+                                         "target_alone_tokens_per_s": alone, "rows": rows, "skipped": skipped}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
