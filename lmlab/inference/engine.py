@@ -90,15 +90,19 @@ class Engine:
         return CACHE_LEN_MULTIPLE * math.ceil(needed / CACHE_LEN_MULTIPLE)
 
     @torch.inference_mode()
-    def begin(self, batch_size: int, max_len: int, start: torch.Tensor | None = None, lookahead: int = 0) -> None:
+    def begin(self, batch_size: int, max_len: int, start: torch.Tensor | None = None, lookahead: int = 0,
+              steps: tuple[int, ...] | None = None) -> None:
         """Empty caches for `batch_size` sequences of up to `max_len` slots; sequence b's first real
-        slot is start[b] (left padding before it). Caches and graphs are reused when the shape repeats."""
+        slot is start[b] (left padding before it). `lookahead`: slots a forward may write and roll back;
+        `steps`: the tokens per sequence of the static decode steps to prepare (default 1 and lookahead + 1).
+        Caches and graphs are reused when the shape repeats."""
         shape = (batch_size, self.cache_length(max_len), lookahead)
+        sizes = tuple(sorted(set(steps or (1, lookahead + 1))))
         if self.megakernel is not None:
             self.megakernel.refresh()  # before fusing: the fused groups are views of its stack
         fuse_projections(self.model)  # again where the model changed since (moved, quantized)
-        if shape != self.shape:
-            self._allocate(*shape)
+        if shape != self.shape or sizes != tuple(self._steps):
+            self._allocate(*shape, sizes)
         else:
             for cache in self.caches:
                 cache.reset()
@@ -106,7 +110,7 @@ class Engine:
         self.state.start.copy_(starts)
         self.next_slot = 0
 
-    def _allocate(self, batch_size: int, length: int, lookahead: int) -> None:
+    def _allocate(self, batch_size: int, length: int, lookahead: int, sizes: tuple[int, ...]) -> None:
         self.caches, self._steps = [], {}
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
@@ -118,7 +122,7 @@ class Engine:
                        for block in self.model.applied_layers()]
         if self.megakernel is not None:
             self.megakernel.bind(self.caches)
-        for size in sorted({1, lookahead + 1}):
+        for size in sizes:
             self._steps[size] = _StaticStep(self, batch_size, size)
 
     @torch.inference_mode()
@@ -129,7 +133,7 @@ class Engine:
             raise RuntimeError("Engine.begin and extend must run before select")
         index = index.to(self.device)
         old_caches, old_start, old_shape = self.caches, self.state.start, self.shape
-        self._allocate(len(index), old_shape[1], old_shape[2])
+        self._allocate(len(index), old_shape[1], old_shape[2], tuple(self._steps))
         for cache, old in zip(self.caches, old_caches):
             cache.copy_from(old, index)
         self.state.start.copy_(old_start.index_select(0, index))
@@ -168,13 +172,13 @@ class Engine:
 
     @torch.inference_mode()
     def decode(self, tokens: torch.Tensor) -> torch.Tensor:
-        """tokens (B,) -> float32 logits (B, V), or (B, S) -> (B, S, V) for S = lookahead + 1 (a speculative
-        step's verification). Compiled and replayed as a CUDA graph where enabled; the returned tensor
+        """tokens (B,) -> float32 logits (B, V), or (B, S) -> (B, S, V) for S among begin's steps (by default
+        lookahead + 1: a speculative step's verification). Compiled and replayed as a CUDA graph where enabled; the returned tensor
         is reused by the next call of the same size."""
         ids = tokens.view(tokens.shape[0], -1)
         step = self._steps.get(ids.shape[1])
         if step is None:
-            raise ValueError(f"decode takes 1 or lookahead + 1 = {self.shape[2] + 1} tokens per sequence, "
+            raise ValueError(f"decode takes {' or '.join(map(str, self._steps))} tokens per sequence (begin's steps), "
                              f"got {ids.shape[1]}; use extend for other lengths")
         self._check_room(ids.shape[1])
         logits, self.last_hidden = step(ids, self.next_slot)

@@ -36,6 +36,7 @@ from torch import Tensor
 from lmlab.errors import ConfigError
 from lmlab.inference.cache import CacheState, factory_for
 from lmlab.inference.engine import Engine
+from lmlab.inference.greedy_rounds import DRAFT_STEPS, GreedyRounds, greedy_accept
 from lmlab.inference.generate import (Generation, GenerationError, StopStrings, StreamCallback, build_generation,
                                       padding_ids, prepare_prompts, token_counts, without_padding)
 from lmlab.inference.samplers import SAMPLERS, Sampler, exponential_race
@@ -62,14 +63,6 @@ def accept_and_correct(p: Tensor, q: Tensor, draft_tokens: Tensor,
     row, fallback = residual.gather(-2, at).squeeze(-2), p.gather(-2, at).squeeze(-2)
     row = torch.where(row.sum(-1, keepdim=True) > 0, row, fallback)  # rounding can leave p - q <= 0 everywhere
     return accepted, exponential_race(row, generator)  # the race needs no normalised row
-
-
-def greedy_accept(target_tokens: Tensor, draft_tokens: Tensor) -> tuple[Tensor, Tensor]:
-    """accept_and_correct for one-hot p and q: target_tokens (..., k+1) are the target's argmaxes at the k+1
-    positions. The drafts stand up to the first that differs from the target's token, which replaces it (or,
-    when all stand, the target's token after them follows)."""
-    accepted = (target_tokens[..., :-1] == draft_tokens).long().cumprod(-1).sum(-1)
-    return accepted, target_tokens.gather(-1, accepted[..., None]).squeeze(-1)
 
 
 def check_draft(target_model, draft_model, target_tokenizer=None, draft_tokenizer=None) -> None:
@@ -138,13 +131,14 @@ class Drafter(ABC):
 
 
 class DraftModel(Drafter):
-    """A smaller model with the target's tokenizer, on an Engine of its own."""
+    """A smaller model with the target's tokenizer, on an Engine of its own; `steps`: its static decode steps."""
 
-    def __init__(self, engine: Engine, max_len: int):
-        self.engine, self.max_len = engine, max_len
+    def __init__(self, engine: Engine, max_len: int, steps: tuple[int, ...] = (1,)):
+        self.engine, self.max_len, self.steps = engine, max_len, steps
 
     def start(self, prompt: Tensor, k: int) -> None:
-        self.engine.begin(1, self.max_len, lookahead=k - 1)  # a round writes k - 1 slots it may roll back
+        # a round writes k - 1 slots it may roll back
+        self.engine.begin(1, self.max_len, lookahead=k - 1, steps=self.steps)
         self.engine.extend(prompt)
 
     def catch_up(self, seq: Tensor, n: int) -> None:
@@ -249,6 +243,35 @@ def _check_finite(target_bad: int, draft_bad: int, at: int) -> None:
                                   "activations overflow (try float32, or check the checkpoint)")
 
 
+def _round(target: Engine, drafter: Drafter, seq: Tensor, n: int, k: int, room: int, sampler: Sampler,
+           counts: Tensor | None, generator: torch.Generator | None, beyond: Tensor | None):
+    """One round launched op by op: (the host record [target non-finite, draft non-finite, drafts that stood,
+    the token after them, the drafts], drafts proposed, the token counts after the round)."""
+    model = target.model
+    k_now = min(k, room - 1 - n)  # no drafts past the context
+    if k_now:
+        drafts, q = drafter.propose(seq, n, k_now, sampler, counts, generator, beyond)
+    else:
+        drafts, q = seq.new_zeros(0), torch.zeros(0, model.vocab_size, device=seq.device)
+    ids = seq[:, n:n + k_now + 1]
+    logits = target.decode(ids) if k_now in (0, k) else target.extend(ids, all_logits=True)
+    per_position = None  # counts after each draft token, for the penalties
+    if counts is not None:
+        ahead = F.one_hot(drafts, model.vocab_size).cumsum(0)
+        per_position = counts + F.pad(ahead, (0, 0, 1, 0)).to(counts.dtype)
+    scores = without_padding(logits[0], beyond)
+    stood, token = (greedy_accept(sampler.sample(scores, per_position), drafts) if sampler.greedy
+                    else accept_and_correct(sampler.probs(scores, per_position), q, drafts, generator))
+    bad = torch.stack([~torch.isfinite(logits).all(), ~torch.isfinite(q).all()])
+    host = torch.cat([bad.long(), stood[None], token[None], drafts]).tolist()  # the round's one sync
+    stood = host[2]
+    seq[0, n + 1 + stood] = token  # the drafts that stood are in seq already
+    if counts is not None:
+        counts = per_position[stood:stood + 1].scatter_add(1, token.view(1, 1), torch.ones_like(counts[:, :1]))
+    target.rewind(n + 1 + stood)
+    return host, k_now, counts
+
+
 @torch.inference_mode()
 def speculative_generate(target: Engine, draft: Engine | None, prompt: Sequence[int], sampler: Sampler | None = None,
                          k: int | None = None, max_new_tokens: int = 256, stop_token_ids: Sequence[int] = (),
@@ -271,18 +294,23 @@ def speculative_generate(target: Engine, draft: Engine | None, prompt: Sequence[
     stops = StopStrings(stop_strings, tokenizer, include_stop_str_in_output)
     beyond = padding_ids(model.vocab_size, tokenizer, device)  # never sampled, by the draft nor the target
     out = _Emitted(max_new_tokens, stop_token_ids, stops, stream)
-    drafter = MTPDraft(target, k) if draft is None else DraftModel(draft, room)
+    # fixed rounds (one CUDA graph each where the engines replay graphs); not when the context cuts rounds short
+    fixed = GreedyRounds.applies(draft, sampler) and room == max_len + k
+    drafter = (MTPDraft(target, k) if draft is None
+               else DraftModel(draft, room, DRAFT_STEPS if fixed else (1,)))
     generator = sampler.generator(device)
-    seq = torch.zeros(1, room + 1, dtype=torch.long, device=device)  # a round writes up to slot n + k_now + 1 <= room
-    seq[0, :len(prompt)] = torch.tensor(prompt)
-    prompt_ids = seq[:, :len(prompt)]
     counts = None
-    if sampler.needs_counts:
-        counts = token_counts(prompt_ids, torch.zeros(1, dtype=torch.long, device=device), model.vocab_size)
 
     sync()
     began = time.perf_counter()
     target.begin(1, room, lookahead=k)
+    fixed_rounds = GreedyRounds.prepare(target, draft, k, room + 1, room, beyond) if fixed else None
+    # a round writes up to slot n + k_now + 1 <= room
+    seq = fixed_rounds.seq if fixed else torch.zeros(1, room + 1, dtype=torch.long, device=device)
+    seq[0, :len(prompt)] = torch.tensor(prompt)
+    prompt_ids = seq[:, :len(prompt)]
+    if sampler.needs_counts:
+        counts = token_counts(prompt_ids, torch.zeros(1, dtype=torch.long, device=device), model.vocab_size)
     logits = target.extend(prompt_ids)
     token = sampler.sample(without_padding(logits, beyond), counts, generator)
     bad, first = torch.stack([(~torch.isfinite(logits).all()).long(), token[0]]).tolist()
@@ -295,33 +323,23 @@ def speculative_generate(target: Engine, draft: Engine | None, prompt: Sequence[
         counts.scatter_add_(1, token[:, None], torch.ones_like(counts[:, :1]))
     done = out.add([first])
     drafter.start(prompt_ids, k)
+    if fixed:
+        fixed_rounds.n.fill_(n)
     rounds = proposed = accepted = 0
     while not done:
-        k_now = min(k, room - 1 - n)  # no drafts past the context
-        if k_now:
-            drafts, q = drafter.propose(seq, n, k_now, sampler, counts, generator, beyond)
+        if fixed:
+            fixed_rounds.replay()
+            host, k_now = fixed_rounds.record.tolist(), k  # the round's one sync
         else:
-            drafts, q = seq.new_zeros(0), torch.zeros(0, model.vocab_size, device=device)
-        ids = seq[:, n:n + k_now + 1]
-        logits = target.decode(ids) if k_now in (0, k) else target.extend(ids, all_logits=True)
-        per_position = None  # counts after each draft token, for the penalties
-        if counts is not None:
-            ahead = F.one_hot(drafts, model.vocab_size).cumsum(0)
-            per_position = counts + F.pad(ahead, (0, 0, 1, 0)).to(counts.dtype)
-        scores = without_padding(logits[0], beyond)
-        stood, token = (greedy_accept(sampler.sample(scores, per_position), drafts) if sampler.greedy
-                        else accept_and_correct(sampler.probs(scores, per_position), q, drafts, generator))
-        bad = torch.stack([~torch.isfinite(logits).all(), ~torch.isfinite(q).all()])
-        host = torch.cat([bad.long(), stood[None], token[None], drafts]).tolist()  # the round's one sync
+            host, k_now, counts = _round(target, drafter, seq, n, k, room, sampler, counts, generator, beyond)
         _check_finite(host[0], host[1], len(out.tokens) + 1)
         stood = host[2]
-        seq[0, n + 1 + stood] = token  # the drafts that stood are in seq already
-        if counts is not None:
-            counts = per_position[stood:stood + 1].scatter_add(1, token.view(1, 1), torch.ones_like(counts[:, :1]))
-        target.rewind(n + 1 + stood)
         n += stood + 1
         rounds, proposed, accepted = rounds + 1, proposed + k_now, accepted + stood
         done = out.add(host[4:4 + stood] + [host[3]])
+    if fixed:  # the engines' own bookkeeping, which the graph does not keep
+        target.rewind(n)
+        draft.rewind(n - 1)
     sync()
     result = build_generation([out.tokens], stop_token_ids, stops, tokenizer, ttft, time.perf_counter() - decode_began,
                      len(out.tokens) - 1, len(prompt), target.kv_cache_bytes() + drafter.cache_bytes())

@@ -78,6 +78,17 @@ def test_a_draft_equal_to_the_target_always_stands():
     assert out.extra == {"acceptance_rate": 1.0, "tokens_per_round": 19 / 5, "rounds": 5}
 
 
+@pytest.mark.parametrize(("sampler", "fixed"), [("greedy", True), ({"name": "greedy", "repetition_penalty": 1.5}, False),
+                                               ({"name": "top_k", "top_k": 5, "seed": 0}, False)])
+def test_greedy_rounds_without_penalties_run_as_fixed_rounds(sampler, fixed, monkeypatch):
+    """Only a greedy sampler without penalties makes every round the same static steps (one CUDA graph on CUDA)."""
+    calls, real = [], speculative.GreedyRounds._round
+    monkeypatch.setattr(speculative.GreedyRounds, "_round", lambda self: calls.append(1) or real(self))
+    target, draft = Engine(_model()), Engine(_noisy_copy(_model()))
+    out = speculative_generate(target, draft, PROMPTS[1], SAMPLERS.build(sampler), k=3, max_new_tokens=12)
+    assert bool(calls) == fixed and len(calls) == (out.extra["rounds"] if fixed else 0)
+
+
 @pytest.mark.parametrize("k", [1, 2])
 def test_mtp_self_speculation_gives_the_targets_greedy_output(k):
     target = Engine(_model(mtp=MTPConfig(depth=2), attention=WINDOW))
