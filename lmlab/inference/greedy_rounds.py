@@ -65,7 +65,7 @@ class GreedyRounds:
         self.graph: torch.cuda.CUDAGraph | None = None
         self.record = torch.zeros(k + 4, dtype=torch.long, device=target.device)
         if target.cuda_graphs and draft.cuda_graphs:
-            self.graph, self.record = capture_cuda_graph(self._round, warmups=2)
+            self.graph, self.record = capture_cuda_graph(self._warm_or_captured_round, warmups=2)
             for cache in target.caches + draft.caches:
                 cache.reset()
 
@@ -81,6 +81,11 @@ class GreedyRounds:
             self.record = self._round()
         else:
             self.graph.replay()
+
+    def _warm_or_captured_round(self) -> Tensor:
+        if not torch.cuda.is_current_stream_capturing():  # a warm-up: from slot 1, so it stays within the caches
+            self.n.fill_(1)
+        return self._round()
 
     def _logits(self, step, first: Tensor) -> Tensor:
         """The step's float32 logits (1, S, V) for the tokens of seq at slots first, first + 1, ..."""

@@ -15,7 +15,9 @@ The host syncs once per round, to read how many stood. A greedy sampler makes p 
 test reduces to comparing the drafts with the target's argmaxes (`greedy_accept`), a few launches where
 the general test takes tens: at batch 1 the host's launches, not the GPU, set a round's pace. Every
 round drafts k tokens, also the last (its extra tokens are dropped), so the verification is always the
-static step; only the model's context limit makes a round shorter.
+static step; only the model's context limit makes a round shorter. With a draft model and a greedy
+sampler without penalties, every round is then the same static steps, and it runs as one CUDA graph
+(`lmlab.inference.greedy_rounds`) where the engines replay graphs.
 
 Drafters: `DraftModel`, a smaller model with the same tokenizer on an Engine of its own; and
 `MTPDraft`, the target's own multi-token-prediction modules (DeepSeek-V3): module d takes the
