@@ -12,6 +12,7 @@ graphs (the CPU, eager engines) the same round runs op by op.
 
 from __future__ import annotations
 
+import logging
 import weakref
 
 import torch
@@ -20,6 +21,8 @@ from torch import Tensor
 from lmlab.inference.engine import Engine, capture_cuda_graph
 from lmlab.inference.generate import without_padding
 from lmlab.inference.samplers import Sampler
+
+log = logging.getLogger(__name__)
 
 DRAFT_STEPS = (1, 2)  # the draft engine's static steps a graphed round runs
 
@@ -65,7 +68,10 @@ class GreedyRounds:
         self.graph: torch.cuda.CUDAGraph | None = None
         self.record = torch.zeros(k + 4, dtype=torch.long, device=target.device)
         if target.cuda_graphs and draft.cuda_graphs:
-            self.graph, self.record = capture_cuda_graph(self._warm_or_captured_round, warmups=2)
+            try:
+                self.graph, self.record = capture_cuda_graph(self._warm_or_captured_round, warmups=2)
+            except RuntimeError as err:  # as the engines' own steps: a host sync in a layer cannot be captured
+                log.warning("speculative rounds run op by op, without a CUDA graph: %s", str(err).splitlines()[0])
             for cache in target.caches + draft.caches:
                 cache.reset()
 
