@@ -6,9 +6,11 @@
 In one process, greedy, on prompts from the target's validation split (as `lmlab bench generate --draft`):
 the target alone is timed once on its compiled engine, then speculative decoding with each draft on each
 draft engine (`compiled`: torch.compile and a CUDA graph; `megakernel`: its one-token steps in the decode
-megakernel) and each k, the target on one compiled engine throughout. Each row reports tokens/s, the
-speed-up, the acceptance rate, tokens per round and how many outputs equal the target's own, with the
-first differing token of the others and the target's top-1 minus top-2 logit there. Rows left when
+megakernel) and each k, the target on one compiled engine throughout. Each row reports tokens/s and the
+speed-up over whole generations and over decoding alone (after the target's prefill and first token), the
+acceptance rate, tokens and milliseconds (of the whole generation) per round, whether the rounds replayed
+one captured CUDA graph each (`lmlab.inference.greedy_rounds`), and how many outputs equal the target's
+own, with the first differing token of the others and the target's top-1 minus top-2 logit there. Rows left when
 `--budget-s` runs out are skipped and named.
 """
 
@@ -22,7 +24,7 @@ from pathlib import Path
 import torch
 
 from lmlab.inference.bench import build_model
-from lmlab.inference.bench_checkpoint import CheckpointData, SpeculativeComparison
+from lmlab.inference.bench_checkpoint import CheckpointData, SpeculativeComparison, decode_tokens_per_s
 from lmlab.inference.engine import Engine
 
 
@@ -49,8 +51,10 @@ def main() -> None:
     alone = sum(len(g.tokens[0]) for g in comparison.alone_generations) / comparison.alone_seconds
     print(f"target alone ({target.num_parameters() / 1e6:.1f}M, {args.dtype}, "
           f"{'compiled' if compile else 'eager: no CUDA'}): {alone:,.0f} tokens/s", flush=True)
-    print(f"{'draft':<40} {'engine':<11} {'k':>2} {'tok/s':>7} {'speed-up':>8} {'accept':>7} {'tok/round':>9} "
-          f"{'identical':>9}", flush=True)
+    decode_alone = decode_tokens_per_s(comparison.alone_generations)
+    print(f"  decode alone, after the prefill and first token: {decode_alone:,.0f} tokens/s", flush=True)
+    print(f"{'draft':<40} {'engine':<11} {'k':>2} {'tok/s':>7} {'speed-up':>8} {'decode':>7} {'speed-up':>8} "
+          f"{'accept':>7} {'tok/round':>9} {'ms/round':>8} {'graph':>5} {'identical':>9}", flush=True)
     engines = [(path, kind, Engine(build_model([], path, device, dtype)[0], compile=compile,
                                    megakernel=kind == "megakernel"))
                for path in args.drafts for kind in args.draft_engines]
@@ -64,7 +68,9 @@ def main() -> None:
             rows.append(row)
             margins = ", ".join(f"{d['at']} ({d['target_margin']:.3f})" for d in row["divergences"])
             print(f"{path[-40:]:<40} {kind:<11} {k:>2} {row['speculative_tokens_per_s']:>7,.0f} "
-                  f"{row['speedup']:>7.2f}x {row['acceptance_rate']:>7.0%} {row['tokens_per_round']:>9.2f} "
+                  f"{row['speedup']:>7.2f}x {row['speculativedecode_tokens_per_s']:>7,.0f} {row['decode_speedup']:>7.2f}x "
+                  f"{row['acceptance_rate']:>7.0%} {row['tokens_per_round']:>9.2f} "
+                  f"{row['ms_per_round']:>8.3f} {'yes' if row['round_graph'] else 'no':>5} "
                   f"{row['identical_outputs']:>4}/{row['prompts']}" + (f"  first differences: {margins}" if margins else ""),
                   flush=True)
     if skipped:

@@ -302,7 +302,9 @@ def checkpoint_speculative(model: Transformer, data, args) -> dict:
     row = speculative_speedup(model, draft, prompts, args.new, args.draft_k, draft_megakernel=args.draft_megakernel)
     print(f"speculative, k={row['k']}, {row['draft_parameters'] / 1e6:.1f}M draft for a "
           f"{row['target_parameters'] / 1e6:.1f}M target: {row['speculative_tokens_per_s']:,.0f} against "
-          f"{row['target_tokens_per_s']:,.0f} tokens/s alone ({row['speedup']:.2f}x), acceptance "
+          f"{row['target_tokens_per_s']:,.0f} tokens/s alone ({row['speedup']:.2f}x; decoding alone "
+          f"{row['speculative_decode_tokens_per_s']:,.0f} against {row['target_decode_tokens_per_s']:,.0f}, "
+          f"{row['decode_speedup']:.2f}x), acceptance "
           f"{row['acceptance_rate']:.0%}, identical outputs {row['identical_outputs']}/{row['prompts']}", flush=True)
     if row["divergences"]:
         print("  first differing token of each differing pair, and the target's top-1 minus top-2 logit there: "

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from lmlab.cli.generate import CALIBRATION_BATCH, calibration_batches, open_model
 from lmlab.data.batches import evenly_spaced_windows
 from lmlab.inference.engine import Engine
+from lmlab.inference.greedy_rounds import GreedyRounds
 from lmlab.inference.quant import QUANTS, quantize
 from lmlab.inference.speculative import check_draft, speculative_generate
 from lmlab.nn.transformer import Transformer
@@ -83,7 +84,8 @@ def quant_quality(model: Transformer, data: CheckpointData, quants: list, new: i
 
 class SpeculativeComparison:
     """Batch-1 greedy decoding of each prompt by the target alone, timed once, against speculative decoding
-    with any number of drafters and k, on (compiled) engines built once: a sweep compiles each shape once."""
+    with any number of drafters and k, on (compiled) engines built once: a sweep compiles each shape once.
+    Speeds are given over whole generations (prefill included) and over their decoding alone."""
 
     def __init__(self, target: Transformer, prompts: list[list[int]], new: int, compile: bool = True):
         self.target, self.prompts, self.new, self.compile = target, prompts, new, compile
@@ -113,14 +115,28 @@ class SpeculativeComparison:
         alone = [out.tokens[0] for out in self.alone_generations]
         spec = [out.tokens[0] for out in generations]
         speed = {"target": sum(map(len, alone)) / self.alone_seconds, "speculative": sum(map(len, spec)) / seconds}
+        decode = {name: decode_tokens_per_s(gens) for name, gens in (("target", self.alone_generations),
+                                                                      ("speculative", generations))}
+        rounds = sum(out.extra["rounds"] for out in generations)
+        fixed = GreedyRounds._cache.get(draft_engine)
         return {"k": k, "prompts": len(self.prompts), "new": self.new, "target_tokens_per_s": speed["target"],
                 "speculative_tokens_per_s": speed["speculative"], "speedup": speed["speculative"] / speed["target"],
+                # after the target's prefill and first token (the draft's prefill counts in the speculative decode)
+                "targetdecode_tokens_per_s": decode["target"], "speculativedecode_tokens_per_s": decode["speculative"],
+                "decode_speedup": decode["speculative"] / decode["target"],
                 "acceptance_rate": sum(out.extra["acceptance_rate"] for out in generations) / len(generations),
-                "tokens_per_round": sum(map(len, spec)) / sum(out.extra["rounds"] for out in generations),
+                "tokens_per_round": sum(len(t) - 1 for t in spec) / rounds,  # the first comes from the prefill "ms_per_round": seconds / rounds * 1e3,
+                # whether the greedy rounds replayed one captured CUDA graph each (else op by op)
+                "round_graph": fixed is not None and fixed.graph is not None,
                 "identical_outputs": sum(a == b for a, b in zip(alone, spec)),
                 "divergences": divergences(self.target, self.prompts, alone, spec),
                 "draft_parameters": draft_engine.model.num_parameters(),
                 "target_parameters": self.target.num_parameters()}
+
+
+def decode_tokens_per_s(generations: list) -> float:
+    """Tokens per second after each prefill and first token, over batch-1 generations."""
+    return sum(g.stats.steps for g in generations) / sum(g.stats.decode_s for g in generations)
 
 
 def speculative_speedup(target: Transformer, draft: Transformer, prompts: list[list[int]], new: int, k: int,

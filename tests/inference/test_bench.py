@@ -61,6 +61,8 @@ def test_speculative_with_the_target_as_draft_accepts_everything(ckpt):
     row = speculative_speedup(model, copy.deepcopy(model), prompts, new=8, k=3, compile=False)
     assert row["identical_outputs"] == 2 and row["acceptance_rate"] == 1.0 and row["divergences"] == []
     assert row["speedup"] > 0 and row["draft_parameters"] == row["target_parameters"]
+    # 8 new tokens: the first from the prefill, then rounds of k + 1 = 4 (the second's last one dropped)
+    assert row["tokens_per_round"] == 7 / 2 and row["decode_speedup"] > 0 and row["round_graph"] is False
     assert torch.is_tensor(model.lm_head.weight)
 
 
