@@ -16,7 +16,6 @@ import torch.nn.functional as F
 from lmlab.cli.generate import CALIBRATION_BATCH, calibration_batches, open_model
 from lmlab.data.batches import evenly_spaced_windows
 from lmlab.inference.engine import Engine
-from lmlab.inference.greedy_rounds import GreedyRounds
 from lmlab.inference.quant import QUANTS, quantize
 from lmlab.inference.speculative import check_draft, speculative_generate
 from lmlab.nn.transformer import Transformer
@@ -118,7 +117,7 @@ class SpeculativeComparison:
         decode = {name: decode_tokens_per_s(gens) for name, gens in (("target", self.alone_generations),
                                                                       ("speculative", generations))}
         rounds = sum(out.extra["rounds"] for out in generations)
-        fixed = GreedyRounds._cache.get(draft_engine)
+        fixed = draft_engine.drafted_rounds
         return {"k": k, "prompts": len(self.prompts), "new": self.new, "target_tokens_per_s": speed["target"],
                 "speculative_tokens_per_s": speed["speculative"], "speedup": speed["speculative"] / speed["target"],
                 # after the target's prefill and first token (the draft's prefill counts in the speculative decode)

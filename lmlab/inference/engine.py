@@ -75,6 +75,7 @@ class Engine:
         self.shape: tuple[int, int, int] | None = None  # (batch, cache length, lookahead) of the caches
         self._steps: dict[int, _StaticStep] = {}  # tokens per sequence -> its static step
         self.last_hidden: torch.Tensor | None = None  # the last extend's final hidden states (before the norm)
+        self.drafted_rounds: Any = None  # speculative decoding's round as this engine drafts it (greedy_rounds)
 
     def _megakernel(self, model: Transformer):
         if self.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":

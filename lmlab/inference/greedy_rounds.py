@@ -6,14 +6,13 @@ not run the former when every draft of the last round stood; otherwise it rewrit
 k - 1 one-token draft steps, the target's (k+1)-token verification, and `greedy_accept`. The pending
 token's position lives on the device, so the whole round, its bookkeeping included, is captured once and
 replayed: the host launches one graph a round and reads the round's record at its one sync. Launched one
-op at a time, a small draft's steps are paced by the host's launches rather than by the GPU. Without CUDA
+op at a time, a small draft's steps can be paced by the host's launches rather than by the GPU. Without CUDA
 graphs (the CPU, eager engines) the same round runs op by op.
 """
 
 from __future__ import annotations
 
 import logging
-import weakref
 
 import torch
 from torch import Tensor
@@ -47,17 +46,15 @@ class GreedyRounds:
         penalties (whose token counts would change within a round)."""
         return draft is not None and sampler.greedy and not sampler.needs_counts
 
-    _cache: weakref.WeakKeyDictionary[Engine, GreedyRounds] = weakref.WeakKeyDictionary()  # by draft engine
-
     @classmethod
     def prepare(cls, target: Engine, draft: Engine, k: int, length: int, draft_len: int,
                 beyond: Tensor | None) -> GreedyRounds:
         """The graph for this request, captured on the draft's first use of these shapes. After `target.begin`
         and before any prefill: capturing writes into both engines' caches, which are emptied after."""
         draft.begin(1, draft_len, lookahead=k - 1, steps=DRAFT_STEPS)
-        rounds = cls._cache.get(draft)
+        rounds = draft.drafted_rounds
         if rounds is None or not rounds._matches(target, k, length, beyond):
-            rounds = cls._cache[draft] = cls(target, draft, k, length, beyond)
+            rounds = draft.drafted_rounds = cls(target, draft, k, length, beyond)
         return rounds
 
     def __init__(self, target: Engine, draft: Engine, k: int, length: int, beyond: Tensor | None):
