@@ -68,7 +68,7 @@ def main() -> None:
             rows.append(row)
             margins = ", ".join(f"{d['at']} ({d['target_margin']:.3f})" for d in row["divergences"])
             print(f"{path[-40:]:<40} {kind:<11} {k:>2} {row['speculative_tokens_per_s']:>7,.0f} "
-                  f"{row['speedup']:>7.2f}x {row['speculativedecode_tokens_per_s']:>7,.0f} {row['decode_speedup']:>7.2f}x "
+                  f"{row['speedup']:>7.2f}x {row['speculative_decode_tokens_per_s']:>7,.0f} {row['decode_speedup']:>7.2f}x "
                   f"{row['acceptance_rate']:>7.0%} {row['tokens_per_round']:>9.2f} "
                   f"{row['ms_per_round']:>8.3f} {'yes' if row['round_graph'] else 'no':>5} "
                   f"{row['identical_outputs']:>4}/{row['prompts']}" + (f"  first differences: {margins}" if margins else ""),

@@ -87,7 +87,7 @@ class SpeculativeComparison:
     Speeds are given over whole generations (prefill included) and over their decoding alone."""
 
     def __init__(self, target: Transformer, prompts: list[list[int]], new: int, compile: bool = True):
-        self.target, self.prompts, self.new, self.compile = target, prompts, new, compile
+        self.target, self.prompts, self.new = target, prompts, new
         self.engine = Engine(target, compile=compile)  # speculative decoding's target
         alone = Engine(target, compile=compile)
         alone.generate([prompts[0]], max_new_tokens=new)  # compiles and captures
@@ -121,10 +121,11 @@ class SpeculativeComparison:
         return {"k": k, "prompts": len(self.prompts), "new": self.new, "target_tokens_per_s": speed["target"],
                 "speculative_tokens_per_s": speed["speculative"], "speedup": speed["speculative"] / speed["target"],
                 # after the target's prefill and first token (the draft's prefill counts in the speculative decode)
-                "targetdecode_tokens_per_s": decode["target"], "speculativedecode_tokens_per_s": decode["speculative"],
+                "target_decode_tokens_per_s": decode["target"], "speculative_decode_tokens_per_s": decode["speculative"],
                 "decode_speedup": decode["speculative"] / decode["target"],
                 "acceptance_rate": sum(out.extra["acceptance_rate"] for out in generations) / len(generations),
-                "tokens_per_round": sum(len(t) - 1 for t in spec) / rounds,  # the first comes from the prefill "ms_per_round": seconds / rounds * 1e3,
+                # the first token comes from the prefill
+                "tokens_per_round": sum(len(t) - 1 for t in spec) / rounds, "ms_per_round": seconds / rounds * 1e3,
                 # whether the greedy rounds replayed one captured CUDA graph each (else op by op)
                 "round_graph": fixed is not None and fixed.graph is not None,
                 "identical_outputs": sum(a == b for a, b in zip(alone, spec)),

@@ -3,12 +3,13 @@ from the same weights, the byte counts behind the roofline, and the checkpoint f
 of a quantized copy, speculative decoding against the target alone) on a model trained here."""
 
 import copy
+import json
 
 import pytest
 import torch
 
 import lmlab
-from lmlab.inference.bench import kv_bytes_by_attention, run_benchmark, weight_bytes_per_step
+from lmlab.inference.bench import kv_bytes_by_attention, main, run_benchmark, weight_bytes_per_step
 from lmlab.inference.bench_checkpoint import (CheckpointData, divergences, perplexity, quant_quality,
                                               speculative_speedup)
 from lmlab.inference.quant import quantize
@@ -62,7 +63,8 @@ def test_speculative_with_the_target_as_draft_accepts_everything(ckpt):
     assert row["identical_outputs"] == 2 and row["acceptance_rate"] == 1.0 and row["divergences"] == []
     assert row["speedup"] > 0 and row["draft_parameters"] == row["target_parameters"]
     # 8 new tokens: the first from the prefill, then rounds of k + 1 = 4 (the second's last one dropped)
-    assert row["tokens_per_round"] == 7 / 2 and row["decode_speedup"] > 0 and row["round_graph"] is False
+    assert row["tokens_per_round"] == 7 / 2 and row["round_graph"] is False and row["ms_per_round"] > 0
+    assert row["decode_speedup"] == row["speculative_decode_tokens_per_s"] / row["target_decode_tokens_per_s"]
     assert torch.is_tensor(model.lm_head.weight)
 
 
@@ -75,3 +77,12 @@ def test_divergences_name_the_first_differing_token_and_the_targets_margin_there
     with torch.no_grad():
         top = model(torch.tensor([prompts[1] + [5, 6]]))[0, -1].topk(2).values
     assert found[0]["target_margin"] == pytest.approx((top[0] - top[1]).item(), rel=1e-4)
+
+
+def test_bench_cli_prints_and_saves_the_speculative_comparison(ckpt, tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    assert main(["--ckpt", ckpt, "--engines", "", "--draft", ckpt, "--draft-k", "2", "--prompt", "8", "--new", "6",
+                 "--batch", "1", "--repeats", "1", "--dtype", "float32", "--spec-prompts", "2", "--json", str(out)]) == 0
+    row = json.loads(out.read_text())["speculative"]
+    assert row["identical_outputs"] == 2 and row["acceptance_rate"] == 1.0
+    assert f", {row['decode_speedup']:.2f}x), acceptance 100%, identical outputs 2/2" in capsys.readouterr().out
