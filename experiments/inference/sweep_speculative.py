@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from lmlab.inference.bench import build_model
-from lmlab.inference.bench_checkpoint import CheckpointData, SpeculativeComparison, decode_tokens_per_s
+from lmlab.inference.bench_checkpoint import CheckpointData, SpeculativeComparison
 from lmlab.inference.engine import Engine
 
 
@@ -48,11 +48,10 @@ def main() -> None:
     target, _ = build_model([], args.target, device, dtype)
     prompts = CheckpointData(args.target).prompts(args.prompts, args.prompt_len)
     comparison = SpeculativeComparison(target, prompts, args.new, compile)
-    alone = sum(len(g.tokens[0]) for g in comparison.alone_generations) / comparison.alone_seconds
     print(f"target alone ({target.num_parameters() / 1e6:.1f}M, {args.dtype}, "
-          f"{'compiled' if compile else 'eager: no CUDA'}): {alone:,.0f} tokens/s", flush=True)
-    decode_alone = decode_tokens_per_s(comparison.alone_generations)
-    print(f"  decode alone, after the prefill and first token: {decode_alone:,.0f} tokens/s", flush=True)
+          f"{'compiled' if compile else 'eager: no CUDA'}): {comparison.alone_tokens_per_s:,.0f} tokens/s", flush=True)
+    print(f"  decode alone, after the prefill and first token: {comparison.alone_decode_tokens_per_s:,.0f} tokens/s",
+          flush=True)
     print(f"{'draft':<40} {'engine':<11} {'k':>2} {'tok/s':>7} {'speed-up':>8} {'decode':>7} {'speed-up':>8} "
           f"{'accept':>7} {'tok/round':>9} {'ms/round':>8} {'graph':>5} {'identical':>9}", flush=True)
     engines = [(path, kind, Engine(build_model([], path, device, dtype)[0], compile=compile,
@@ -79,7 +78,7 @@ def main() -> None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
                                          "torch": torch.__version__, "dtype": args.dtype, "target": args.target,
-                                         "target_alone_tokens_per_s": alone, "rows": rows, "skipped": skipped}, indent=2))
+                                         "target_alone_tokens_per_s": comparison.alone_tokens_per_s, "rows": rows, "skipped": skipped}, indent=2))
 
 
 if __name__ == "__main__":

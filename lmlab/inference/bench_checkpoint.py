@@ -91,7 +91,9 @@ class SpeculativeComparison:
         self.engine = Engine(target, compile=compile)  # speculative decoding's target
         alone = Engine(target, compile=compile)
         alone.generate([prompts[0]], max_new_tokens=new)  # compiles and captures
-        self.alone_seconds, self.alone_generations = self._timed(lambda p: alone.generate([p], max_new_tokens=new))
+        seconds, self.alone_generations = self._timed(lambda p: alone.generate([p], max_new_tokens=new))
+        self.alone_tokens_per_s = sum(len(g.tokens[0]) for g in self.alone_generations) / seconds
+        self.alone_decode_tokens_per_s = decode_tokens_per_s(self.alone_generations)
 
     def _timed(self, run) -> tuple[float, list]:
         """Seconds of run(prompt) over the prompts, synced, and its Generations."""
@@ -113,9 +115,8 @@ class SpeculativeComparison:
         seconds, generations = self._timed(run)
         alone = [out.tokens[0] for out in self.alone_generations]
         spec = [out.tokens[0] for out in generations]
-        speed = {"target": sum(map(len, alone)) / self.alone_seconds, "speculative": sum(map(len, spec)) / seconds}
-        decode = {name: decode_tokens_per_s(gens) for name, gens in (("target", self.alone_generations),
-                                                                      ("speculative", generations))}
+        speed = {"target": self.alone_tokens_per_s, "speculative": sum(map(len, spec)) / seconds}
+        decode = {"target": self.alone_decode_tokens_per_s, "speculative": decode_tokens_per_s(generations)}
         rounds = sum(out.extra["rounds"] for out in generations)
         fixed = draft_engine.drafted_rounds
         return {"k": k, "prompts": len(self.prompts), "new": self.new, "target_tokens_per_s": speed["target"],
