@@ -51,12 +51,14 @@ class Engine:
     """Generation with a KV cache per layer; see the module docstring."""
 
     def __init__(self, model: Transformer, compile: bool = False, cuda_graphs: bool | None = None,
-                 attention_kernel: bool | None = None, megakernel: bool = False):
+                 attention_kernel: bool | None = None, megakernel: bool = False, folded_norms: bool = False):
         """compile: torch.compile the decode step. cuda_graphs: replay it from a CUDA graph (default: when
         compiled on CUDA; without compile it still removes the Python cost of launching each kernel).
         attention_kernel: decode steps attend with the Triton flash-decoding kernel where it applies
         (default: on CUDA with Triton), else SDPA with a mask. megakernel: one-token steps run every layer in
-        one persistent Triton kernel (lmlab.inference.megakernel; plain Llama stacks only)."""
+        one persistent Triton kernel (lmlab.inference.megakernel; plain Llama stacks only). folded_norms: decode
+        steps fold each RMSNorm into the kernels around it (lmlab.inference.folded_norms; plain Llama stacks with
+        the attention kernel), for the batches the megakernel does not take."""
         check_generatable(model)
         self.model = model.eval()
         weight = model.embed_tokens.weight
@@ -67,6 +69,7 @@ class Engine:
                                                        "lmlab.kernels.decode_attention_triton", "decode_attention")
         fuse_projections(model)  # q/k/v and gate/up as one matmul each
         self.megakernel = self._megakernel(model) if megakernel else None
+        self.folded_norms = self._folded_norms(model) if folded_norms else None
         if compile:  # one compiled graph per (batch, cache length, tokens per step): allow many
             torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 256)
         self.state: CacheState | None = None
@@ -86,6 +89,14 @@ class Engine:
 
         return Megakernel(model)
 
+    def _folded_norms(self, model: Transformer):
+        if self.attention_kernel is None:
+            raise ConfigError("folded_norms=True needs the Triton decode-attention kernel (CUDA with Triton, or "
+                              "TRITON_INTERPRET=1), which applies the norms' scale")
+        from lmlab.inference.folded_norms import FoldedNorms
+
+        return FoldedNorms(model)
+
     # -- caches -------------------------------------------------------------------------------
     def cache_length(self, needed: int) -> int:
         return CACHE_LEN_MULTIPLE * math.ceil(needed / CACHE_LEN_MULTIPLE)
@@ -102,6 +113,8 @@ class Engine:
         if self.megakernel is not None:
             self.megakernel.refresh()  # before fusing: the fused groups are views of its stack
         fuse_projections(self.model)  # again where the model changed since (moved, quantized)
+        if self.folded_norms is not None:
+            self.folded_norms.refresh()  # the gains and weights as they are now
         if shape != self.shape or sizes != tuple(self._steps):
             self._allocate(*shape, sizes)
         else:
@@ -155,6 +168,8 @@ class Engine:
         x = model.position.embed(model.token_embeddings(ids, embeds), positions)
         if self.megakernel is not None and ids.shape[1] == 1 and ids.shape[0] <= self.megakernel.max_batch:
             return self.megakernel.step(x, self.state)
+        if self.folded_norms is not None and self.folded_norms.takes(ids.shape[1]):
+            return self.folded_norms.step(x, self.state, self.caches)
         return model.run_layers(x, positions, self.caches)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

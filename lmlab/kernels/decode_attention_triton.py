@@ -126,12 +126,24 @@ def rotated_rows(base, row_offset, dims, pos, Cos, Sin, mask, HEAD_DIM: tl.const
 
 
 @triton.jit
-def _decode_kernel(Q, K, V, Slots, Start, Out, PartOut, PartLse, KNew, VNew, Cos, Sin,
+def inverse_rms(base, row_offset, mask, eps, WIDTH: tl.constexpr, BLOCK: tl.constexpr):
+    """1 / sqrt(mean(x^2) + eps) of the rows x (WIDTH,) at base + row_offset (BLOCK,), float32: RMSNorm's scale."""
+    total = tl.zeros((BLOCK,), tl.float32)
+    for c0 in range(0, WIDTH, 128):
+        cols = c0 + tl.arange(0, 128)
+        x = tl.load(base + row_offset[:, None] + cols[None, :], mask=mask[:, None] & (cols < WIDTH)[None, :],
+                    other=0.0).to(tl.float32)
+        total += tl.sum(x * x, 1)
+    return tl.math.rsqrt(total / WIDTH + eps)
+
+
+@triton.jit
+def _decode_kernel(Q, K, V, Slots, Start, Out, PartOut, PartLse, KNew, VNew, Cos, Sin, X,
                    sq_b, sq_h, sq_s, sk_b, sk_h, sk_l, sv_b, sv_h, sv_l, skn_b, skn_h, skn_s, svn_b, svn_h, svn_s,
-                   n_kv_heads, n_heads, qk_scale, window, n_split,
+                   sx_b, sx_s, n_kv_heads, n_heads, qk_scale, window, n_split, eps,
                    S: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
                    BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr, SPLIT: tl.constexpr, PREC: tl.constexpr,
-                   NEW_KV: tl.constexpr, BLOCK_S: tl.constexpr, ROPE: tl.constexpr):
+                   NEW_KV: tl.constexpr, BLOCK_S: tl.constexpr, ROPE: tl.constexpr, NORM_WIDTH: tl.constexpr):
     bh = tl.program_id(0)
     split = tl.program_id(1)
     b = bh // n_kv_heads
@@ -145,7 +157,10 @@ def _decode_kernel(Q, K, V, Slots, Start, Out, PartOut, PartLse, KNew, VNew, Cos
     first = tl.load(Slots)
     start = tl.load(Start + b)
     q = rotated_rows(Q + b * sq_b, head * sq_h + tok * sq_s, dims, tl.maximum(q_slot - start, 0), Cos, Sin, row_ok,
-                     HEAD_DIM, ROPE).to(Q.dtype.element_ty)
+                     HEAD_DIM, ROPE)
+    if NORM_WIDTH > 0:  # q, k and v were projected from un-normalised rows: apply each token's RMSNorm scale
+        q = q * inverse_rms(X + b * sx_b, tok * sx_s, row_ok, eps, NORM_WIDTH, BLOCK_M)[:, None]
+    q = q.to(Q.dtype.element_ty)
     lo = tl.minimum(start, first)
     if HAS_WINDOW:
         lo = tl.maximum(lo, first - window + 1)
@@ -162,9 +177,13 @@ def _decode_kernel(Q, K, V, Slots, Start, Out, PartOut, PartLse, KNew, VNew, Cos
             t_ok = t < S
             t_slot = tl.load(Slots + t, mask=t_ok, other=0)
             k = rotated_rows(KNew + b * skn_b + kv_head * skn_h, t * skn_s, dims, tl.maximum(t_slot - start, 0),
-                             Cos, Sin, t_ok, HEAD_DIM, ROPE).to(K.dtype.element_ty)
+                             Cos, Sin, t_ok, HEAD_DIM, ROPE)
             v = tl.load(VNew + b * svn_b + kv_head * svn_h + t[:, None] * svn_s + dims[None, :], mask=t_ok[:, None],
-                        other=0.0).to(V.dtype.element_ty)
+                        other=0.0).to(tl.float32)
+            if NORM_WIDTH > 0:
+                scale = inverse_rms(X + b * sx_b, t * sx_s, t_ok, eps, NORM_WIDTH, BLOCK_S)[:, None]
+                k, v = k * scale, v * scale
+            k, v = k.to(K.dtype.element_ty), v.to(V.dtype.element_ty)
             m_i, l_i, acc = attend_block(q, k, v, t_slot, t_ok, q_slot, start, qk_scale, window, m_i, l_i, acc,
                                          HAS_WINDOW, PREC)
             tl.store(k_base + t_slot[:, None] * sk_l + dims[None, :], k, mask=t_ok[:, None])
@@ -214,8 +233,9 @@ def n_splits(programs: int, cache_len: int, device: torch.device) -> int:
 
 
 def _launch(q, k_cache, v_cache, slots, start, scale: float, window: int, k_new=None, v_new=None, cos=None, sin=None,
-            rope: int = ROPE_NONE.value) -> torch.Tensor:
-    """The kernel (and the split combine) for either op below; k_new/v_new None: this step's keys are cached."""
+            rope: int = ROPE_NONE.value, norm_x=None, eps: float = 0.0) -> torch.Tensor:
+    """The kernel (and the split combine) for either op below; k_new/v_new None: this step's keys are cached;
+    norm_x (batch, S, width): the rows q, k_new and v_new were projected from, before their RMSNorm scale."""
     batch, n_heads, s, head_dim = q.shape
     n_kv_heads, cache_len = k_cache.shape[1], k_cache.shape[2]
     group = n_heads // n_kv_heads
@@ -228,16 +248,17 @@ def _launch(q, k_cache, v_cache, slots, start, scale: float, window: int, k_new=
     new_kv = k_new is not None
     k_new, v_new = (k_new, v_new) if new_kv else (q, q)  # unused without new keys
     cos, sin = (cos, sin) if rope != ROPE_NONE.value else (out, out)  # unused without RoPE
+    x = out if norm_x is None else norm_x  # unused without a norm
     _decode_kernel[(batch * n_kv_heads, split)](
-        q, k_cache, v_cache, slots, start, out, part_out, part_lse, k_new, v_new, cos, sin,
+        q, k_cache, v_cache, slots, start, out, part_out, part_lse, k_new, v_new, cos, sin, x,
         q.stride(0), q.stride(1), q.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), k_new.stride(0), k_new.stride(1), k_new.stride(2),
-        v_new.stride(0), v_new.stride(1), v_new.stride(2),
-        n_kv_heads, n_heads, scale * LOG2E, window, split,
+        v_new.stride(0), v_new.stride(1), v_new.stride(2), x.stride(0), x.stride(1),
+        n_kv_heads, n_heads, scale * LOG2E, window, split, eps,
         S=s, GROUP=group, HEAD_DIM=head_dim, BLOCK_M=max(16, triton.next_power_of_2(group * s)),
         BLOCK_N=BLOCK_N, HAS_WINDOW=window > 0, SPLIT=split > 1,
         PREC="ieee" if q.dtype == torch.float32 else "tf32", NEW_KV=new_kv, BLOCK_S=max(16, triton.next_power_of_2(s)),
-        ROPE=rope, num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+        ROPE=rope, NORM_WIDTH=0 if norm_x is None else norm_x.shape[-1], num_warps=NUM_WARPS, num_stages=NUM_STAGES)
     if split > 1:
         combine_splits[(batch * n_heads * s,)](part_out, part_lse, out, split, HEAD_DIM=head_dim,
                                                 BLOCK_SPLIT=triton.next_power_of_2(split))
@@ -259,13 +280,15 @@ def _(q, k_cache, v_cache, slots, start, scale, window):
 @torch.library.custom_op("lmlab::decode_attention_appending", mutates_args=("k_cache", "v_cache"))
 def _appending_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
                   start: torch.Tensor, scale: float, window: int, k_new: torch.Tensor, v_new: torch.Tensor,
-                  cos: torch.Tensor | None, sin: torch.Tensor | None, rope: int) -> torch.Tensor:
-    """_decode_op that also rotates q and k_new (rope) and writes k_new and v_new to the caches at `slots`."""
-    return _launch(q, k_cache, v_cache, slots, start, scale, window, k_new, v_new, cos, sin, rope)
+                  cos: torch.Tensor | None, sin: torch.Tensor | None, rope: int, norm_x: torch.Tensor | None = None,
+                  eps: float = 0.0) -> torch.Tensor:
+    """_decode_op that also rotates q and k_new (rope), scales q, k_new and v_new by the RMSNorm scale of norm_x's
+    rows (when given) and writes k_new and v_new to the caches at `slots`."""
+    return _launch(q, k_cache, v_cache, slots, start, scale, window, k_new, v_new, cos, sin, rope, norm_x, eps)
 
 
 @_appending_op.register_fake
-def _(q, k_cache, v_cache, slots, start, scale, window, k_new, v_new, cos, sin, rope):
+def _(q, k_cache, v_cache, slots, start, scale, window, k_new, v_new, cos, sin, rope, norm_x=None, eps=0.0):
     return torch.empty(q.shape, dtype=q.dtype, device=q.device)
 
 
@@ -287,11 +310,14 @@ def unsupported(q: torch.Tensor, k_cache: torch.Tensor) -> str | None:
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
                      start: torch.Tensor, scale: float | None = None, window: int | None = None,
                      new_keys: torch.Tensor | None = None, new_values: torch.Tensor | None = None,
-                     rotary: tuple[torch.Tensor, torch.Tensor, bool] | None = None) -> torch.Tensor:
+                     rotary: tuple[torch.Tensor, torch.Tensor, bool] | None = None,
+                     norm: tuple[torch.Tensor, float] | None = None) -> torch.Tensor:
     """Attention of q (batch, heads, S, head_dim) at cache slots `slots` over the caches; with new_keys and
     new_values (batch, kv_heads, S, head_dim), those are this step's keys and values, stored here, and
-    `rotary` (cos, sin, interleaved) rotates them and q. See the module docstring. Returns (batch, heads, S,
-    head_dim) in q's dtype."""
+    `rotary` (cos, sin, interleaved) rotates them and q. `norm` (x, eps), with new keys: q, k and v were
+    projected from the rows x (batch, S, width) before their RMSNorm (whose gain the projection folded in), and
+    are scaled here by each token's 1 / sqrt(mean(x^2) + eps). See the module docstring. Returns (batch, heads,
+    S, head_dim) in q's dtype."""
     problem = unsupported(q, k_cache)
     if problem:
         raise ValueError(f"decode_attention: {problem}")
@@ -300,8 +326,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         raise ValueError("decode_attention: q, the caches and the new keys and values need a contiguous head_dim")
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     if not new:
-        if rotary is not None:
-            raise ValueError("decode_attention: rotary rotates new_keys and q; without new keys, rotate q before")
+        if rotary is not None or norm is not None:
+            raise ValueError("decode_attention: rotary and norm act on new_keys and q; without new keys, apply them before")
         return _decode_op(q, k_cache, v_cache, slots, start, scale, window or 0)
     expected = (q.shape[0], k_cache.shape[1], q.shape[2], q.shape[3])
     if len(new) == 1 or any(tuple(t.shape) != expected or t.dtype != k_cache.dtype for t in new):
@@ -314,4 +340,9 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
             raise ValueError(f"decode_attention: rotary tables must be contiguous (positions, {q.shape[-1] // 2}), "
                              f"got {tuple(cos.shape)} and {tuple(sin.shape)}")
         rope = (ROPE_INTERLEAVED if interleaved else ROPE_HALF).value
-    return _appending_op(q, k_cache, v_cache, slots, start, scale, window or 0, new_keys, new_values, cos, sin, rope)
+    norm_x, eps = (None, 0.0) if norm is None else norm
+    if norm_x is not None and (norm_x.shape[:2] != (q.shape[0], q.shape[2]) or norm_x.stride(-1) != 1):
+        raise ValueError(f"decode_attention: norm's rows must be a ({q.shape[0]}, {q.shape[2]}, width) tensor with a "
+                         f"contiguous last dimension, got {tuple(norm_x.shape)}")
+    return _appending_op(q, k_cache, v_cache, slots, start, scale, window or 0, new_keys, new_values, cos, sin, rope,
+                         norm_x, float(eps))

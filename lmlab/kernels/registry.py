@@ -19,6 +19,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import logging
+import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -102,8 +103,14 @@ def triton_unavailable() -> str | None:
 
 def optional_triton_kernel(device: torch.device, wanted: bool | None, module: str, name: str) -> Callable | None:
     """The Triton kernel `module.name` where it can run, or None (the caller's PyTorch path). wanted=None:
-    on CUDA with Triton; False: never; True: always, and one clear error where it cannot run."""
-    missing = triton_unavailable() if device.type == "cuda" else "the model is not on a CUDA device"
+    on CUDA with Triton; False: never; True: always (CPU tensors too under Triton's interpreter,
+    TRITON_INTERPRET=1), and one clear error where it cannot run."""
+    if device.type == "cuda":
+        missing = triton_unavailable()
+    elif wanted and os.environ.get("TRITON_INTERPRET") == "1" and importlib.util.find_spec("triton") is not None:
+        missing = None
+    else:
+        missing = "the model is not on a CUDA device"
     if wanted and missing:
         raise ConfigError(f"attention_kernel=True, but {missing}")
     if missing or wanted is False:

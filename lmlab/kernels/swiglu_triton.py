@@ -83,3 +83,43 @@ class FusedSwiGLU(torch.autograd.Function):
 def swiglu_triton(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up, fused; gate and up share shape (..., H) and dtype."""
     return FusedSwiGLU.apply(gate, up)
+
+
+@triton.jit
+def _swiglu_rms_fwd(gu_ptr, x_ptr, y_ptr, gu_row_stride, x_row_stride, H, D, eps, BLOCK: tl.constexpr,
+                    BLOCK_D: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    d = tl.arange(0, BLOCK_D)
+    x = tl.load(x_ptr + row * x_row_stride + d, mask=d < D, other=0.0).to(tl.float32)
+    scale = tl.math.rsqrt(tl.sum(x * x, 0) / D + eps)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < H
+    g = tl.load(gu_ptr + row * gu_row_stride + cols, mask=mask, other=0.0).to(tl.float32) * scale
+    u = tl.load(gu_ptr + row * gu_row_stride + H + cols, mask=mask, other=0.0).to(tl.float32) * scale
+    tl.store(y_ptr + row * H + cols, (g * tl.sigmoid(g) * u).to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@torch.library.custom_op("lmlab::swiglu_rms", mutates_args=())
+def _swiglu_rms_op(gate_up: torch.Tensor, x: torch.Tensor, eps: float) -> torch.Tensor:
+    g2, x2 = _rows(gate_up), _rows(x)
+    n_rows, H = g2.shape[0], g2.shape[1] // 2
+    y = torch.empty((n_rows, H), dtype=gate_up.dtype, device=gate_up.device)
+    _swiglu_rms_fwd[(n_rows, triton.cdiv(H, BLOCK))](g2, x2, y, g2.stride(0), x2.stride(0), H, x2.shape[1], eps,
+                                                      BLOCK=BLOCK, BLOCK_D=triton.next_power_of_2(x2.shape[1]),
+                                                      num_warps=4)
+    return y.view(*gate_up.shape[:-1], H)
+
+
+@_swiglu_rms_op.register_fake
+def _(gate_up, x, eps):
+    return gate_up.new_empty((*gate_up.shape[:-1], gate_up.shape[-1] // 2))
+
+
+def swiglu_rms(gate_up: torch.Tensor, x: torch.Tensor, eps: float) -> torch.Tensor:
+    """silu(s * gate) * (s * up) for gate_up (..., 2H), the gate half then the up half, and s the RMSNorm scale
+    1 / sqrt(mean(x^2) + eps) of x's matching row (..., D): a SwiGLU whose input projection ran on x before its
+    RMSNorm, with the norm's gain folded into its weight (inference only: no backward)."""
+    if gate_up.shape[:-1] != x.shape[:-1] or gate_up.shape[-1] % 2:
+        raise ValueError(f"swiglu_rms: gate_up (..., 2H) and x (..., D) must share their leading shape, got "
+                         f"{tuple(gate_up.shape)} and {tuple(x.shape)}")
+    return _swiglu_rms_op(gate_up, x, float(eps))

@@ -1,0 +1,88 @@
+"""Decode steps of plain Llama stacks with each RMSNorm folded into the kernels around it: no norm launches.
+
+A pre-norm layer computes `h + attn(norm(h))`, then `h + ffn(norm(h))`. At batch 32 the engine's compiled step
+spends two of its ~9 kernels a layer on the residual add and RMSNorm, kernels that move 64 KB each and cost
+their launch; taking them out (and the adds) would save ~100 of the step's ~1,080 us on an H200
+(experiments/inference/probe_without_norms.py). RMSNorm is `s * (h * g)` with s = 1 / sqrt(mean(h^2) + eps)
+one scalar per token, so:
+- the gain g folds into the next matmul's weight (`W * g` over its input features, a copy made at each
+  `Engine.begin`, so weights changed since are picked up);
+- the matmul runs on h itself and the scale s moves past it: the attention kernel scales this step's q, k and v
+  by it (it reads the token's row of h), and the SwiGLU kernel scales gate and up (`swiglu_rms`);
+- the residual adds become the beta of cuBLAS's `addmm` for o_proj and down_proj.
+A layer is then q/k/v, attention, o_proj, gate/up, the activation and down_proj. Roundings move (the folded
+weight is rounded once to the model's dtype; s is applied after the matmul's rounding instead of before), so in
+bf16 logits differ from the unfolded step's in their last bits; in float32 they agree to ~1e-6.
+
+`FoldedNorms.unsupported(model)` is the megakernel's: pre-norm RMSNorm blocks, RoPE, softmax attention without
+windows or QK-norm, SwiGLU, no MoE. Steps of up to MAX_QUERY_ROWS query rows per kv head (decode, speculative
+verification) take this path; prompts take the layer-by-layer one. Imports Triton (the engine imports this
+module only when asked for it).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from einops import rearrange
+
+from lmlab.errors import ConfigError
+from lmlab.inference.cache import CacheState, KVCache, kernel_rotary
+from lmlab.inference.megakernel import Megakernel
+from lmlab.kernels.decode_attention_triton import MAX_QUERY_ROWS
+from lmlab.kernels.swiglu_triton import swiglu_rms
+from lmlab.nn.transformer import Transformer
+
+
+class FoldedNorms:
+    """A plain Llama stack's q/k/v and gate/up weights with their RMSNorm gains folded in; see the module docstring."""
+
+    unsupported = staticmethod(Megakernel.unsupported)
+
+    def __init__(self, model: Transformer):
+        if problem := self.unsupported(model):
+            raise ConfigError(f"folded_norms=True cannot run this model: {problem}")
+        self.model = model
+        self.folded: list[tuple[torch.Tensor, torch.Tensor]] = []  # per layer: (q/k/v, gate/up)
+        attn = model.layers[0].self_attn
+        self.sizes = [attn.n_heads * attn.head_dim, *[attn.n_kv_heads * attn.head_dim] * 2]
+        self.group = attn.n_heads // attn.n_kv_heads
+
+    def takes(self, tokens: int) -> bool:
+        """Whether a step of `tokens` per sequence fits the attention kernel (prompts take the layer-by-layer path)."""
+        return tokens * self.group <= MAX_QUERY_ROWS
+
+    def refresh(self) -> None:
+        """Fold the current gains into copies of the current weights (in place once made: captured graphs keep
+        their pointers). Needs the engine's fused q/k/v and gate/up groups (plain Linears: not quantized)."""
+        with torch.inference_mode(False), torch.no_grad():
+            for i, block in enumerate(self.model.layers):
+                pairs = ((block.self_attn, block.input_layernorm), (block.mlp, block.post_attention_layernorm))
+                groups = [module.__dict__.get("fused_projections") for module, _ in pairs]
+                if any(group is None for group in groups):
+                    raise ConfigError(f"folded_norms=True: layer {i}'s projections are not plain Linears (quantized?)")
+                if len(self.folded) <= i:
+                    self.folded.append(tuple(torch.empty_like(group.weight) for group in groups))
+                for out, group, (_, norm) in zip(self.folded[i], groups, pairs):
+                    torch.mul(group.weight, norm.weight.to(group.weight.dtype), out=out)
+
+    def step(self, x: torch.Tensor, state: CacheState, caches: list) -> torch.Tensor:
+        """x (batch, S, d_model), embedded tokens at slots state.slots -> the last layer's output, same shape."""
+        if not all(type(cache) is KVCache for cache in caches):
+            raise ConfigError("folded_norms=True needs a full-length KV cache per layer")
+        batch, s, width = x.shape
+        rotary = kernel_rotary(self.model.position)
+        h = x
+        for block, cache, (qkv_weight, gate_up_weight) in zip(self.model.layers, caches, self.folded):
+            attn, mlp = block.self_attn, block.mlp
+            q, k, v = (rearrange(t, "b s (h d) -> b h s d", d=attn.head_dim)
+                       for t in F.linear(h, qkv_weight).split(self.sizes, dim=-1))
+            out = state.attention_kernel(q, cache.tensors["k"], cache.tensors["v"], state.slots, state.start,
+                                         attn.score_scale, attn.window, new_keys=k, new_values=v, rotary=rotary,
+                                         norm=(h, block.input_layernorm.eps))
+            out = rearrange(out, "b h s d -> (b s) (h d)")
+            h = torch.addmm(h.reshape(-1, width), out, attn.o_proj.weight.t())
+            act = swiglu_rms(F.linear(h, gate_up_weight), h, block.post_attention_layernorm.eps)
+            h = torch.addmm(h, act, mlp.down_proj.weight.t()).view(batch, s, width)
+        return h
+

@@ -1,0 +1,96 @@
+"""Decode steps with the RMSNorms folded into the kernels around them (lmlab.inference.folded_norms) compute what the
+engine's layer-by-layer step computes: one-token and several-token steps, MHA, GQA and MQA, both RoPE layouts, left
+padding; the gains are folded again at each `begin`, so weights changed since are used. Under Triton's CPU
+interpreter (TRITON_INTERPRET=1) in float32, and on CUDA in float32 and bf16 with CUDA graphs and torch.compile. On
+any machine: models it cannot run, and engines without the attention kernel, are refused before any work."""
+
+import importlib.util
+import os
+
+import pytest
+import torch
+
+from lmlab.errors import ConfigError
+from lmlab.inference.engine import Engine
+from tests.inference.test_cache_parity import VOCAB
+from tests.inference.test_megakernel import _model
+
+kernels_run = pytest.mark.skipif(
+    importlib.util.find_spec("triton") is None or not (torch.cuda.is_available()
+                                                        or os.environ.get("TRITON_INTERPRET") == "1"),
+    reason="needs Triton on CUDA or under its CPU interpreter (TRITON_INTERPRET=1)")
+device = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def test_refused_without_the_attention_kernel():
+    with pytest.raises(ConfigError, match="decode-attention kernel"):
+        Engine(_model(), attention_kernel=False, folded_norms=True)
+
+
+@kernels_run
+def test_refuses_a_model_it_cannot_run():
+    with pytest.raises(ConfigError, match="QK-norm"):
+        Engine(_model(device, attention={"name": "mha", "n_heads": 4, "qk_norm": True}), attention_kernel=True,
+               folded_norms=True)
+
+
+def _steps(model, folded: bool, batch: int, start: torch.Tensor, lookahead: int = 0, **engine_kw) -> torch.Tensor:
+    """Logits of a prefill, then four one-token steps and (with lookahead) a (lookahead + 1)-token step."""
+    g = torch.Generator().manual_seed(1)
+    prompt = torch.randint(0, VOCAB, (batch, 6), generator=g).to(model.embed_tokens.weight.device)
+    engine = Engine(model, attention_kernel=True, folded_norms=folded, **engine_kw)
+    engine.begin(batch, 16, start.to(prompt.device), lookahead=lookahead)
+    logits = [engine.extend(prompt)]
+    for t in range(4):
+        logits.append(engine.decode(torch.full((batch,), 2 * t + 1, device=prompt.device)).clone())
+    if lookahead:
+        tokens = torch.arange(lookahead + 1, device=prompt.device).repeat(batch, 1)
+        logits.extend(engine.decode(tokens).clone().unbind(1))
+    return torch.stack(logits, 1)
+
+
+@kernels_run
+@pytest.mark.parametrize("attention, layout, batch", [
+    ({"name": "mha", "n_heads": 4}, "half", 3),
+    ({"name": "mha", "n_heads": 4, "n_kv_heads": 2}, "interleaved", 2),
+    ({"name": "mha", "n_heads": 4, "n_kv_heads": 1}, "half", 1),
+])
+def test_matches_the_layer_by_layer_step_fp32(attention, layout, batch):
+    torch.backends.cuda.matmul.allow_tf32 = False
+    model = _model(device, n_layers=2, attention=attention, position={"name": "rope", "layout": layout})
+    start = torch.tensor([0, 3, 1][:batch])
+    want = _steps(model, False, batch, start, lookahead=2)
+    torch.testing.assert_close(_steps(model, True, batch, start, lookahead=2), want, atol=1e-5, rtol=1e-5)
+
+
+@kernels_run
+def test_weights_changed_after_the_engine_was_made_are_folded_at_begin():
+    torch.backends.cuda.matmul.allow_tf32 = False
+    model = _model(device, n_layers=2)
+    engine = Engine(model, attention_kernel=True, folded_norms=True)
+    with torch.no_grad():
+        model.layers[1].post_attention_layernorm.weight.mul_(1.5)
+        model.layers[0].self_attn.q_proj.weight.mul_(-1.0)
+    engine.begin(2, 16)
+    ids = torch.tensor([[3, 4, 5], [6, 7, 8]], device=device)
+    engine.extend(ids)
+    got = engine.decode(torch.tensor([1, 2], device=device))
+    plain = Engine(model, attention_kernel=True)
+    plain.begin(2, 16)
+    plain.extend(ids)
+    torch.testing.assert_close(got, plain.decode(torch.tensor([1, 2], device=device)), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("compile", [False, True])
+def test_bf16_generation_follows_the_layer_by_layer_step(compile):
+    """In bf16 the roundings differ, so the logits are compared loosely and the greedy tokens of a short run."""
+    model = _model("cuda", torch.bfloat16, n_layers=2)
+    start = torch.tensor([0, 3, 1])
+    want = _steps(model, False, 3, start, lookahead=2)
+    got = _steps(model, True, 3, start, lookahead=2, compile=compile, cuda_graphs=True)
+    torch.testing.assert_close(got, want, atol=0.1, rtol=0.05)
+    prompts = [[5, 9, 2, 40, 41], [7, 1, 3, 3, 8, 20, 11, 60, 2], [4]]
+    tokens = Engine(model, compile=compile, cuda_graphs=True, folded_norms=True).generate(prompts, max_new_tokens=8)
+    assert tokens.tokens == Engine(model, cuda_graphs=True).generate(prompts, max_new_tokens=8).tokens
