@@ -32,8 +32,8 @@ def group_of(name: str) -> str:
     return next(group for group, pattern in GROUPS if re.search(pattern, name))
 
 
-def profile_batch(model, batch: int, prompt: int, steps: int) -> None:
-    engine = Engine(model, compile=True, cuda_graphs=False)
+def profile_batch(model, batch: int, prompt: int, steps: int, folded_norms: bool = False) -> None:
+    engine = Engine(model, compile=True, cuda_graphs=False, folded_norms=folded_norms)
     vocab = model.embed_tokens.weight.shape[0]
     ids = torch.randint(0, vocab, (batch, prompt), device="cuda")
     engine.begin(batch, prompt + 256)  # the bench's cache: a 128-token prompt and 256 new tokens
@@ -66,12 +66,13 @@ def main() -> None:
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 32])
     parser.add_argument("--prompt", type=int, default=128)
     parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--folded-norms", action="store_true", help="the engine's folded-norms step (batch > 1)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         parser.error("needs a CUDA GPU")
     model, _ = build_model(args.overrides, None, torch.device("cuda"), torch.bfloat16)
     for batch in args.batch:
-        profile_batch(model, batch, args.prompt, args.steps)
+        profile_batch(model, batch, args.prompt, args.steps, args.folded_norms)
 
 
 if __name__ == "__main__":

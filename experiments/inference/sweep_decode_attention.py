@@ -71,7 +71,7 @@ def main() -> None:
         dat.n_splits = choose
         base = us_per_call(run)
         print(f"batch {batch}, fill {args.fill}: module settings {base:.2f} us a call "
-              f"({kv_bytes / base / 1e6:,.0f} GB/s of keys and values; {choose(batch * HEADS, CACHE, 'cuda')} splits)",
+              f"({kv_bytes / base / 1e3:,.0f} GB/s of keys and values; {choose(batch * HEADS, CACHE, 'cuda')} splits)",
               flush=True)
         results = []
         for values in itertools.product(*SETTINGS.values()):
@@ -85,7 +85,7 @@ def main() -> None:
             except Exception as err:  # a setting that does not fit (shared memory, registers)
                 print(f"  {setting}: {type(err).__name__}", flush=True)
         for us, setting in sorted(results, key=lambda r: r[0])[:6]:
-            print(f"  {us:6.2f} us ({kv_bytes / us / 1e6:,.0f} GB/s): {setting}", flush=True)
+            print(f"  {us:6.2f} us ({kv_bytes / us / 1e3:,.0f} GB/s): {setting}", flush=True)
         for name, value in default.items():
             setattr(dat, name, value)
         dat.n_splits = choose

@@ -126,15 +126,16 @@ def rotated_rows(base, row_offset, dims, pos, Cos, Sin, mask, HEAD_DIM: tl.const
 
 
 @triton.jit
-def inverse_rms(base, row_offset, mask, eps, WIDTH: tl.constexpr, BLOCK: tl.constexpr):
-    """1 / sqrt(mean(x^2) + eps) of the rows x (WIDTH,) at base + row_offset (BLOCK,), float32: RMSNorm's scale."""
-    total = tl.zeros((BLOCK,), tl.float32)
-    for c0 in range(0, WIDTH, 128):
-        cols = c0 + tl.arange(0, 128)
-        x = tl.load(base + row_offset[:, None] + cols[None, :], mask=mask[:, None] & (cols < WIDTH)[None, :],
-                    other=0.0).to(tl.float32)
-        total += tl.sum(x * x, 1)
-    return tl.math.rsqrt(total / WIDTH + eps)
+def token_scales(base, row_stride, tokens, eps, S: tl.constexpr, WIDTH: tl.constexpr, BLOCK_W: tl.constexpr):
+    """RMSNorm's scale 1 / sqrt(mean(x^2) + eps) of token tokens[i]'s row x (WIDTH,) at base + token * row_stride,
+    float32, for each entry of `tokens` (values below S). Each of the S rows is loaded whole, unrolled, so the loads
+    are in flight together: a loop over column chunks would wait for each in turn before the keys' loads start."""
+    cols = tl.arange(0, BLOCK_W)  # WIDTH rounded up to a power of two
+    scales = tl.zeros(tokens.shape, tl.float32)
+    for t in tl.static_range(S):
+        x = tl.load(base + t * row_stride + cols, mask=cols < WIDTH, other=0.0).to(tl.float32)
+        scales = tl.where(tokens == t, tl.math.rsqrt(tl.sum(x * x, 0) / WIDTH + eps), scales)
+    return scales
 
 
 @triton.jit
@@ -143,7 +144,8 @@ def _decode_kernel(Q, K, V, Slots, Start, Out, PartOut, PartLse, KNew, VNew, Cos
                    sx_b, sx_s, n_kv_heads, n_heads, qk_scale, window, n_split, eps,
                    S: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
                    BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr, SPLIT: tl.constexpr, PREC: tl.constexpr,
-                   NEW_KV: tl.constexpr, BLOCK_S: tl.constexpr, ROPE: tl.constexpr, NORM_WIDTH: tl.constexpr):
+                   NEW_KV: tl.constexpr, BLOCK_S: tl.constexpr, ROPE: tl.constexpr, NORM_WIDTH: tl.constexpr,
+                   NORM_BLOCK: tl.constexpr):
     bh = tl.program_id(0)
     split = tl.program_id(1)
     b = bh // n_kv_heads
@@ -159,7 +161,7 @@ def _decode_kernel(Q, K, V, Slots, Start, Out, PartOut, PartLse, KNew, VNew, Cos
     q = rotated_rows(Q + b * sq_b, head * sq_h + tok * sq_s, dims, tl.maximum(q_slot - start, 0), Cos, Sin, row_ok,
                      HEAD_DIM, ROPE)
     if NORM_WIDTH > 0:  # q, k and v were projected from un-normalised rows: apply each token's RMSNorm scale
-        q = q * inverse_rms(X + b * sx_b, tok * sx_s, row_ok, eps, NORM_WIDTH, BLOCK_M)[:, None]
+        q = q * token_scales(X + b * sx_b, sx_s, tok, eps, S, NORM_WIDTH, NORM_BLOCK)[:, None]
     q = q.to(Q.dtype.element_ty)
     lo = tl.minimum(start, first)
     if HAS_WINDOW:
@@ -181,7 +183,7 @@ def _decode_kernel(Q, K, V, Slots, Start, Out, PartOut, PartLse, KNew, VNew, Cos
             v = tl.load(VNew + b * svn_b + kv_head * svn_h + t[:, None] * svn_s + dims[None, :], mask=t_ok[:, None],
                         other=0.0).to(tl.float32)
             if NORM_WIDTH > 0:
-                scale = inverse_rms(X + b * sx_b, t * sx_s, t_ok, eps, NORM_WIDTH, BLOCK_S)[:, None]
+                scale = token_scales(X + b * sx_b, sx_s, t, eps, S, NORM_WIDTH, NORM_BLOCK)[:, None]
                 k, v = k * scale, v * scale
             k, v = k.to(K.dtype.element_ty), v.to(V.dtype.element_ty)
             m_i, l_i, acc = attend_block(q, k, v, t_slot, t_ok, q_slot, start, qk_scale, window, m_i, l_i, acc,
@@ -258,7 +260,8 @@ def _launch(q, k_cache, v_cache, slots, start, scale: float, window: int, k_new=
         S=s, GROUP=group, HEAD_DIM=head_dim, BLOCK_M=max(16, triton.next_power_of_2(group * s)),
         BLOCK_N=BLOCK_N, HAS_WINDOW=window > 0, SPLIT=split > 1,
         PREC="ieee" if q.dtype == torch.float32 else "tf32", NEW_KV=new_kv, BLOCK_S=max(16, triton.next_power_of_2(s)),
-        ROPE=rope, NORM_WIDTH=0 if norm_x is None else norm_x.shape[-1], num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+        ROPE=rope, NORM_WIDTH=0 if norm_x is None else norm_x.shape[-1], NORM_BLOCK=triton.next_power_of_2(x.shape[-1]),
+        num_warps=NUM_WARPS, num_stages=NUM_STAGES)
     if split > 1:
         combine_splits[(batch * n_heads * s,)](part_out, part_lse, out, split, HEAD_DIM=head_dim,
                                                 BLOCK_SPLIT=triton.next_power_of_2(split))
