@@ -53,6 +53,7 @@ from lmlab.training.checkpoints import CONFIG_KEY, checkpoint_tokenizer, load, m
 # GPTQ's calibration (the paper's): this many windows of the model's context, run this many at a time.
 CALIBRATION_WINDOWS = 128
 CALIBRATION_BATCH = 8
+CUDA_KERNEL_FLAGS = ("megakernel", "folded_norms")  # settings that run Triton kernels on CUDA's unquantized weights
 
 
 @dataclass
@@ -74,14 +75,16 @@ class GenerateConfig:
     compile: bool = False  # torch.compile the decode step (a wait of up to a minute), replayed as a CUDA graph on CUDA
     cuda_graphs: bool | None = None  # replay the decode step from a CUDA graph; None: on CUDA (a fraction of a second)
     megakernel: bool = False  # one-token steps through every layer in one persistent Triton kernel (CUDA, plain Llama; the draft's too)
+    folded_norms: bool = False  # decode steps with each RMSNorm folded into the kernels around it (CUDA, plain Llama)
     plugins: list[str] = field(default_factory=list)  # modules imported before the config is composed
 
     def __post_init__(self) -> None:
         for name in ("batch_size", "max_new_tokens", "draft_k"):
             if getattr(self, name) is not None and getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
-        if self.megakernel and self.quant is not None:
-            raise ConfigError("megakernel=true reads unquantized weights; drop quant= or megakernel=true")
+        for flag in CUDA_KERNEL_FLAGS:
+            if getattr(self, flag) and self.quant is not None:
+                raise ConfigError(f"{flag}=true reads unquantized weights; drop quant= or {flag}=true")
 
 
 ConfigStore.instance().store(name="generate_schema", node=GenerateConfig)
@@ -304,8 +307,9 @@ def generate(cfg: GenerateConfig, out=None, err=None) -> None:
     out, err = out or sys.stdout, err or sys.stderr
     sampler = SAMPLERS.build(cfg.sampler)  # checks temperature, p, ...
     device, dtype = device_and_dtype(cfg)
-    if cfg.megakernel and device.type != "cuda":
-        raise ConfigError(f"megakernel=true needs a CUDA device (device={cfg.device} is {device.type})")
+    for flag in CUDA_KERNEL_FLAGS:
+        if getattr(cfg, flag) and device.type != "cuda":
+            raise ConfigError(f"{flag}=true needs a CUDA device (device={cfg.device} is {device.type})")
     texts = read_prompts(cfg)
     target = open_model(cfg.ckpt, "ckpt")
     if target.tokenizer.vocab_size > target.vocab_size:
@@ -324,7 +328,8 @@ def generate(cfg: GenerateConfig, out=None, err=None) -> None:
         print(f"lmlab generate: quantized {report['layers']} Linear layers ({report['quant']}, {report['method']}): "
               f"{report['bytes_before'] / 2**20:,.2f} -> {report['bytes_after'] / 2**20:,.2f} MiB", file=err)
     graphs = cfg.cuda_graphs is not False  # Engine replays graphs on CUDA only
-    engine = Engine(model, compile=cfg.compile, cuda_graphs=graphs, megakernel=cfg.megakernel)
+    engine = Engine(model, compile=cfg.compile, cuda_graphs=graphs, megakernel=cfg.megakernel,
+                    folded_norms=cfg.folded_norms)
     draft_engine = (Engine(draft.load().to(device, dtype), compile=cfg.compile, cuda_graphs=graphs,
                            megakernel=cfg.megakernel) if draft is not None else None)
     options = dict(max_new_tokens=cfg.max_new_tokens, stop_token_ids=target.stop_ids, stop_strings=cfg.stop,

@@ -177,6 +177,10 @@ BAD = {  # case -> (extra arguments, the error)
                           r"megakernel=true needs a CUDA device \(device=cpu is cpu\)"),
     "megakernel quantized": (["ckpt={ckpt}", "prompt=a", "quant=int8", "megakernel=true"],
                              "megakernel=true reads unquantized weights"),
+    "folded norms on cpu": (["ckpt={ckpt}", "prompt=a", "device=cpu", "folded_norms=true"],
+                            r"folded_norms=true needs a CUDA device \(device=cpu is cpu\)"),
+    "folded norms quantized": (["ckpt={ckpt}", "prompt=a", "quant=int8", "folded_norms=true"],
+                               "folded_norms=true reads unquantized weights"),
 }
 
 
