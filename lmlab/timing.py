@@ -45,3 +45,22 @@ def interleaved_medians(fns: dict[str, Callable[[], object]], repeats: int, warm
             sync()
             times[name].append(time.perf_counter() - start)
     return {name: statistics.median(t) for name, t in times.items()}
+
+
+def graph_replay_us(run: Callable[[], object], replays: int, warmup_calls: int = 3, skip: int = 0) -> float:
+    """Median microseconds of a CUDA-graph replay of `run` (captured after `warmup_calls` eager calls), over
+    `replays` replays less the first `skip`, each timed with CUDA events."""
+    for _ in range(warmup_calls):
+        run()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3)
+    return statistics.median(times[skip:])

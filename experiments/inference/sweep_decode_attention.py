@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import statistics
 
 import torch
 
 from lmlab.kernels import decode_attention_triton as dat
+from lmlab.timing import graph_replay_us
 
 LAYERS, HEADS, HEAD_DIM, CACHE = 24, 16, 64, 384
 SETTINGS = {"BLOCK_N": (32, 64, 128), "NUM_WARPS": (2, 4, 8), "NUM_STAGES": (2, 3, 4), "splits": (1, 2, 4)}
@@ -42,20 +42,7 @@ def calls(batch: int, fill: int):
 
 
 def us_per_call(run) -> float:
-    for _ in range(2):
-        run()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        run()
-    times = []
-    for _ in range(20):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / LAYERS)
-    return statistics.median(times)
+    return graph_replay_us(run, replays=20, warmup_calls=2) / LAYERS
 
 
 def main() -> None:

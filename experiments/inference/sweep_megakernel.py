@@ -18,13 +18,13 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import statistics
 
 import torch
 
 from lmlab.inference.bench import DEFAULT_OVERRIDES, build_model, contender, run_benchmark
 from lmlab.inference.megakernel import Megakernel
 from lmlab.kernels import decode_layers as dl
+from lmlab.timing import graph_replay_us
 
 # Batch 1 takes the matrix-vector path, larger batches the tensor-core tiles: each has its own settings.
 # (2026-12-03, experiments/inference/h200-2026-12-03/: 16384-weight tiles spill registers with 4 warps.)
@@ -47,21 +47,7 @@ def stack_step(kernel: Megakernel, batch: int, persistent: bool):
 
 def time_stack(kernel: Megakernel, batch: int, persistent: bool) -> float:
     """Microseconds per replay of one decode step through the layer stack."""
-    step = stack_step(kernel, batch, persistent)
-    for _ in range(3):
-        step()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
-    times = []
-    for _ in range(50):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3)
-    return statistics.median(times[10:])
+    return graph_replay_us(stack_step(kernel, batch, persistent), replays=50, skip=10)
 
 
 def stage_profile(kernel: Megakernel, batch: int) -> dict[str, float]:

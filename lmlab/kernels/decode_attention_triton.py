@@ -20,7 +20,8 @@ float32 tables, (positions, head_dim/2)): the step's own keys and values come in
 kernel rotates them and the queries (at position slot - start), attends them from registers, and its last
 key split writes them to the caches at `slots`. That takes the RoPE and the two cache writes, two launches
 a layer at decode, into this one (the key split reads only the slots before `slots`, so it never races the
-write).
+write). With `norm=(x, eps)` as well, q, k and v came from the rows x before their RMSNorm (whose gain the
+projection folded in: lmlab.inference.folded_norms), and the kernel scales them by each token's 1/rms of x.
 
 The launch is a torch.library custom op, so torch.compile treats it as one opaque call and a CUDA
 graph captures it. With TRITON_INTERPRET=1 it runs on CPU tensors through Triton's interpreter.
