@@ -86,4 +86,3 @@ class FoldedNorms:
             h.addmm_(swiglu_rms(F.linear(h, gate_up_weight), h, block.post_attention_layernorm.eps),
                      mlp.down_proj.weight.t())
         return h.view(batch, s, width)
-

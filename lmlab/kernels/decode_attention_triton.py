@@ -331,7 +331,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     if not new:
         if rotary is not None or norm is not None:
-            raise ValueError("decode_attention: rotary and norm act on new_keys and q; without new keys, apply them before")
+            raise ValueError("decode_attention: rotary and norm act on new_keys and q; without new keys, apply them "
+                             "before")
         return _decode_op(q, k_cache, v_cache, slots, start, scale, window or 0)
     expected = (q.shape[0], k_cache.shape[1], q.shape[2], q.shape[3])
     if len(new) == 1 or any(tuple(t.shape) != expected or t.dtype != k_cache.dtype for t in new):

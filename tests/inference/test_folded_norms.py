@@ -94,3 +94,17 @@ def test_bf16_generation_follows_the_layer_by_layer_step(compile):
     prompts = [[5, 9, 2, 40, 41], [7, 1, 3, 3, 8, 20, 11, 60, 2], [4]]
     tokens = Engine(model, compile=compile, cuda_graphs=True, folded_norms=True).generate(prompts, max_new_tokens=8)
     assert tokens.tokens == Engine(model, cuda_graphs=True).generate(prompts, max_new_tokens=8).tokens
+
+
+@kernels_run
+def test_attention_norm_rows_of_the_wrong_shape_are_refused():
+    from lmlab.kernels.decode_attention_triton import decode_attention
+
+    q, k = torch.zeros(2, 4, 1, 32, device=device), torch.zeros(2, 4, 1, 32, device=device)
+    cache = torch.zeros(2, 4, 8, 32, device=device)
+    slots, start = torch.tensor([3], device=device), torch.zeros(2, dtype=torch.long, device=device)
+    with pytest.raises(ValueError, match=r"norm's rows must be a \(2, 1, width\) tensor"):
+        decode_attention(q, cache, cache.clone(), slots, start, new_keys=k, new_values=k.clone(),
+                         norm=(torch.zeros(1, 1, 64, device=device), 1e-6))
+    with pytest.raises(ValueError, match="without new keys"):
+        decode_attention(q, cache, cache.clone(), slots, start, norm=(torch.zeros(2, 1, 64, device=device), 1e-6))
