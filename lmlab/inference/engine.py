@@ -136,6 +136,8 @@ class Engine:
                        for block in self.model.applied_layers()]
         if self.megakernel is not None:
             self.megakernel.bind(self.caches)
+        if self.folded_norms is not None:
+            self.folded_norms.check(self.caches)
         for size in sizes:
             self._steps[size] = _StaticStep(self, batch_size, size)
 
@@ -261,10 +263,14 @@ class _StaticStep:
         hidden = self.engine._hidden(self.ids)
         return self.engine.logits(hidden), hidden
 
-    def __call__(self, ids: torch.Tensor, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
-        self.ids.copy_(ids)
+    def place(self, slot: int | torch.Tensor) -> None:
+        """Point the step at slots slot, slot + 1, ... (slot: an int, or a (1,) tensor a captured graph updates)."""
         torch.add(self.offsets, slot, out=self.slots)
         self.engine.state.slots = self.slots
+
+    def __call__(self, ids: torch.Tensor, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
+        self.ids.copy_(ids)
+        self.place(slot)
         if self.graph is None:
             return self.run()
         self.graph.replay()

@@ -67,11 +67,15 @@ class FoldedNorms:
                 for out, group, (_, norm) in zip(self.folded[i], groups, pairs):
                     torch.mul(group.weight, norm.weight.to(group.weight.dtype), out=out)
 
+    @staticmethod
+    def check(caches: list) -> None:
+        """The engine's caches, when it makes them: the step reads and writes each layer's full-length KV cache."""
+        if not all(type(cache) is KVCache for cache in caches):
+            raise ConfigError("folded_norms=True needs a full-length KV cache per layer")
+
     @torch.compiler.disable  # eager inside a compiled step: functionalised, each addmm_ would copy its residual first
     def step(self, x: torch.Tensor, state: CacheState, caches: list) -> torch.Tensor:
         """x (batch, S, d_model), embedded tokens at slots state.slots -> the last layer's output, same shape."""
-        if not all(type(cache) is KVCache for cache in caches):
-            raise ConfigError("folded_norms=True needs a full-length KV cache per layer")
         batch, s, width = x.shape
         rotary = kernel_rotary(self.model.position)
         h = x.reshape(batch * s, width).clone()  # the residual stream, updated in place

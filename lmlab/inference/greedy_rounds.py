@@ -92,8 +92,7 @@ class GreedyRounds:
 
     def _logits(self, step, first: Tensor) -> Tensor:
         """The step's float32 logits (1, S, V) for the tokens of seq at slots first, first + 1, ..."""
-        torch.add(step.offsets, first, out=step.slots)
-        step.engine.state.slots = step.slots
+        step.place(first)
         step.ids.copy_(self.seq.gather(1, step.slots[None]))
         return step.run()[0]
 
