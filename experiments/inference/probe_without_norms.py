@@ -17,29 +17,14 @@ import statistics
 import torch
 
 from lmlab.inference.bench import DEFAULT_OVERRIDES, build_model
-from lmlab.inference.engine import Engine
 from lmlab.nn.blocks import PreNormBlock
-
-SLOT, CACHE = 255, 384
+from probe_micro_batches import engines_for, time_steps  # beside this script
 
 
 def step_us(model, batch: int) -> float:
-    engine = Engine(model, compile=True)
-    engine.begin(batch, CACHE)
-    token = torch.zeros(batch, dtype=torch.long, device="cuda")
-
-    def timed(steps: int = 50) -> float:
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(steps):
-            engine.next_slot = SLOT
-            engine.decode(token)
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end) * 1e3 / steps
-
-    timed()
-    return statistics.median(timed() for _ in range(5))
+    engines, streams = engines_for(model, batch, 1), [torch.cuda.current_stream()]
+    time_steps(engines, streams)  # warm-up
+    return statistics.median(time_steps(engines, streams) for _ in range(5))
 
 
 def without_norms(self, x, position, positions, cache=None):

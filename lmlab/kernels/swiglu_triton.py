@@ -22,12 +22,18 @@ BLOCK = 1024
 
 
 @triton.jit
-def _swiglu_fwd(g_ptr, u_ptr, y_ptr, g_row_stride, u_row_stride, H, BLOCK: tl.constexpr):
+def _swiglu_fwd(g_ptr, u_ptr, y_ptr, g_row_stride, u_row_stride, H, x_ptr, x_row_stride, eps, BLOCK: tl.constexpr,
+                NORM_D: tl.constexpr, BLOCK_D: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < H
     g = tl.load(g_ptr + row * g_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(u_ptr + row * u_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
+    if NORM_D > 0:  # gate and up were projected from x before its RMSNorm: apply the row's scale (swiglu_rms)
+        d = tl.arange(0, BLOCK_D)
+        x = tl.load(x_ptr + row * x_row_stride + d, mask=d < NORM_D, other=0.0).to(tl.float32)
+        scale = tl.math.rsqrt(tl.sum(x * x, 0) / NORM_D + eps)
+        g, u = g * scale, u * scale
     y = g * tl.sigmoid(g) * u
     tl.store(y_ptr + row * H + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
 
@@ -64,7 +70,8 @@ class FusedSwiGLU(torch.autograd.Function):
         n_rows, H = g2.shape
         y = torch.empty((n_rows, H), dtype=gate.dtype, device=gate.device)
         grid = (n_rows, triton.cdiv(H, BLOCK))
-        _swiglu_fwd[grid](g2, u2, y, g2.stride(0), u2.stride(0), H, BLOCK=BLOCK, num_warps=4)
+        _swiglu_fwd[grid](g2, u2, y, g2.stride(0), u2.stride(0), H, g2, 0, 0.0, BLOCK=BLOCK, NORM_D=0, BLOCK_D=1,
+                          num_warps=4)
         ctx.save_for_backward(g2, u2)
         return y.view(gate.shape)
 
@@ -85,28 +92,15 @@ def swiglu_triton(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return FusedSwiGLU.apply(gate, up)
 
 
-@triton.jit
-def _swiglu_rms_fwd(gu_ptr, x_ptr, y_ptr, gu_row_stride, x_row_stride, H, D, eps, BLOCK: tl.constexpr,
-                    BLOCK_D: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    d = tl.arange(0, BLOCK_D)
-    x = tl.load(x_ptr + row * x_row_stride + d, mask=d < D, other=0.0).to(tl.float32)
-    scale = tl.math.rsqrt(tl.sum(x * x, 0) / D + eps)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = cols < H
-    g = tl.load(gu_ptr + row * gu_row_stride + cols, mask=mask, other=0.0).to(tl.float32) * scale
-    u = tl.load(gu_ptr + row * gu_row_stride + H + cols, mask=mask, other=0.0).to(tl.float32) * scale
-    tl.store(y_ptr + row * H + cols, (g * tl.sigmoid(g) * u).to(y_ptr.dtype.element_ty), mask=mask)
-
-
 @torch.library.custom_op("lmlab::swiglu_rms", mutates_args=())
 def _swiglu_rms_op(gate_up: torch.Tensor, x: torch.Tensor, eps: float) -> torch.Tensor:
-    g2, x2 = _rows(gate_up), _rows(x)
-    n_rows, H = g2.shape[0], g2.shape[1] // 2
+    g2, u2 = _rows(gate_up).chunk(2, dim=-1)  # the halves, read in place
+    x2 = _rows(x)
+    n_rows, H = g2.shape
     y = torch.empty((n_rows, H), dtype=gate_up.dtype, device=gate_up.device)
-    _swiglu_rms_fwd[(n_rows, triton.cdiv(H, BLOCK))](g2, x2, y, g2.stride(0), x2.stride(0), H, x2.shape[1], eps,
-                                                      BLOCK=BLOCK, BLOCK_D=triton.next_power_of_2(x2.shape[1]),
-                                                      num_warps=4)
+    _swiglu_fwd[(n_rows, triton.cdiv(H, BLOCK))](g2, u2, y, g2.stride(0), u2.stride(0), H, x2, x2.stride(0), eps,
+                                                  BLOCK=BLOCK, NORM_D=x2.shape[1],
+                                                  BLOCK_D=triton.next_power_of_2(x2.shape[1]), num_warps=4)
     return y.view(*gate_up.shape[:-1], H)
 
 
