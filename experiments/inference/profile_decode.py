@@ -32,7 +32,7 @@ def group_of(name: str) -> str:
     return next(group for group, pattern in GROUPS if re.search(pattern, name))
 
 
-def profile_batch(model, batch: int, prompt: int, steps: int, folded_norms: bool = False) -> None:
+def profile_batch(model, batch: int, prompt: int, steps: int, folded_norms: bool | None = None) -> None:
     engine = Engine(model, compile=True, cuda_graphs=False, folded_norms=folded_norms)
     vocab = model.embed_tokens.weight.shape[0]
     ids = torch.randint(0, vocab, (batch, prompt), device="cuda")
@@ -66,13 +66,14 @@ def main() -> None:
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 32])
     parser.add_argument("--prompt", type=int, default=128)
     parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--folded-norms", action="store_true", help="the engine's folded-norms step (batch > 1)")
+    parser.add_argument("--unfolded-norms", action="store_true",
+                        help="the layer-by-layer step at every batch (by default batches > 1 fold the norms)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         parser.error("needs a CUDA GPU")
     model, _ = build_model(args.overrides, None, torch.device("cuda"), torch.bfloat16)
     for batch in args.batch:
-        profile_batch(model, batch, args.prompt, args.steps, args.folded_norms)
+        profile_batch(model, batch, args.prompt, args.steps, False if args.unfolded_norms else None)
 
 
 if __name__ == "__main__":

@@ -75,7 +75,9 @@ class GenerateConfig:
     compile: bool = False  # torch.compile the decode step (a wait of up to a minute), replayed as a CUDA graph on CUDA
     cuda_graphs: bool | None = None  # replay the decode step from a CUDA graph; None: on CUDA (a fraction of a second)
     megakernel: bool = False  # one-token steps through every layer in one persistent Triton kernel (CUDA, plain Llama; the draft's too)
-    folded_norms: bool = False  # decode steps with each RMSNorm folded into the kernels around it (CUDA, plain Llama)
+    # Decode steps with each RMSNorm folded into the kernels around it (CUDA, plain Llama, not quantized); default:
+    # when compiled, at batches of 2 or more, where the model allows it.
+    folded_norms: bool | None = None
     plugins: list[str] = field(default_factory=list)  # modules imported before the config is composed
 
     def __post_init__(self) -> None:

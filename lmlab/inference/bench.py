@@ -4,8 +4,9 @@
 
 In one process and on the same weights (random, or `--ckpt`'s), for each prompt length and batch
 size: lmlab eager, lmlab eager replayed from CUDA graphs (`graphs`), lmlab compiled (torch.compile
-+ CUDA graphs; `compiled-sdpa` attends with masked SDPA instead of the flash-decoding kernel,
-`compiled-folded` folds each RMSNorm into the kernels around it: lmlab.inference.folded_norms),
++ CUDA graphs; at batches of 2 or more it folds each RMSNorm into the kernels around it, lmlab.inference.folded_norms;
+`compiled-unfolded` never does, `compiled-folded` does at batch 1 too; `compiled-sdpa` attends with masked SDPA
+instead of the flash-decoding kernel, which also turns the folding off),
 lmlab's decode megakernel (every layer in one persistent launch; the embedding, the head and sampling around it
 compiled, all replayed from a CUDA graph;
 `megakernel-stages` launches its stages one by one instead), Hugging Face `generate` with its dynamic
@@ -43,8 +44,8 @@ from lmlab.nn.transformer import Transformer
 from lmlab.timing import sync
 from lmlab.tokenizers.base import expected_vocab_size
 
-ENGINES = ("eager", "graphs", "compiled", "compiled-sdpa", "compiled-folded", "megakernel", "megakernel-stages", "hf",
-           "hf-static")
+ENGINES = ("eager", "graphs", "compiled", "compiled-sdpa", "compiled-unfolded", "compiled-folded", "megakernel",
+           "megakernel-stages", "hf", "hf-static")
 
 
 def int4_group_size(model: Transformer) -> dict:
@@ -213,6 +214,7 @@ def contender(name: str, model: Transformer):
                     "graphs": lambda: _engine_run(Engine(model, cuda_graphs=True)),
                     "compiled": lambda: _engine_run(Engine(model, True)),
                     "compiled-sdpa": lambda: _engine_run(Engine(model, True, attention_kernel=False)),
+                    "compiled-unfolded": lambda: _engine_run(Engine(model, True, folded_norms=False)),
                     "compiled-folded": lambda: _engine_run(Engine(model, True, folded_norms=True)),
                     "megakernel": lambda: _engine_run(Engine(model, True, megakernel=True)),
                     "megakernel-stages": lambda: _engine_run(_per_stage(Engine(model, True, megakernel=True))),

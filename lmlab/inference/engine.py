@@ -34,6 +34,9 @@ log = logging.getLogger(__name__)
 CACHE_LEN_MULTIPLE = 128  # cache lengths are rounded up, so nearby lengths share compiled graphs
 # Inductor's coordinate-descent tuning of its kernels' launch parameters: on an H200 it took the
 # batch-1 decode step of the ~400M model from 1.58 to 0.88 ms (2026-12-01), at a longer compile.
+# Folded norms by default from this batch size: on an H200 at 400M they gain 7-11% at batch 8 and 32, tie at 128,
+# and lose 5-10% at batch 1 (experiments/inference/h200-2026-12-03h).
+AUTO_FOLD_MIN_BATCH = 2
 COMPILE_OPTIONS = {"coordinate_descent_tuning": True}
 
 
@@ -51,14 +54,15 @@ class Engine:
     """Generation with a KV cache per layer; see the module docstring."""
 
     def __init__(self, model: Transformer, compile: bool = False, cuda_graphs: bool | None = None,
-                 attention_kernel: bool | None = None, megakernel: bool = False, folded_norms: bool = False):
+                 attention_kernel: bool | None = None, megakernel: bool = False, folded_norms: bool | None = None):
         """compile: torch.compile the decode step. cuda_graphs: replay it from a CUDA graph (default: when
         compiled on CUDA; without compile it still removes the Python cost of launching each kernel).
         attention_kernel: decode steps attend with the Triton flash-decoding kernel where it applies
         (default: on CUDA with Triton), else SDPA with a mask. megakernel: one-token steps run every layer in
         one persistent Triton kernel (lmlab.inference.megakernel; plain Llama stacks only). folded_norms: decode
-        steps fold each RMSNorm into the kernels around it (lmlab.inference.folded_norms; plain Llama stacks with
-        the attention kernel), for the batches the megakernel does not take."""
+        steps fold each RMSNorm into the kernels around it (lmlab.inference.folded_norms; plain unquantized Llama
+        stacks with the attention kernel), for the batches the megakernel does not take; default: compiled on CUDA,
+        at batches of AUTO_FOLD_MIN_BATCH or more, where the model allows it."""
         check_generatable(model)
         self.model = model.eval()
         weight = model.embed_tokens.weight
@@ -69,7 +73,7 @@ class Engine:
                                                        "lmlab.kernels.decode_attention_triton", "decode_attention")
         fuse_projections(model)  # q/k/v and gate/up as one matmul each
         self.megakernel = self._megakernel(model) if megakernel else None
-        self.folded_norms = self._folded_norms(model) if folded_norms else None
+        self.folded_norms = self._folded_norms(model, folded_norms)
         if compile:  # one compiled graph per (batch, cache length, tokens per step): allow many
             torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 256)
         self.state: CacheState | None = None
@@ -89,12 +93,18 @@ class Engine:
 
         return Megakernel(model)
 
-    def _folded_norms(self, model: Transformer):
+    def _folded_norms(self, model: Transformer, wanted: bool | None):
+        automatic = wanted is None  # on where it was measured faster: compiled CUDA steps of several sequences
+        if wanted is False or automatic and not (self.compile and self.device.type == "cuda"
+                                                 and self.attention_kernel is not None):
+            return None
         if self.attention_kernel is None:
             raise ConfigError("folded_norms=True needs the Triton decode-attention kernel (CUDA with Triton, or "
                               "TRITON_INTERPRET=1), which applies the norms' scale")
         from lmlab.inference.folded_norms import FoldedNorms
 
+        if automatic:
+            return None if FoldedNorms.unsupported(model) else FoldedNorms(model, min_batch=AUTO_FOLD_MIN_BATCH)
         return FoldedNorms(model)
 
     # -- caches -------------------------------------------------------------------------------
@@ -170,7 +180,7 @@ class Engine:
         x = model.position.embed(model.token_embeddings(ids, embeds), positions)
         if self.megakernel is not None and ids.shape[1] == 1 and ids.shape[0] <= self.megakernel.max_batch:
             return self.megakernel.step(x, self.state)
-        if self.folded_norms is not None and self.folded_norms.takes(ids.shape[1]):
+        if self.folded_norms is not None and self.folded_norms.takes(*ids.shape):
             return self.folded_norms.step(x, self.state, self.caches)
         return model.run_layers(x, positions, self.caches)
 

@@ -38,30 +38,40 @@ from lmlab.nn.transformer import Transformer
 class FoldedNorms:
     """A plain Llama stack's q/k/v and gate/up weights with their RMSNorm gains folded in; see the module docstring."""
 
-    unsupported = staticmethod(Megakernel.unsupported)
-
-    def __init__(self, model: Transformer):
+    def __init__(self, model: Transformer, min_batch: int = 1):
+        """model: with its q/k/v and gate/up fused (lmlab.nn.fused.fuse_projections, as the engine does); the
+        folded copies of those weights cost their memory again. min_batch: smaller batches take the layer-by-layer
+        step."""
         if problem := self.unsupported(model):
             raise ConfigError(f"folded_norms=True cannot run this model: {problem}")
-        self.model = model
+        self.model, self.min_batch = model, min_batch
         self.folded: list[tuple[torch.Tensor, torch.Tensor]] = []  # per layer: (q/k/v, gate/up)
         attn = model.layers[0].self_attn
         self.sizes = [attn.n_heads * attn.head_dim, *[attn.n_kv_heads * attn.head_dim] * 2]
         self.group = attn.n_heads // attn.n_kv_heads
 
-    def takes(self, tokens: int) -> bool:
-        """Whether a step of `tokens` per sequence fits the attention kernel (prompts take the layer-by-layer path)."""
-        return tokens * self.group <= MAX_QUERY_ROWS
+    @staticmethod
+    def unsupported(model: Transformer) -> str | None:
+        """Why this model's norms cannot be folded (the megakernel's limits, or quantized projections), or None."""
+        if problem := Megakernel.unsupported(model):
+            return problem
+        return next((problem for i, block in enumerate(model.layers) if (problem := _unfused(i, block))), None)
+
+    def takes(self, batch: int, tokens: int) -> bool:
+        """Whether a step of `batch` sequences of `tokens` each takes this path: batches of min_batch or more whose
+        query rows fit the attention kernel (prompts take the layer-by-layer path)."""
+        return batch >= self.min_batch and tokens * self.group <= MAX_QUERY_ROWS
 
     def refresh(self) -> None:
         """Fold the current gains into copies of the current weights (in place once made: captured graphs keep
         their pointers). Needs the engine's fused q/k/v and gate/up groups (plain Linears: not quantized)."""
         with torch.inference_mode(False), torch.no_grad():
             for i, block in enumerate(self.model.layers):
+                if problem := _unfused(i, block):
+                    raise ConfigError(f"folded norms: {problem}; make the Engine after changing the model, or "
+                                      "with folded_norms=False")
                 pairs = ((block.self_attn, block.input_layernorm), (block.mlp, block.post_attention_layernorm))
-                groups = [module.__dict__.get("fused_projections") for module, _ in pairs]
-                if any(group is None for group in groups):
-                    raise ConfigError(f"folded_norms=True: layer {i}'s projections are not plain Linears (quantized?)")
+                groups = [module.__dict__["fused_projections"] for module, _ in pairs]
                 if len(self.folded) <= i:
                     self.folded.append(tuple(torch.empty_like(group.weight) for group in groups))
                 for out, group, (_, norm) in zip(self.folded[i], groups, pairs):
@@ -90,3 +100,10 @@ class FoldedNorms:
             h.addmm_(swiglu_rms(F.linear(h, gate_up_weight), h, block.post_attention_layernorm.eps),
                      mlp.down_proj.weight.t())
         return h.view(batch, s, width)
+
+
+def _unfused(i: int, block) -> str | None:
+    """Why a block's q/k/v or gate/up are not one fused plain matmul each (quantized, say), or None."""
+    if any(module.__dict__.get("fused_projections") is None for module in (block.self_attn, block.mlp)):
+        return f"layer {i}'s projections are not plain Linears (quantized?)"
+    return None

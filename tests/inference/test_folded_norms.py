@@ -2,7 +2,8 @@
 engine's layer-by-layer step computes: one-token and several-token steps, MHA, GQA and MQA, both RoPE layouts, left
 padding; the gains are folded again at each `begin`, so weights changed since are used. Under Triton's CPU
 interpreter (TRITON_INTERPRET=1) in float32, and on CUDA in float32 and bf16 with CUDA graphs and torch.compile. On
-any machine: models it cannot run, and engines without the attention kernel, are refused before any work."""
+any machine: models it cannot run, and engines without the attention kernel, are refused before any work. By default
+compiled CUDA engines fold the norms of the models that allow it, at batches of 2 or more."""
 
 import importlib.util
 import os
@@ -11,7 +12,8 @@ import pytest
 import torch
 
 from lmlab.errors import ConfigError
-from lmlab.inference.engine import Engine
+from lmlab.inference.engine import AUTO_FOLD_MIN_BATCH, Engine
+from lmlab.inference.quant import quantize
 from tests.inference.test_cache_parity import VOCAB
 from tests.inference.test_megakernel import _model
 
@@ -32,6 +34,43 @@ def test_refuses_a_model_it_cannot_run():
     with pytest.raises(ConfigError, match="QK-norm"):
         Engine(_model(device, attention={"name": "mha", "n_heads": 4, "qk_norm": True}), attention_kernel=True,
                folded_norms=True)
+
+
+@kernels_run
+def test_refuses_quantized_projections():
+    model = _model(device, n_layers=2)
+    quantize(model, "int8")
+    with pytest.raises(ConfigError, match="layer 0's projections are not plain Linears"):
+        Engine(model, attention_kernel=True, folded_norms=True)
+
+
+@kernels_run
+def test_batches_below_min_batch_and_long_steps_take_the_layer_by_layer_step():
+    from lmlab.inference.folded_norms import FoldedNorms
+    from lmlab.kernels.decode_attention_triton import MAX_QUERY_ROWS
+    from lmlab.nn.fused import fuse_projections
+
+    model = _model(device, n_layers=2, attention={"name": "mha", "n_heads": 4, "n_kv_heads": 2})
+    fuse_projections(model)
+    folded = FoldedNorms(model, min_batch=2)
+    assert [folded.takes(batch, 1) for batch in (1, 2, 64)] == [False, True, True]
+    assert folded.takes(2, MAX_QUERY_ROWS // 2) and not folded.takes(2, MAX_QUERY_ROWS // 2 + 1)  # 2 q heads a kv head
+
+
+def test_not_folded_by_default_off_cuda():
+    assert Engine(_model("cpu", n_layers=2), compile=True).folded_norms is None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_compiled_cuda_engines_fold_by_default_where_the_model_allows():
+    assert Engine(_model("cuda", torch.bfloat16, n_layers=2)).folded_norms is None  # not compiled
+    assert Engine(_model("cuda", torch.bfloat16, n_layers=2), compile=True).folded_norms.min_batch == AUTO_FOLD_MIN_BATCH
+    qk_norm = _model("cuda", torch.bfloat16, n_layers=2, attention={"name": "mha", "n_heads": 4, "qk_norm": True})
+    assert Engine(qk_norm, compile=True).folded_norms is None
+    quantized = _model("cuda", torch.bfloat16, n_layers=2)
+    quantize(quantized, "int8")
+    assert Engine(quantized, compile=True).folded_norms is None
 
 
 def _steps(model, folded: bool, batch: int, start: torch.Tensor, lookahead: int = 0, **engine_kw) -> torch.Tensor:
