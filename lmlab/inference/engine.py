@@ -34,10 +34,10 @@ log = logging.getLogger(__name__)
 CACHE_LEN_MULTIPLE = 128  # cache lengths are rounded up, so nearby lengths share compiled graphs
 # Inductor's coordinate-descent tuning of its kernels' launch parameters: on an H200 it took the
 # batch-1 decode step of the ~400M model from 1.58 to 0.88 ms (2026-12-01), at a longer compile.
+COMPILE_OPTIONS = {"coordinate_descent_tuning": True}
 # Folded norms by default from this batch size: on an H200 at 400M they gain 7-11% at batch 8 and 32, tie at 128,
 # and lose 5-10% at batch 1 (experiments/inference/h200-2026-12-03h).
 AUTO_FOLD_MIN_BATCH = 2
-COMPILE_OPTIONS = {"coordinate_descent_tuning": True}
 
 
 def check_generatable(model: Transformer) -> None:
