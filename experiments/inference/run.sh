@@ -15,6 +15,8 @@
 #   draft  a ~4x smaller draft (d_model 768, 4 layers: fewer layers, since a batch-1 step costs per
 #          layer) on the same data, into $D/draft; checkpoints stay on the machine
 #   draft2 the same with 2 layers, into $D/draft2 (not part of train)
+#   invariant  the sweep with the target's engines batch-invariant (--batch-invariant: outputs identical in bf16 too),
+#          each draft's steps in the megakernel, against the batch-invariant and the compiled target alone
 #   checkpoint  on those checkpoints: validation perplexity and batch-1 speed of int8 and int4
 #          (GPTQ), and speculative decoding with the draft against the target alone
 #   sweep  speculative decoding with each draft trained ($D/draft, $D/draft2), its one-token steps compiled and
@@ -65,10 +67,14 @@ for part in $PARTS; do
                    --drafts $(ls "$D"/draft*/checkpoints/last.ckpt) --k ${K:-4 6} --draft-engines compiled megakernel \
                    --budget-s ${SWEEP_SECONDS:-300} --json "$D/sweep-speculative.json" 2>&1 \
                    | grep --line-buffered -v -i warn | tee "$D/sweep-speculative.txt" ;;
+        invariant) python experiments/inference/sweep_speculative.py "$D/target/checkpoints/last.ckpt" \
+                       --drafts $(ls "$D"/draft*/checkpoints/last.ckpt) --k ${K:-4 5} --draft-engines megakernel \
+                       --batch-invariant --budget-s ${SWEEP_SECONDS:-300} --json "$D/sweep-invariant.json" 2>&1 \
+                       | grep --line-buffered -v -i warn | tee "$D/sweep-invariant.txt" ;;
         checkpoint) $LMLAB bench generate --ckpt "$D/target/checkpoints/last.ckpt" --engines compiled --batch 1 \
                         --prompt 128 --new 256 --repeats 1 --quant ${QUANT-int8 int4} --draft "$D/draft/checkpoints/last.ckpt" \
                         --json "$D/bench-checkpoint.json" 2>&1 | grep --line-buffered -v -i warn \
                         | tee "$D/bench-checkpoint.txt" ;;
-        *) echo "unknown part '$part'; parts: tests bench megakernel quant train target draft draft2 checkpoint sweep" >&2; exit 2 ;;
+        *) echo "unknown part '$part'; parts: tests bench megakernel quant train target draft draft2 checkpoint sweep invariant" >&2; exit 2 ;;
     esac
 done

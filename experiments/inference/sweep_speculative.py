@@ -1,7 +1,7 @@
 """Speculative decoding's batch-1 speed-up over the target alone, across drafts, draft engines and k.
 
     python experiments/inference/sweep_speculative.py TARGET_CKPT --drafts D1 [D2 ...] [--k 4 6]
-        [--draft-engines compiled megakernel] [--prompts 8] [--new 256] [--budget-s 300] [--json F]
+        [--draft-engines compiled megakernel] [--prompts 8] [--new 256] [--budget-s 300] [--batch-invariant] [--json F]
 
 In one process, greedy, on prompts from the target's validation split (as `lmlab bench generate --draft`):
 the target alone is timed once on its compiled engine, then speculative decoding with each draft on each
@@ -11,7 +11,8 @@ speed-up over whole generations and over decoding alone (after the target's pref
 acceptance rate, tokens and milliseconds (of the whole generation) per round, whether the rounds replayed
 one captured CUDA graph each (`lmlab.inference.greedy_rounds`), and how many outputs equal the target's
 own, with the first differing token of the others and the target's top-1 minus top-2 logit there. Rows left when
-`--budget-s` runs out are skipped and named.
+`--budget-s` runs out are skipped and named. `--batch-invariant`: the target's engines (alone and speculative) are
+batch-invariant (lmlab.inference.batch_invariant), and the compiled target alone is timed too, for reference.
 """
 
 from __future__ import annotations
@@ -39,6 +40,8 @@ def main() -> None:
     parser.add_argument("--new", type=int, default=256)
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--budget-s", type=float, default=None, help="skip the rows left after this many seconds")
+    parser.add_argument("--batch-invariant", action="store_true",
+                        help="the target's engines batch-invariant: outputs identical to the target's in bf16 too")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     began = time.perf_counter()
@@ -47,11 +50,17 @@ def main() -> None:
     compile = device.type == "cuda"  # the CPU: a check of the script
     target, _ = build_model([], args.target, device, dtype)
     prompts = CheckpointData(args.target).prompts(args.prompts, args.prompt_len)
-    comparison = SpeculativeComparison(target, prompts, args.new, compile)
-    print(f"target alone ({target.num_parameters() / 1e6:.1f}M, {args.dtype}, "
-          f"{'compiled' if compile else 'eager: no CUDA'}): {comparison.alone_tokens_per_s:,.0f} tokens/s", flush=True)
+    comparison = SpeculativeComparison(target, prompts, args.new, compile, args.batch_invariant)
+    kind = "batch-invariant" if args.batch_invariant else "compiled" if compile else "eager: no CUDA"
+    print(f"target alone ({target.num_parameters() / 1e6:.1f}M, {args.dtype}, {kind}): "
+          f"{comparison.alone_tokens_per_s:,.0f} tokens/s", flush=True)
     print(f"  decode alone, after the prefill and first token: {comparison.alone_decode_tokens_per_s:,.0f} tokens/s",
           flush=True)
+    reference = None
+    if args.batch_invariant:  # the fastest batch-1 engine without the invariance, for comparison
+        _, reference, reference_decode = comparison.time_alone(Engine(target, compile=compile))
+        print(f"  the compiled target alone, for reference: {reference:,.0f} tokens/s (decode {reference_decode:,.0f})",
+              flush=True)
     print(f"{'draft':<40} {'engine':<11} {'k':>2} {'tok/s':>7} {'speed-up':>8} {'decode':>7} {'speed-up':>8} "
           f"{'accept':>7} {'tok/round':>9} {'ms/round':>8} {'graph':>5} {'identical':>9}", flush=True)
     engines = [(path, kind, Engine(build_model([], path, device, dtype)[0], compile=compile,
@@ -72,13 +81,19 @@ def main() -> None:
                   f"{row['ms_per_round']:>8.3f} {'yes' if row['round_graph'] else 'no':>5} "
                   f"{row['identical_outputs']:>4}/{row['prompts']}" + (f"  first differences: {margins}" if margins else ""),
                   flush=True)
+            if reference is not None:
+                row["speedup_over_compiled_alone"] = row["speculative_tokens_per_s"] / reference
+                print(f"{'':<40} against the compiled target alone: {row['speedup_over_compiled_alone']:.2f}x", flush=True)
     if skipped:
         print(f"skipped after the {args.budget_s:.0f} s budget: {'; '.join(skipped)}", flush=True)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
                                          "torch": torch.__version__, "dtype": args.dtype, "target": args.target,
-                                         "target_alone_tokens_per_s": comparison.alone_tokens_per_s, "rows": rows, "skipped": skipped}, indent=2))
+                                         "batch_invariant": args.batch_invariant,
+                                         "target_alone_tokens_per_s": comparison.alone_tokens_per_s,
+                                         "compiled_target_alone_tokens_per_s": reference,
+                                         "rows": rows, "skipped": skipped}, indent=2))
 
 
 if __name__ == "__main__":

@@ -53,7 +53,7 @@ from lmlab.training.checkpoints import CONFIG_KEY, checkpoint_tokenizer, load, m
 # GPTQ's calibration (the paper's): this many windows of the model's context, run this many at a time.
 CALIBRATION_WINDOWS = 128
 CALIBRATION_BATCH = 8
-CUDA_KERNEL_FLAGS = ("megakernel", "folded_norms")  # settings that run Triton kernels on CUDA's unquantized weights
+CUDA_KERNEL_FLAGS = ("megakernel", "folded_norms", "batch_invariant")  # settings that run Triton kernels on CUDA's unquantized weights
 
 
 @dataclass
@@ -78,6 +78,9 @@ class GenerateConfig:
     # Decode steps with each RMSNorm folded into the kernels around it (CUDA, plain Llama, not quantized); default:
     # when compiled, at batches of 2 or more, where the model allows it.
     folded_norms: bool | None = None
+    # Each token computed to the same bits whatever the step's shape (CUDA; eager steps in CUDA graphs): greedy
+    # speculative decoding then gives exactly the target's tokens in bf16 too (lmlab.inference.batch_invariant).
+    batch_invariant: bool = False
     plugins: list[str] = field(default_factory=list)  # modules imported before the config is composed
 
     def __post_init__(self) -> None:
@@ -87,6 +90,9 @@ class GenerateConfig:
         for flag in CUDA_KERNEL_FLAGS:
             if getattr(self, flag) and self.quant is not None:
                 raise ConfigError(f"{flag}=true reads unquantized weights; drop quant= or {flag}=true")
+        if self.batch_invariant and (self.compile or self.megakernel or self.folded_norms):
+            raise ConfigError("batch_invariant=true runs its own kernels in eager steps; drop compile=true, "
+                              "megakernel=true and folded_norms=true")
 
 
 ConfigStore.instance().store(name="generate_schema", node=GenerateConfig)
@@ -331,7 +337,7 @@ def generate(cfg: GenerateConfig, out=None, err=None) -> None:
               f"{report['bytes_before'] / 2**20:,.2f} -> {report['bytes_after'] / 2**20:,.2f} MiB", file=err)
     graphs = cfg.cuda_graphs is not False  # Engine replays graphs on CUDA only
     engine = Engine(model, compile=cfg.compile, cuda_graphs=graphs, megakernel=cfg.megakernel,
-                    folded_norms=cfg.folded_norms)
+                    folded_norms=cfg.folded_norms, batch_invariant=cfg.batch_invariant)
     draft_engine = (Engine(draft.load().to(device, dtype), compile=cfg.compile, cuda_graphs=graphs,
                            megakernel=cfg.megakernel) if draft is not None else None)
     options = dict(max_new_tokens=cfg.max_new_tokens, stop_token_ids=target.stop_ids, stop_strings=cfg.stop,

@@ -9,7 +9,8 @@ size: lmlab eager, lmlab eager replayed from CUDA graphs (`graphs`), lmlab compi
 instead of the flash-decoding kernel, which also turns the folding off),
 lmlab's decode megakernel (every layer in one persistent launch; the embedding, the head and sampling around it
 compiled, all replayed from a CUDA graph;
-`megakernel-stages` launches its stages one by one instead), Hugging Face `generate` with its dynamic
+`megakernel-stages` launches its stages one by one instead), lmlab batch-invariant (`invariant`: eager steps
+of kernels whose results do not depend on the batch, replayed from CUDA graphs), Hugging Face `generate` with its dynamic
 cache (`hf`) and with its static cache under torch.compile (`hf-static`), all greedy with
 no stop token, so every run makes exactly `--new` tokens. Reported: time to first token, time per
 output token, prefill and decode tokens/s, KV-cache bytes, and at each batch the bandwidth
@@ -45,7 +46,7 @@ from lmlab.timing import sync
 from lmlab.tokenizers.base import expected_vocab_size
 
 ENGINES = ("eager", "graphs", "compiled", "compiled-sdpa", "compiled-unfolded", "compiled-folded", "megakernel",
-           "megakernel-stages", "hf", "hf-static")
+           "megakernel-stages", "invariant", "hf", "hf-static")
 
 
 def int4_group_size(model: Transformer) -> dict:
@@ -218,6 +219,7 @@ def contender(name: str, model: Transformer):
                     "compiled-folded": lambda: _engine_run(Engine(model, True, folded_norms=True)),
                     "megakernel": lambda: _engine_run(Engine(model, True, megakernel=True)),
                     "megakernel-stages": lambda: _engine_run(_per_stage(Engine(model, True, megakernel=True))),
+                    "invariant": lambda: _engine_run(Engine(model, batch_invariant=True)),
                     "hf": lambda: HFContender(model, static=False).run,
                     "hf-static": lambda: HFContender(model, static=True).run}
         _CONTENDERS[key] = builders[name]()
@@ -304,7 +306,8 @@ def checkpoint_speculative(model: Transformer, data, args) -> dict:
 
     draft, _ = build_model([], args.draft, model.embed_tokens.weight.device, model.embed_tokens.weight.dtype)
     prompts = data.prompts(args.spec_prompts, args.prompt[0])
-    row = speculative_speedup(model, draft, prompts, args.new, args.draft_k, draft_megakernel=args.draft_megakernel)
+    row = speculative_speedup(model, draft, prompts, args.new, args.draft_k, draft_megakernel=args.draft_megakernel,
+                              batch_invariant=args.target_invariant)
     print(f"speculative, k={row['k']}, {row['draft_parameters'] / 1e6:.1f}M draft for a "
           f"{row['target_parameters'] / 1e6:.1f}M target: {row['speculative_tokens_per_s']:,.0f} against "
           f"{row['target_tokens_per_s']:,.0f} tokens/s alone ({row['speedup']:.2f}x; decoding alone "
@@ -336,6 +339,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--draft-k", type=int, default=4, help="draft tokens per round (default 4)")
     parser.add_argument("--draft-megakernel", action="store_true",
                         help="the draft's one-token steps in the decode megakernel (CUDA; the target stays compiled)")
+    parser.add_argument("--target-invariant", action="store_true",
+                        help="the target's engines batch-invariant (CUDA): outputs identical to the target's in bf16")
     parser.add_argument("--spec-prompts", type=int, default=8, help="prompts for the speculative comparison")
     parser.add_argument("--kv-table", action="store_true", help="only print the KV bytes per attention kind")
     parser.add_argument("--json", type=Path, default=None)

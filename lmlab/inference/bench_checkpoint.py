@@ -86,14 +86,20 @@ class SpeculativeComparison:
     with any number of drafters and k, on (compiled) engines built once: a sweep compiles each shape once.
     Speeds are given over whole generations (prefill included) and over their decoding alone."""
 
-    def __init__(self, target: Transformer, prompts: list[list[int]], new: int, compile: bool = True):
+    def __init__(self, target: Transformer, prompts: list[list[int]], new: int, compile: bool = True,
+                 batch_invariant: bool = False):
+        """batch_invariant: the target's engines (alone and speculative) are batch-invariant (eager steps in CUDA
+        graphs, lmlab.inference.batch_invariant), so the outputs must be identical in any precision."""
         self.target, self.prompts, self.new = target, prompts, new
-        self.engine = Engine(target, compile=compile)  # speculative decoding's target
-        alone = Engine(target, compile=compile)
-        alone.generate([prompts[0]], max_new_tokens=new)  # compiles and captures
-        seconds, self.alone_generations = self._timed(lambda p: alone.generate([p], max_new_tokens=new))
-        self.alone_tokens_per_s = sum(len(g.tokens[0]) for g in self.alone_generations) / seconds
-        self.alone_decode_tokens_per_s = decode_tokens_per_s(self.alone_generations)
+        engine = lambda: Engine(target, compile=compile and not batch_invariant, batch_invariant=batch_invariant)  # noqa: E731
+        self.engine = engine()  # speculative decoding's target
+        self.alone_generations, self.alone_tokens_per_s, self.alone_decode_tokens_per_s = self.time_alone(engine())
+
+    def time_alone(self, engine: Engine) -> tuple[list, float, float]:
+        """The target alone on `engine` over the prompts: its Generations, tokens/s and decode tokens/s."""
+        engine.generate([self.prompts[0]], max_new_tokens=self.new)  # compiles and captures
+        seconds, generations = self._timed(lambda p: engine.generate([p], max_new_tokens=self.new))
+        return generations, sum(len(g.tokens[0]) for g in generations) / seconds, decode_tokens_per_s(generations)
 
     def _timed(self, run) -> tuple[float, list]:
         """Seconds of run(prompt) over the prompts, synced, and its Generations."""
@@ -141,11 +147,12 @@ def decode_tokens_per_s(generations: list) -> float:
 
 
 def speculative_speedup(target: Transformer, draft: Transformer, prompts: list[list[int]], new: int, k: int,
-                        compile: bool = True, draft_megakernel: bool = False) -> dict:
+                        compile: bool = True, draft_megakernel: bool = False, batch_invariant: bool = False) -> dict:
     """Batch-1 greedy decoding of each prompt, target alone and with the draft, both (compiled) engines;
-    draft_megakernel: the draft's one-token steps in the decode megakernel (CUDA, plain Llama stacks)."""
+    draft_megakernel: the draft's one-token steps in the decode megakernel (CUDA, plain Llama stacks);
+    batch_invariant: the target's engines batch-invariant (SpeculativeComparison)."""
     check_draft(target, draft)
-    comparison = SpeculativeComparison(target, prompts, new, compile)
+    comparison = SpeculativeComparison(target, prompts, new, compile, batch_invariant)
     return comparison.measure(Engine(draft, compile=compile, megakernel=draft_megakernel), k)
 
 

@@ -4,6 +4,9 @@
     engine = Engine(model, cuda_graphs=True)      # eager step replayed from a CUDA graph: no compile wait
     out = engine.generate([ids_a, ids_b], sampler=SAMPLERS.build("top_p"), max_new_tokens=200)
 
+`Engine(model, batch_invariant=True)`: every token's logits are the same bits whatever the step's shape (one
+token, a speculative verification, any batch), at some speed (lmlab.inference.batch_invariant).
+
 Lower-level steps, for speculative decoding and other loops: `begin(batch, max_len, start)` resets
 the caches for a batch whose prompts are left-padded so that sequence b starts at slot start[b];
 `extend(ids)` runs S tokens per sequence at the next slots and returns their logits; `decode(tokens)`
@@ -13,6 +16,7 @@ write position back. MTP modules are not run (drafting with them is lmlab.infere
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -54,7 +58,8 @@ class Engine:
     """Generation with a KV cache per layer; see the module docstring."""
 
     def __init__(self, model: Transformer, compile: bool = False, cuda_graphs: bool | None = None,
-                 attention_kernel: bool | None = None, megakernel: bool = False, folded_norms: bool | None = None):
+                 attention_kernel: bool | None = None, megakernel: bool = False, folded_norms: bool | None = None,
+                 batch_invariant: bool = False):
         """compile: torch.compile the decode step. cuda_graphs: replay it from a CUDA graph (default: when
         compiled on CUDA; without compile it still removes the Python cost of launching each kernel).
         attention_kernel: decode steps attend with the Triton flash-decoding kernel where it applies
@@ -62,15 +67,23 @@ class Engine:
         one persistent Triton kernel (lmlab.inference.megakernel; plain Llama stacks only). folded_norms: decode
         steps fold each RMSNorm into the kernels around it (lmlab.inference.folded_norms; plain unquantized Llama
         stacks with the attention kernel), for the batches the megakernel does not take; default: compiled on CUDA,
-        at batches of AUTO_FOLD_MIN_BATCH or more, where the model allows it."""
+        at batches of AUTO_FOLD_MIN_BATCH or more, where the model allows it. batch_invariant: every step computes
+        each token to the same bits whatever its shape (lmlab.inference.batch_invariant; eager steps, replayed from
+        CUDA graphs unless cuda_graphs=False)."""
         check_generatable(model)
         self.model = model.eval()
         weight = model.embed_tokens.weight
         self.device, self.dtype = weight.device, weight.dtype
         self.compile = compile
-        self.cuda_graphs = self.device.type == "cuda" and (compile if cuda_graphs is None else cuda_graphs)
+        self.cuda_graphs = self.device.type == "cuda" and (compile or batch_invariant if cuda_graphs is None
+                                                           else cuda_graphs)
+        if batch_invariant and attention_kernel is None:  # it needs the kernel: Triton's interpreter serves on CPUs
+            attention_kernel = os.environ.get("TRITON_INTERPRET") == "1" or None
         self.attention_kernel = optional_triton_kernel(self.device, attention_kernel,
                                                        "lmlab.kernels.decode_attention_triton", "decode_attention")
+        self.invariant = self._batch_invariant(model, compile, megakernel, folded_norms) if batch_invariant else None
+        if self.invariant is not None:
+            self.attention_kernel = self.invariant.attention_kernel
         fuse_projections(model)  # q/k/v and gate/up as one matmul each
         self.megakernel = self._megakernel(model) if megakernel else None
         self.folded_norms = self._folded_norms(model, folded_norms)
@@ -83,6 +96,18 @@ class Engine:
         self._steps: dict[int, _StaticStep] = {}  # tokens per sequence -> its static step
         self.last_hidden: torch.Tensor | None = None  # the last extend's final hidden states (before the norm)
         self.drafted_rounds: Any = None  # speculative decoding's round as this engine drafts it (greedy_rounds)
+
+    def _batch_invariant(self, model: Transformer, compile: bool, megakernel: bool, folded_norms: bool | None):
+        if compile or megakernel or folded_norms:
+            raise ConfigError("batch_invariant=True runs its own kernels in eager steps: it excludes compile, "
+                              "megakernel and folded_norms, whose kernels are chosen per shape")
+        from lmlab.inference.batch_invariant import BatchInvariant  # here: Triton is optional
+
+        return BatchInvariant(model, self.attention_kernel)
+
+    def _numerics(self):
+        """The context every forward runs in: the batch-invariant kernels' where asked for."""
+        return self.invariant.active() if self.invariant is not None else contextlib.nullcontext()
 
     def _megakernel(self, model: Transformer):
         if self.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
@@ -148,6 +173,8 @@ class Engine:
             self.megakernel.bind(self.caches)
         if self.folded_norms is not None:
             self.folded_norms.check(self.caches)
+        if self.invariant is not None:
+            self.invariant.check(self.caches)
         for size in sizes:
             self._steps[size] = _StaticStep(self, batch_size, size)
 
@@ -193,10 +220,15 @@ class Engine:
         `embeds` (B, S, d_model): the inputs in place of the ids' embeddings (a VLM prompt's image features)."""
         self._check_room(ids.shape[1])
         self.state.slots = torch.arange(self.next_slot, self.next_slot + ids.shape[1], device=self.device)
-        hidden = self._hidden(ids.to(self.device), None if embeds is None else embeds.to(self.device, self.dtype))
-        self.last_hidden = hidden
-        self.next_slot += ids.shape[1]
-        return self.logits(hidden if all_logits else hidden[:, -1])
+        self.state.filled = self.next_slot + ids.shape[1]
+        try:
+            with self._numerics():
+                hidden = self._hidden(ids.to(self.device), None if embeds is None else embeds.to(self.device, self.dtype))
+                self.last_hidden = hidden
+                self.next_slot += ids.shape[1]
+                return self.logits(hidden if all_logits else hidden[:, -1])
+        finally:
+            self.state.filled = None
 
     @torch.inference_mode()
     def decode(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -270,8 +302,9 @@ class _StaticStep:
                             str(err).splitlines()[0])
 
     def _forward(self) -> tuple[torch.Tensor, torch.Tensor]:
-        hidden = self.engine._hidden(self.ids)
-        return self.engine.logits(hidden), hidden
+        with self.engine._numerics():
+            hidden = self.engine._hidden(self.ids)
+            return self.engine.logits(hidden), hidden
 
     def place(self, slot: int | torch.Tensor) -> None:
         """Point the step at slots slot, slot + 1, ... (slot: an int, or a (1,) tensor a captured graph updates)."""

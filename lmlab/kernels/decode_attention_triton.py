@@ -23,6 +23,13 @@ a layer at decode, into this one (the key split reads only the slots before `slo
 write). With `norm=(x, eps)` as well, q, k and v came from the rows x before their RMSNorm (whose gain the
 projection folded in: lmlab.inference.folded_norms), and the kernel scales them by each token's 1/rms of x.
 
+`split_keys` > 0 makes every query row's result independent of the step's shape (batch-invariant): the
+key range splits at fixed multiples of split_keys slots from the sequence's start, blocks align to those, this
+step's keys are read in their blocks like cached ones (each split rotates and stores the new keys that fall in
+its range), and the splits combine in order, each row over the splits up to its own slot. A token at slot p then
+gets the same bits from a one-token step and from a (k+1)-token verification at any batch size, which exact
+greedy speculative decoding in bf16 needs (lmlab.inference.batch_invariant).
+
 The launch is a torch.library custom op, so torch.compile treats it as one opaque call and a CUDA
 graph captures it. With TRITON_INTERPRET=1 it runs on CPU tensors through Triton's interpreter.
 """
@@ -104,6 +111,44 @@ def attend_key_range(q, k_base, v_base, sk_l, sv_l, k_lo, k_hi, q_slot, start, q
     return m_i, l_i, acc
 
 
+@triton.jit
+def attend_fresh_range(q, k_base, v_base, sk_l, sv_l, k_lo, k_hi, first, q_slot, start, qk_scale, window, m_i, l_i,
+                       acc, KNew, VNew, skn_s, svn_s, Cos, Sin, X, sx_s, eps, BLOCK_N: tl.constexpr,
+                       HEAD_DIM: tl.constexpr, HAS_WINDOW: tl.constexpr, PREC: tl.constexpr, NEW_KV: tl.constexpr,
+                       S: tl.constexpr, ROPE: tl.constexpr, NORM_WIDTH: tl.constexpr, NORM_BLOCK: tl.constexpr):
+    """attend_key_range where slots from `first` on are this step's (NEW_KV): in each block they are rotated (and
+    scaled) from KNew/VNew in place of the cache's entries, and stored, so every block holds what a later step
+    would read from the cache and the blocks are the same whatever the step's shape."""
+    dims = tl.arange(0, HEAD_DIM)
+    for k0 in range(k_lo, k_hi, BLOCK_N):
+        keys = k0 + tl.arange(0, BLOCK_N)
+        in_range = keys < k_hi
+        if NEW_KV:
+            fresh = in_range & (keys >= first)
+            cached = in_range & (keys < first)
+        else:
+            cached = in_range
+        k = tl.load(k_base + keys[:, None] * sk_l + dims[None, :], mask=cached[:, None], other=0.0)
+        v = tl.load(v_base + keys[:, None] * sv_l + dims[None, :], mask=cached[:, None], other=0.0)
+        if NEW_KV:
+            if k0 + BLOCK_N > first:
+                t = tl.maximum(keys - first, 0)
+                k_new = rotated_rows(KNew, t * skn_s, dims, tl.maximum(keys - start, 0), Cos, Sin, fresh, HEAD_DIM,
+                                     ROPE)
+                v_new = tl.load(VNew + t[:, None] * svn_s + dims[None, :], mask=fresh[:, None], other=0.0).to(tl.float32)
+                if NORM_WIDTH > 0:
+                    scale = token_scales(X, sx_s, t, eps, S, NORM_WIDTH, NORM_BLOCK)[:, None]
+                    k_new, v_new = k_new * scale, v_new * scale
+                k_new, v_new = k_new.to(k.dtype), v_new.to(v.dtype)
+                k = tl.where(fresh[:, None], k_new, k)
+                v = tl.where(fresh[:, None], v_new, v)
+                tl.store(k_base + keys[:, None] * sk_l + dims[None, :], k_new, mask=fresh[:, None])
+                tl.store(v_base + keys[:, None] * sv_l + dims[None, :], v_new, mask=fresh[:, None])
+        m_i, l_i, acc = attend_block(q, k, v, keys, in_range, q_slot, start, qk_scale, window, m_i, l_i, acc,
+                                     HAS_WINDOW, PREC)
+    return m_i, l_i, acc
+
+
 ROPE_NONE, ROPE_HALF, ROPE_INTERLEAVED = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)  # the kernel's ROPE
 
 
@@ -146,7 +191,7 @@ def _decode_kernel(Q, K, V, Slots, Start, Out, PartOut, PartLse, KNew, VNew, Cos
                    S: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
                    BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr, SPLIT: tl.constexpr, PREC: tl.constexpr,
                    NEW_KV: tl.constexpr, BLOCK_S: tl.constexpr, ROPE: tl.constexpr, NORM_WIDTH: tl.constexpr,
-                   NORM_BLOCK: tl.constexpr):
+                   NORM_BLOCK: tl.constexpr, SPLIT_KEYS: tl.constexpr):
     bh = tl.program_id(0)
     split = tl.program_id(1)
     b = bh // n_kv_heads
@@ -165,16 +210,26 @@ def _decode_kernel(Q, K, V, Slots, Start, Out, PartOut, PartLse, KNew, VNew, Cos
         q = q * token_scales(X + b * sx_b, sx_s, tok, eps, S, NORM_WIDTH, NORM_BLOCK)[:, None]
     q = q.to(Q.dtype.element_ty)
     lo = tl.minimum(start, first)
-    if HAS_WINDOW:
-        lo = tl.maximum(lo, first - window + 1)
-    hi = first if NEW_KV else tl.load(Slots + S - 1) + 1  # NEW_KV: this step's slots come from KNew/VNew
-    k_lo, k_hi = key_split(lo, hi, split, n_split, BLOCK_N)
-
     m_i, l_i, acc = empty_state(BLOCK_M, HEAD_DIM)
     k_base, v_base = K + b * sk_b + kv_head * sk_h, V + b * sv_b + kv_head * sv_h
-    m_i, l_i, acc = attend_key_range(q, k_base, v_base, sk_l, sv_l, k_lo, k_hi, q_slot, start, qk_scale, window,
-                                     m_i, l_i, acc, BLOCK_N, HEAD_DIM, HAS_WINDOW, PREC)
-    if NEW_KV:
+    if SPLIT_KEYS > 0:  # batch-invariant: fixed splits and blocks from lo, this step's keys inside their blocks
+        k_lo = lo + split * SPLIT_KEYS
+        k_hi = tl.minimum(tl.load(Slots + S - 1) + 1, k_lo + SPLIT_KEYS)
+        if HAS_WINDOW:  # skip the whole blocks every query's window leaves out
+            k_lo = tl.maximum(k_lo, lo + tl.maximum(first - window + 1 - lo, 0) // BLOCK_N * BLOCK_N)
+        m_i, l_i, acc = attend_fresh_range(q, k_base, v_base, sk_l, sv_l, k_lo, k_hi, first, q_slot, start, qk_scale,
+                                           window, m_i, l_i, acc, KNew + b * skn_b + kv_head * skn_h,
+                                           VNew + b * svn_b + kv_head * svn_h, skn_s, svn_s, Cos, Sin, X + b * sx_b,
+                                           sx_s, eps, BLOCK_N, HEAD_DIM, HAS_WINDOW, PREC, NEW_KV, S, ROPE,
+                                           NORM_WIDTH, NORM_BLOCK)
+    else:
+        if HAS_WINDOW:
+            lo = tl.maximum(lo, first - window + 1)
+        hi = first if NEW_KV else tl.load(Slots + S - 1) + 1  # NEW_KV: this step's slots come from KNew/VNew
+        k_lo, k_hi = key_split(lo, hi, split, n_split, BLOCK_N)
+        m_i, l_i, acc = attend_key_range(q, k_base, v_base, sk_l, sv_l, k_lo, k_hi, q_slot, start, qk_scale, window,
+                                         m_i, l_i, acc, BLOCK_N, HEAD_DIM, HAS_WINDOW, PREC)
+    if NEW_KV and SPLIT_KEYS == 0:
         if split == n_split - 1:  # the last split attends this step's keys and stores them
             t = tl.arange(0, BLOCK_S)
             t_ok = t < S
@@ -223,6 +278,31 @@ def combine_splits(PartOut, PartLse, Out, n_split, HEAD_DIM: tl.constexpr, BLOCK
     tl.store(Out + row * HEAD_DIM + tl.arange(0, HEAD_DIM), out.to(Out.dtype.element_ty))
 
 
+@triton.jit
+def combine_in_order(PartOut, PartLse, Out, Slots, Start, n_split, n_heads, split_keys, S: tl.constexpr,
+                     HEAD_DIM: tl.constexpr):
+    """combine_splits for fixed splits (split_keys > 0): one after another, over the splits up to the row's own
+    slot, so a row's sum has the same terms in the same order whatever the step's shape."""
+    row = tl.program_id(0)
+    tok = row % S
+    b = row // (n_heads * S)
+    first = tl.load(Slots)
+    q_slot = tl.load(Slots + tok)
+    used = tl.minimum((q_slot - tl.minimum(tl.load(Start + b), first)) // split_keys + 1, n_split)
+    top = float("-inf")
+    for s in range(used):
+        top = tl.maximum(top, tl.load(PartLse + row * n_split + s))
+    top = tl.where(top == float("-inf"), 0.0, top)
+    dims = tl.arange(0, HEAD_DIM)
+    total = 0.0
+    out = tl.zeros((HEAD_DIM,), tl.float32)
+    for s in range(used):
+        weight = tl.math.exp2(tl.load(PartLse + row * n_split + s) - top)
+        total += weight
+        out += weight * tl.load(PartOut + (row * n_split + s) * HEAD_DIM + dims)
+    tl.store(Out + row * HEAD_DIM + dims, (out / tl.maximum(total, 1e-30)).to(Out.dtype.element_ty))
+
+
 @functools.cache
 def sm_count(device: torch.device) -> int:
     return 4 if INTERPRET else torch.cuda.get_device_properties(device).multi_processor_count
@@ -236,14 +316,15 @@ def n_splits(programs: int, cache_len: int, device: torch.device) -> int:
 
 
 def _launch(q, k_cache, v_cache, slots, start, scale: float, window: int, k_new=None, v_new=None, cos=None, sin=None,
-            rope: int = ROPE_NONE.value, norm_x=None, eps: float = 0.0) -> torch.Tensor:
+            rope: int = ROPE_NONE.value, norm_x=None, eps: float = 0.0, split_keys: int = 0) -> torch.Tensor:
     """The kernel (and the split combine) for either op below; k_new/v_new None: this step's keys are cached;
-    norm_x (batch, S, width): the rows q, k_new and v_new were projected from, before their RMSNorm scale."""
+    norm_x (batch, S, width): the rows q, k_new and v_new were projected from, before their RMSNorm scale;
+    split_keys > 0: fixed splits of that many slots (batch-invariant)."""
     batch, n_heads, s, head_dim = q.shape
     n_kv_heads, cache_len = k_cache.shape[1], k_cache.shape[2]
     group = n_heads // n_kv_heads
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    split = n_splits(batch * n_kv_heads, cache_len, q.device)
+    split = triton.cdiv(cache_len, split_keys) if split_keys else n_splits(batch * n_kv_heads, cache_len, q.device)
     part_out = part_lse = out  # unused without a split
     if split > 1:
         part_out = torch.empty((batch, n_heads, s, split, head_dim), dtype=torch.float32, device=q.device)
@@ -262,8 +343,11 @@ def _launch(q, k_cache, v_cache, slots, start, scale: float, window: int, k_new=
         BLOCK_N=BLOCK_N, HAS_WINDOW=window > 0, SPLIT=split > 1,
         PREC="ieee" if q.dtype == torch.float32 else "tf32", NEW_KV=new_kv, BLOCK_S=max(16, triton.next_power_of_2(s)),
         ROPE=rope, NORM_WIDTH=0 if norm_x is None else norm_x.shape[-1], NORM_BLOCK=triton.next_power_of_2(x.shape[-1]),
-        num_warps=NUM_WARPS, num_stages=NUM_STAGES)
-    if split > 1:
+        SPLIT_KEYS=split_keys, num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+    if split > 1 and split_keys:
+        combine_in_order[(batch * n_heads * s,)](part_out, part_lse, out, slots, start, split, n_heads, split_keys,
+                                                 S=s, HEAD_DIM=head_dim)
+    elif split > 1:
         combine_splits[(batch * n_heads * s,)](part_out, part_lse, out, split, HEAD_DIM=head_dim,
                                                 BLOCK_SPLIT=triton.next_power_of_2(split))
     return out
@@ -271,13 +355,13 @@ def _launch(q, k_cache, v_cache, slots, start, scale: float, window: int, k_new=
 
 @torch.library.custom_op("lmlab::decode_attention", mutates_args=())
 def _decode_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
-               start: torch.Tensor, scale: float, window: int) -> torch.Tensor:
+               start: torch.Tensor, scale: float, window: int, split_keys: int = 0) -> torch.Tensor:
     """window 0: none. Returns a contiguous (batch, heads, S, head_dim) tensor in q's dtype."""
-    return _launch(q, k_cache, v_cache, slots, start, scale, window)
+    return _launch(q, k_cache, v_cache, slots, start, scale, window, split_keys=split_keys)
 
 
 @_decode_op.register_fake
-def _(q, k_cache, v_cache, slots, start, scale, window):
+def _(q, k_cache, v_cache, slots, start, scale, window, split_keys=0):
     return torch.empty(q.shape, dtype=q.dtype, device=q.device)
 
 
@@ -285,14 +369,14 @@ def _(q, k_cache, v_cache, slots, start, scale, window):
 def _appending_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
                   start: torch.Tensor, scale: float, window: int, k_new: torch.Tensor, v_new: torch.Tensor,
                   cos: torch.Tensor | None, sin: torch.Tensor | None, rope: int, norm_x: torch.Tensor | None = None,
-                  eps: float = 0.0) -> torch.Tensor:
+                  eps: float = 0.0, split_keys: int = 0) -> torch.Tensor:
     """_decode_op that also rotates q and k_new (rope), scales q, k_new and v_new by the RMSNorm scale of norm_x's
     rows (when given) and writes k_new and v_new to the caches at `slots`."""
-    return _launch(q, k_cache, v_cache, slots, start, scale, window, k_new, v_new, cos, sin, rope, norm_x, eps)
+    return _launch(q, k_cache, v_cache, slots, start, scale, window, k_new, v_new, cos, sin, rope, norm_x, eps, split_keys)
 
 
 @_appending_op.register_fake
-def _(q, k_cache, v_cache, slots, start, scale, window, k_new, v_new, cos, sin, rope, norm_x=None, eps=0.0):
+def _(q, k_cache, v_cache, slots, start, scale, window, k_new, v_new, cos, sin, rope, norm_x=None, eps=0.0, split_keys=0):
     return torch.empty(q.shape, dtype=q.dtype, device=q.device)
 
 
@@ -315,16 +399,19 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      start: torch.Tensor, scale: float | None = None, window: int | None = None,
                      new_keys: torch.Tensor | None = None, new_values: torch.Tensor | None = None,
                      rotary: tuple[torch.Tensor, torch.Tensor, bool] | None = None,
-                     norm: tuple[torch.Tensor, float] | None = None) -> torch.Tensor:
+                     norm: tuple[torch.Tensor, float] | None = None, split_keys: int = 0) -> torch.Tensor:
     """Attention of q (batch, heads, S, head_dim) at cache slots `slots` over the caches; with new_keys and
     new_values (batch, kv_heads, S, head_dim), those are this step's keys and values, stored here, and
     `rotary` (cos, sin, interleaved) rotates them and q. `norm` (x, eps), with new keys: q, k and v were
     projected from the rows x (batch, S, width) before their RMSNorm (whose gain the projection folded in), and
-    are scaled here by each token's 1 / sqrt(mean(x^2) + eps). See the module docstring. Returns (batch, heads,
-    S, head_dim) in q's dtype."""
+    are scaled here by each token's 1 / sqrt(mean(x^2) + eps). `split_keys` > 0 (a multiple of BLOCK_N): fixed
+    splits, so that each row's result is independent of the step's shape. See the module docstring. Returns
+    (batch, heads, S, head_dim) in q's dtype."""
     problem = unsupported(q, k_cache)
     if problem:
         raise ValueError(f"decode_attention: {problem}")
+    if split_keys < 0 or split_keys % BLOCK_N:
+        raise ValueError(f"decode_attention: split_keys={split_keys} must be 0 or a positive multiple of {BLOCK_N}")
     new = [t for t in (new_keys, new_values) if t is not None]
     if any(t.stride(-1) != 1 for t in (q, k_cache, v_cache, *new)):
         raise ValueError("decode_attention: q, the caches and the new keys and values need a contiguous head_dim")
@@ -333,7 +420,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         if rotary is not None or norm is not None:
             raise ValueError("decode_attention: rotary and norm act on new_keys and q; without new keys, apply them "
                              "before")
-        return _decode_op(q, k_cache, v_cache, slots, start, scale, window or 0)
+        return _decode_op(q, k_cache, v_cache, slots, start, scale, window or 0, split_keys)
     expected = (q.shape[0], k_cache.shape[1], q.shape[2], q.shape[3])
     if len(new) == 1 or any(tuple(t.shape) != expected or t.dtype != k_cache.dtype for t in new):
         raise ValueError(f"decode_attention: new_keys and new_values must both be {expected} tensors of the "
@@ -350,4 +437,4 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         raise ValueError(f"decode_attention: norm's rows must be a ({q.shape[0]}, {q.shape[2]}, width) tensor with a "
                          f"contiguous last dimension, got {tuple(norm_x.shape)}")
     return _appending_op(q, k_cache, v_cache, slots, start, scale, window or 0, new_keys, new_values, cos, sin, rope,
-                         norm_x, float(eps))
+                         norm_x, float(eps), split_keys)

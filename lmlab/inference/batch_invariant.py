@@ -1,0 +1,115 @@
+"""Batch-invariant decoding: a token's logits do not depend on the shape of the step that computes them.
+
+`Engine(model, batch_invariant=True)` computes a token at slot p to the same bits in every case: a one-token
+step, a (k+1)-token speculative verification, or a batch of any size. So greedy speculative decoding gives
+exactly the target's own greedy tokens in bf16 too, and a prompt gives the same tokens alone or in a batch.
+
+Ordinary kernels do not, because each picks its reduction order from the problem's shape:
+- cuBLAS picks the algorithm, tiles and split-K of a matmul by its row count;
+- ATen's reductions (the RMSNorm's mean) pick theirs by the number of rows;
+- the flash-decoding kernel splits the key range by how many programs the batch fills, and attends the step's
+  own keys after the cached ones.
+A bf16 logit is then rounded one way in a one-token step and another way in a five-token step, and a greedy
+choice flips wherever two logits tie. On an H200 that parted 7 of 8 speculative outputs from the target's
+(experiments/inference/README.md).
+
+Here, while a forward runs:
+- every `F.linear` goes through `lmlab.kernels.invariant_matmul_triton` (a row's reduction order depends only
+  on the weight's shape);
+- every reference RMSNorm runs the Triton row kernel (`rms_norm_triton`: one program per row, the
+  reference's exact formula);
+- attention runs the decode kernel with fixed splits of `SPLIT_KEYS` slots (`decode_attention(...,
+  split_keys=)`).
+Elementwise work (RoPE on prompts, residual adds, activations) is the same per element at any shape. The
+steps run eagerly, replayed from CUDA graphs: torch.compile would choose fused kernels per shape again.
+Prompts longer than the attention kernel's rows attend through SDPA over exactly the filled slots, so a
+prompt's prefill does not depend on the cache's capacity either; what must match is each decode step.
+
+Covers dense stacks whose attention layers keep a full KV cache (`KVCache`) and take the decode kernel:
+softmax attention with RoPE or no rotation, no soft-capping or position bias. MoE routing, recurrent states
+and sliding-window rings are refused. CUDA (or Triton's interpreter, TRITON_INTERPRET=1) only.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+from lmlab.errors import ConfigError
+from lmlab.inference.cache import KVCache, LayerCache, kernel_rotary, plain_softmax
+from lmlab.nn.moe import MoELayer
+from lmlab.nn.norms import RMSNorm, rms_norm
+from lmlab.nn.transformer import Transformer
+
+SPLIT_KEYS = 64  # attention's fixed split: 2 blocks of the decode kernel's 32 keys
+
+
+class _InvariantLinear(TorchFunctionMode):
+    """Sends F.linear to the batch-invariant matmul where it can run (the rest passes through)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.linear:
+            from lmlab.kernels.invariant_matmul_triton import invariant_linear, unsupported
+
+            call = dict(zip(("input", "weight", "bias"), args), **kwargs)
+            x, weight, bias = call["input"], call["weight"], call.get("bias")
+            if unsupported(x, weight, bias) is None:
+                return invariant_linear(x, weight, bias)
+        return func(*args, **kwargs)
+
+
+class BatchInvariant:
+    """The numerics of a batch-invariant engine for one model; see the module docstring."""
+
+    def __init__(self, model: Transformer, attention_kernel: Callable | None):
+        if problem := self.unsupported(model):
+            raise ConfigError(f"batch_invariant=True cannot run this model: {problem}")
+        if attention_kernel is None:
+            raise ConfigError("batch_invariant=True needs the Triton decode-attention kernel: a CUDA device with "
+                              "Triton (or TRITON_INTERPRET=1, Triton's CPU interpreter)")
+        from lmlab.kernels.rmsnorm_triton import rms_norm_triton  # here: Triton is optional
+
+        self.attention_kernel = functools.partial(attention_kernel, split_keys=SPLIT_KEYS)
+        self.row_norm = rms_norm_triton
+        self.norms = [m for m in model.modules() if isinstance(m, RMSNorm)]
+
+    @staticmethod
+    def unsupported(model: Transformer) -> str | None:
+        """Why this model's steps cannot be made batch-invariant here, or None."""
+        for i, block in enumerate(model.layers):
+            if any(isinstance(m, MoELayer) for m in block.modules()):
+                return f"layer {i} routes tokens to experts (MoE), whose grouped matmuls are not covered"
+            attn = block.self_attn
+            if not hasattr(attn, "unrotated"):
+                return f"layer {i}'s {type(attn).__name__} does not attend through the decode kernel"
+            if not plain_softmax(attn, model.position) or kernel_rotary(model.position) is False:
+                return (f"layer {i}'s attention (soft-capping, a position bias or a {type(model.position).__name__} "
+                        "rotation) does not run in the decode kernel")
+        return None
+
+    @staticmethod
+    def check(caches: list[LayerCache]) -> None:
+        """Every layer keeps a full KV cache (a sliding-window ring attends through SDPA)."""
+        for i, cache in enumerate(caches):
+            if type(cache) is not KVCache:
+                raise ConfigError(f"batch_invariant=True: layer {i} keeps a {type(cache).__name__}, not a full KV "
+                                  "cache; generate with a max_len within its window, or without batch_invariant")
+
+    @contextmanager
+    def active(self) -> Iterator[None]:
+        """Within: F.linear and the reference RMSNorms run their batch-invariant kernels."""
+        swapped = [norm for norm in self.norms if norm.kernel is rms_norm]
+        for norm in swapped:
+            norm.kernel = self.row_norm
+        try:
+            with _InvariantLinear():
+                yield
+        finally:
+            for norm in swapped:
+                norm.kernel = rms_norm
