@@ -16,8 +16,9 @@ choice flips wherever two logits tie. On an H200 that parted 7 of 8 speculative 
 Here, while a forward runs:
 - every `F.linear` goes through `lmlab.kernels.invariant_matmul_triton` (a row's reduction order depends only
   on the weight's shape);
-- every reference RMSNorm runs the Triton row kernel (`rms_norm_triton`: one program per row, the
-  reference's exact formula);
+- reference RMSNorms run the Triton row kernels (`rms_norm_triton`: one program per row, the reference's exact
+  formula; a pre-norm block's residual add fused in front, `add_rms_norm_triton`), and SwiGLU's activation runs
+  `swiglu_triton` (one launch instead of two: a step of eager launches pays for each);
 - attention runs the decode kernel with fixed splits of `SPLIT_KEYS` slots (`decode_attention(...,
   split_keys=)`).
 Elementwise work (RoPE on prompts, residual adds, activations) is the same per element at any shape. The
@@ -42,6 +43,7 @@ from torch.overrides import TorchFunctionMode
 
 from lmlab.errors import ConfigError
 from lmlab.inference.cache import KVCache, LayerCache, kernel_rotary, plain_softmax
+from lmlab.nn.ffn import SwiGLU, swiglu
 from lmlab.nn.moe import MoELayer
 from lmlab.nn.norms import RMSNorm, rms_norm
 from lmlab.nn.transformer import Transformer
@@ -73,11 +75,15 @@ class BatchInvariant:
         if attention_kernel is None:
             raise ConfigError("batch_invariant=True needs the Triton decode-attention kernel: a CUDA device with "
                               "Triton (or TRITON_INTERPRET=1, Triton's CPU interpreter)")
-        from lmlab.kernels.rmsnorm_triton import rms_norm_triton  # here: Triton is optional
+        from lmlab.kernels.rmsnorm_triton import add_rms_norm_triton, rms_norm_triton  # here: Triton is optional
+        from lmlab.kernels.swiglu_triton import swiglu_triton
 
         self.attention_kernel = functools.partial(attention_kernel, split_keys=SPLIT_KEYS)
-        self.row_norm = rms_norm_triton
-        self.norms = [m for m in model.modules() if isinstance(m, RMSNorm)]
+        # (class, attribute, the reference it replaces, the row kernel) for the modules' swappable kernels
+        table = [(RMSNorm, "kernel", rms_norm, rms_norm_triton), (RMSNorm, "add_kernel", None, add_rms_norm_triton),
+                 (SwiGLU, "kernel", swiglu, swiglu_triton)]
+        self.swaps = [(module, attr, reference, kernel) for module in model.modules()
+                      for cls, attr, reference, kernel in table if isinstance(module, cls)]
 
     @staticmethod
     def unsupported(model: Transformer) -> str | None:
@@ -103,13 +109,13 @@ class BatchInvariant:
 
     @contextmanager
     def active(self) -> Iterator[None]:
-        """Within: F.linear and the reference RMSNorms run their batch-invariant kernels."""
-        swapped = [norm for norm in self.norms if norm.kernel is rms_norm]
-        for norm in swapped:
-            norm.kernel = self.row_norm
+        """Within: F.linear, the reference RMSNorms and SwiGLU activations run their batch-invariant kernels."""
+        swapped = [swap for swap in self.swaps if getattr(swap[0], swap[1]) is swap[2]]
+        for module, attr, _, kernel in swapped:
+            setattr(module, attr, kernel)
         try:
             with _InvariantLinear():
                 yield
         finally:
-            for norm in swapped:
-                norm.kernel = rms_norm
+            for module, attr, reference, _ in swapped:
+                setattr(module, attr, reference)
