@@ -181,6 +181,10 @@ BAD = {  # case -> (extra arguments, the error)
                             r"folded_norms=true needs a CUDA device \(device=cpu is cpu\)"),
     "folded norms quantized": (["ckpt={ckpt}", "prompt=a", "quant=int8", "folded_norms=true"],
                                "folded_norms=true reads unquantized weights"),
+    "batch-invariant on cpu": (["ckpt={ckpt}", "prompt=a", "device=cpu", "batch_invariant=true"],
+                               r"batch_invariant=true needs a CUDA device \(device=cpu is cpu\)"),
+    "batch-invariant compiled": (["ckpt={ckpt}", "prompt=a", "batch_invariant=true", "compile=true"],
+                                 "batch_invariant=true runs its own kernels in eager steps"),
 }
 
 
