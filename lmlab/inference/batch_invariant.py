@@ -20,7 +20,10 @@ Here, while a forward runs:
   formula; a pre-norm block's residual add fused in front, `add_rms_norm_triton`), and SwiGLU's activation runs
   `swiglu_triton` (one launch instead of two: a step of eager launches pays for each);
 - attention runs the decode kernel with fixed splits of `SPLIT_KEYS` slots (`decode_attention(...,
-  split_keys=)`).
+  split_keys=)`);
+- in plain Llama stacks, decode steps fold the norms (lmlab.inference.folded_norms, every step of the megakernel's
+  row limit, batch 1 included), with o_proj and down_proj adding into the residual stream through
+  `invariant_add_product`: six launches a layer instead of eleven.
 Elementwise work (RoPE on prompts, residual adds, activations) is the same per element at any shape. The
 steps run eagerly, replayed from CUDA graphs: torch.compile would choose fused kernels per shape again.
 Prompts longer than the attention kernel's rows attend through SDPA over exactly the filled slots, so a
@@ -37,7 +40,6 @@ import functools
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
-import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
@@ -98,6 +100,14 @@ class BatchInvariant:
                 return (f"layer {i}'s attention (soft-capping, a position bias or a {type(model.position).__name__} "
                         "rotation) does not run in the decode kernel")
         return None
+
+    def folded_norms(self, model: Transformer):
+        """The decode steps' folded-norm path with invariant residual products, for models it runs (else None:
+        the layer-by-layer step under `active`). After the engine fused the projections."""
+        from lmlab.inference.folded_norms import FoldedNorms
+        from lmlab.kernels.invariant_matmul_triton import invariant_add_product
+
+        return None if FoldedNorms.unsupported(model) else FoldedNorms(model, add_product=invariant_add_product)
 
     @staticmethod
     def check(caches: list[LayerCache]) -> None:

@@ -86,7 +86,8 @@ class Engine:
             self.attention_kernel = self.invariant.attention_kernel
         fuse_projections(model)  # q/k/v and gate/up as one matmul each
         self.megakernel = self._megakernel(model) if megakernel else None
-        self.folded_norms = self._folded_norms(model, folded_norms)
+        self.folded_norms = (self._folded_norms(model, folded_norms) if self.invariant is None
+                             else self.invariant.folded_norms(model))
         if compile:  # one compiled graph per (batch, cache length, tokens per step): allow many
             torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 256)
         self.state: CacheState | None = None

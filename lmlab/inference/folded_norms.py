@@ -23,6 +23,8 @@ module only when asked for it).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from einops import rearrange
@@ -38,13 +40,16 @@ from lmlab.nn.transformer import Transformer
 class FoldedNorms:
     """A plain Llama stack's q/k/v and gate/up weights with their RMSNorm gains folded in; see the module docstring."""
 
-    def __init__(self, model: Transformer, min_batch: int = 1):
+    def __init__(self, model: Transformer, min_batch: int = 1,
+                 add_product: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None):
         """model: with its q/k/v and gate/up fused (lmlab.nn.fused.fuse_projections, as the engine does); the
         folded copies of those weights cost their memory again. min_batch: smaller batches take the layer-by-layer
-        step."""
+        step. add_product(h, x, weight): h += x @ weight.T in place, for o_proj and down_proj (default cuBLAS's
+        `addmm_`; the batch-invariant engine passes its own kernel)."""
         if problem := self.unsupported(model):
             raise ConfigError(f"folded_norms=True cannot run this model: {problem}")
         self.model, self.min_batch = model, min_batch
+        self.add_product = add_product or _addmm
         self.folded: list[tuple[torch.Tensor, torch.Tensor]] = []  # per layer: (q/k/v, gate/up)
         attn = model.layers[0].self_attn
         self.sizes = [attn.n_heads * attn.head_dim, *[attn.n_kv_heads * attn.head_dim] * 2]
@@ -96,10 +101,14 @@ class FoldedNorms:
             out = state.attention_kernel(q, cache.tensors["k"], cache.tensors["v"], state.slots, state.start,
                                          attn.score_scale, attn.window, new_keys=k, new_values=v, rotary=rotary,
                                          norm=(h.view(batch, s, width), block.input_layernorm.eps))
-            h.addmm_(rearrange(out, "b h s d -> (b s) (h d)"), attn.o_proj.weight.t())
-            h.addmm_(swiglu_rms(F.linear(h, gate_up_weight), h, block.post_attention_layernorm.eps),
-                     mlp.down_proj.weight.t())
+            self.add_product(h, rearrange(out, "b h s d -> (b s) (h d)"), attn.o_proj.weight)
+            self.add_product(h, swiglu_rms(F.linear(h, gate_up_weight), h, block.post_attention_layernorm.eps),
+                             mlp.down_proj.weight)
         return h.view(batch, s, width)
+
+
+def _addmm(h: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return h.addmm_(x, weight.t())
 
 
 def _unfused(i: int, block) -> str | None:

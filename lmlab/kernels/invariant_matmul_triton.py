@@ -2,7 +2,8 @@
 
 `invariant_linear(x, weight, bias=None)` is F.linear(x, weight, bias) for x (..., K) with any number of rows,
 float16, bfloat16 or float32 (the weight in x's dtype), accumulated in float32. Each row's result is the same
-bits whether the row comes alone or with others.
+bits whether the row comes alone or with others. `invariant_add_product(h, x, weight)` is `h.addmm_(x, weight.T)`
+for 2-D h (a residual stream updated in place, rounded once), with the same invariance.
 
 Why: cuBLAS (and Inductor) pick the algorithm, tiles and split-K of a matmul by its shape. The same row alone
 and in a batch of five is then reduced in another order, and in bf16 the two can round differently. A greedy
@@ -36,16 +37,21 @@ PROGRAMS_PER_SM = 2
 
 
 @triton.jit
-def _store_tile(Y, Bias, acc, rm, rn, m_ok, n_ok, stride_ym, HAS_BIAS: tl.constexpr):
+def _store_tile(Y, Bias, acc, rm, rn, m_ok, n_ok, stride_ym, HAS_BIAS: tl.constexpr, ADD_TO_Y: tl.constexpr):
+    y_ptrs = Y + rm[:, None] * stride_ym + rn[None, :]
+    ok = m_ok[:, None] & n_ok[None, :]
     if HAS_BIAS:
         acc += tl.load(Bias + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-    tl.store(Y + rm[:, None] * stride_ym + rn[None, :], acc.to(Y.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+    if ADD_TO_Y:  # y += the product: read and written by this one program
+        acc += tl.load(y_ptrs, mask=ok, other=0.0).to(tl.float32)
+    tl.store(y_ptrs, acc.to(Y.dtype.element_ty), mask=ok)
 
 
 @triton.jit
 def _invariant_kernel(X, W, Bias, Y, Part, Count, M, N, K, stride_xm, stride_wn, stride_ym,
                       K_PER_SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                      BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, PREC: tl.constexpr):
+                      BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, ADD_TO_Y: tl.constexpr,
+                      PREC: tl.constexpr):
     band = tl.program_id(0)
     row_block = tl.program_id(1)
     split = tl.program_id(2)
@@ -64,7 +70,7 @@ def _invariant_kernel(X, W, Bias, Y, Part, Count, M, N, K, stride_xm, stride_wn,
         x = tl.load(x_ptrs + k0, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
         acc = tl.dot(x, tl.trans(w), acc, input_precision=PREC)
     if SPLIT_K == 1:
-        _store_tile(Y, Bias, acc, rm, rn, m_ok, n_ok, stride_ym, HAS_BIAS)
+        _store_tile(Y, Bias, acc, rm, rn, m_ok, n_ok, stride_ym, HAS_BIAS, ADD_TO_Y)
     else:
         part_ptrs = Part + rm[:, None].to(tl.int64) * N + rn[None, :]
         ok = m_ok[:, None] & n_ok[None, :]
@@ -75,7 +81,7 @@ def _invariant_kernel(X, W, Bias, Y, Part, Count, M, N, K, stride_xm, stride_wn,
             total = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
             for s in range(SPLIT_K):  # in split order, whichever program finished last
                 total += tl.load(part_ptrs + s * M * N, mask=ok, other=0.0, cache_modifier=".cg")
-            _store_tile(Y, Bias, total, rm, rn, m_ok, n_ok, stride_ym, HAS_BIAS)
+            _store_tile(Y, Bias, total, rm, rn, m_ok, n_ok, stride_ym, HAS_BIAS, ADD_TO_Y)
             tl.atomic_xchg(Count + tile, 0)  # ready for the next call
 
 
@@ -122,11 +128,14 @@ class _Counters:
         return held[-1]
 
 
-def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, y: torch.Tensor | None = None
+            ) -> torch.Tensor:
+    """x @ weight.T (+ bias) into a new tensor, or added into y (m, n) in place."""
     m, k = x.shape
     n = weight.shape[0]
     tiles = choose_tiles(n, k, sm_count(x.device))
-    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    add_to_y = y is not None
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device) if y is None else y
     grid = (triton.cdiv(n, tiles.block_n), triton.cdiv(m, BLOCK_M), tiles.split_k)
     part = counters = y  # unused without a split
     if tiles.split_k > 1:
@@ -135,7 +144,8 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) ->
     _invariant_kernel[grid](
         x, weight, y if bias is None else bias, y, part, counters, m, n, k, x.stride(0), weight.stride(0), y.stride(0),
         K_PER_SPLIT=tiles.k_per_split, BLOCK_M=BLOCK_M, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
-        SPLIT_K=tiles.split_k, HAS_BIAS=bias is not None, PREC="ieee" if x.dtype == torch.float32 else "tf32",
+        SPLIT_K=tiles.split_k, HAS_BIAS=bias is not None, ADD_TO_Y=add_to_y,
+        PREC="ieee" if x.dtype == torch.float32 else "tf32",
         num_warps=tiles.num_warps, num_stages=tiles.num_stages)
     return y
 
@@ -148,6 +158,11 @@ def _invariant_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 @_invariant_op.register_fake
 def _(x, weight, bias):
     return x.new_empty((x.shape[0], weight.shape[0]))
+
+
+@torch.library.custom_op("lmlab::invariant_add_product", mutates_args=("h",))
+def _add_product_op(h: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> None:
+    _launch(x, weight, None, h)
 
 
 def unsupported(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> str | None:
@@ -176,3 +191,19 @@ def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     if flat.shape[0] == 0:
         return x.new_empty((*x.shape[:-1], weight.shape[0]))
     return _invariant_op(flat, weight, bias).view(*x.shape[:-1], weight.shape[0])
+
+
+def invariant_add_product(h: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """h += x @ weight.T in place (h (M, N), x (M, K), weight (N, K)), summed in float32 and rounded once, as
+    `h.addmm_(x, weight.T)`, with each row independent of the others; returns h."""
+    problem = unsupported(x, weight)
+    if problem:
+        raise ValueError(f"invariant_add_product: {problem}")
+    if h.dim() != 2 or h.shape != (x.shape[0], weight.shape[0]) or h.dtype != x.dtype or h.stride(-1) != 1:
+        raise ValueError(f"invariant_add_product: h must be a ({x.shape[0]}, {weight.shape[0]}) tensor of x's dtype "
+                         f"with contiguous rows, got {tuple(h.shape)} {h.dtype}")
+    if x.dim() != 2 or x.stride(-1) != 1:
+        raise ValueError("invariant_add_product: x must be 2-D with contiguous rows")
+    if h.shape[0]:
+        _add_product_op(h, x, weight)
+    return h

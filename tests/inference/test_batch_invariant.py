@@ -1,8 +1,9 @@
 """Batch-invariant decoding: a token's logits are the same bits whether a one-token step, a (k+1)-token
 verification or a larger batch computes them, so greedy speculative decoding gives exactly the target's tokens.
 Runs on CUDA (bf16, the case that needs it), or on the CPU under Triton's interpreter (TRITON_INTERPRET=1) in
-float16: the interpreter's float32 dot goes through the host's BLAS, whose result for a row depends on where it
-sits in the tile, which is not so on the GPU."""
+float16. The interpreter's tl.dot is one BLAS call, whose result for a row depends on where the row sits in the
+tile; a GPU's tensor-core instructions treat every row alike. So under the interpreter these tests multiply row by
+row, which checks what lmlab controls: which products each row sums, in which order."""
 
 from __future__ import annotations
 
@@ -24,6 +25,20 @@ needs_kernels = pytest.mark.skipif(not (CUDA or INTERPRETED),
 DEVICE = "cuda" if CUDA else "cpu"
 DTYPE = torch.bfloat16 if CUDA else torch.float16
 VOCAB = 96
+
+
+@pytest.fixture(autouse=True)
+def _dot_row_by_row(monkeypatch):
+    if CUDA or not INTERPRETED:
+        return
+    import numpy as np
+    from triton.runtime import interpreter
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        rows = [np.matmul(row[None], b.data, dtype=d.data.dtype) for row in a.data]
+        return interpreter.TensorHandle(np.concatenate(rows) + d.data, d.dtype.scalar)
+
+    monkeypatch.setattr(interpreter.InterpreterBuilder, "create_dot", create_dot)
 
 
 def _model(seed: int = 0, d_model: int = 64, n_layers: int = 2, **attention) -> Transformer:
