@@ -26,8 +26,8 @@ Here, while a forward runs:
   `invariant_add_product`: six launches a layer instead of eleven.
 Elementwise work (RoPE on prompts, residual adds, activations) is the same per element at any shape. The
 steps run eagerly, replayed from CUDA graphs: torch.compile would choose fused kernels per shape again.
-Prompts longer than the attention kernel's rows attend through SDPA over exactly the filled slots, so a
-prompt's prefill does not depend on the cache's capacity either; what must match is each decode step.
+Prompts run in chunks of the decode steps' size (`chunk`: the attention kernel's query rows per kv head), through
+the same kernels, so a prompt's token is computed as a decode step would compute it, whatever the chunking.
 
 Covers dense stacks whose attention layers keep a full KV cache (`KVCache`) and take the decode kernel:
 softmax attention with RoPE or no rotation, no soft-capping or position bias. MoE routing, recurrent states
@@ -77,10 +77,16 @@ class BatchInvariant:
         if attention_kernel is None:
             raise ConfigError("batch_invariant=True needs the Triton decode-attention kernel: a CUDA device with "
                               "Triton (or TRITON_INTERPRET=1, Triton's CPU interpreter)")
-        from lmlab.kernels.rmsnorm_triton import add_rms_norm_triton, rms_norm_triton  # here: Triton is optional
+        from lmlab.kernels.decode_attention_triton import MAX_QUERY_ROWS, SUPPORTED_HEAD_DIMS  # here: Triton is optional
+        from lmlab.kernels.rmsnorm_triton import add_rms_norm_triton, rms_norm_triton
         from lmlab.kernels.swiglu_triton import swiglu_triton
 
+        if bad := sorted({block.self_attn.head_dim for block in model.layers} - set(SUPPORTED_HEAD_DIMS)):
+            raise ConfigError(f"batch_invariant=True: head_dim {bad[0]}; the decode-attention kernel takes "
+                              f"{', '.join(map(str, SUPPORTED_HEAD_DIMS))}")
         self.attention_kernel = functools.partial(attention_kernel, split_keys=SPLIT_KEYS)
+        group = max(block.self_attn.n_heads // block.self_attn.n_kv_heads for block in model.layers)
+        self.chunk = MAX_QUERY_ROWS // group  # a prompt's tokens per forward: the decode kernel's rows
         # (class, attribute, the reference it replaces, the row kernel) for the modules' swappable kernels
         table = [(RMSNorm, "kernel", rms_norm, rms_norm_triton), (RMSNorm, "add_kernel", None, add_rms_norm_triton),
                  (SwiGLU, "kernel", swiglu, swiglu_triton)]

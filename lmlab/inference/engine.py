@@ -218,18 +218,29 @@ class Engine:
     @torch.inference_mode()
     def extend(self, ids: torch.Tensor, all_logits: bool = False, embeds: torch.Tensor | None = None) -> torch.Tensor:
         """Run ids (B, S) at the next S slots: float32 logits (B, S, V), or of the last token only (B, V).
-        `embeds` (B, S, d_model): the inputs in place of the ids' embeddings (a VLM prompt's image features)."""
+        `embeds` (B, S, d_model): the inputs in place of the ids' embeddings (a VLM prompt's image features).
+        A batch-invariant engine runs the prompt in chunks of its decode steps' size, through their kernels."""
         self._check_room(ids.shape[1])
+        ids = ids.to(self.device)
+        embeds = None if embeds is None else embeds.to(self.device, self.dtype)
+        chunk = ids.shape[1] if self.invariant is None else self.invariant.chunk
+        hidden = torch.cat([self._forward_at_next_slots(ids[:, i:i + chunk], None if embeds is None else embeds[:, i:i + chunk])
+                            for i in range(0, max(ids.shape[1], 1), chunk)], dim=1)
+        self.last_hidden = hidden
+        with self._numerics():
+            return self.logits(hidden if all_logits else hidden[:, -1])
+
+    def _forward_at_next_slots(self, ids: torch.Tensor, embeds: torch.Tensor | None) -> torch.Tensor:
+        """The final hidden states of ids (B, S) run at the next S slots, which they fill."""
         self.state.slots = torch.arange(self.next_slot, self.next_slot + ids.shape[1], device=self.device)
         self.state.filled = self.next_slot + ids.shape[1]
         try:
             with self._numerics():
-                hidden = self._hidden(ids.to(self.device), None if embeds is None else embeds.to(self.device, self.dtype))
-                self.last_hidden = hidden
-                self.next_slot += ids.shape[1]
-                return self.logits(hidden if all_logits else hidden[:, -1])
+                hidden = self._hidden(ids, embeds)
         finally:
             self.state.filled = None
+        self.next_slot += ids.shape[1]
+        return hidden
 
     @torch.inference_mode()
     def decode(self, tokens: torch.Tensor) -> torch.Tensor:

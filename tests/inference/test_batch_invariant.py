@@ -87,6 +87,18 @@ def test_one_token_steps_and_a_verification_step_give_the_same_bits(attention):
 
 
 @needs_kernels
+def test_a_prompt_gives_the_same_bits_however_it_is_cut():
+    model, ids = _model(n_kv_heads=2, n_layers=1), _ids(1, 40)  # GQA: prompts go 32 tokens at a time
+    engine = Engine(model, batch_invariant=True, cuda_graphs=False)
+    assert engine.invariant.chunk == 32
+    engine.begin(1, 40)
+    whole = engine.extend(ids, all_logits=True).clone()  # 32 + 8
+    engine.begin(1, 40)
+    cut = torch.cat([engine.extend(ids[:, :5], all_logits=True), engine.extend(ids[:, 5:], all_logits=True)], dim=1)
+    assert torch.equal(whole, cut)  # 5, then 32 + 3
+
+
+@needs_kernels
 def test_greedy_speculative_output_is_exactly_the_targets_in_half_precision():
     target, draft = _model(0, n_layers=3), _model(5, n_layers=1)  # an unrelated draft: many rejections
     prompt = _ids(1, 8, seed=3)[0].tolist()
