@@ -95,6 +95,7 @@ class Engine:
         self.next_slot = 0
         self.shape: tuple[int, int, int] | None = None  # (batch, cache length, lookahead) of the caches
         self._steps: dict[int, _StaticStep] = {}  # tokens per sequence -> its static step
+        self._prompt_step: _StaticStep | None = None  # a batch-invariant engine's prompt chunk, from a CUDA graph
         self.last_hidden: torch.Tensor | None = None  # the last extend's final hidden states (before the norm)
         self.drafted_rounds: Any = None  # speculative decoding's round as this engine drafts it (greedy_rounds)
 
@@ -178,6 +179,8 @@ class Engine:
             self.invariant.check(self.caches)
         for size in sizes:
             self._steps[size] = _StaticStep(self, batch_size, size)
+        self._prompt_step = (_StaticStep(self, batch_size, self.invariant.chunk, last_logits_only=True)
+                             if self.invariant is not None and self.cuda_graphs else None)
 
     @torch.inference_mode()
     def select(self, index: torch.Tensor) -> None:
@@ -219,16 +222,27 @@ class Engine:
     def extend(self, ids: torch.Tensor, all_logits: bool = False, embeds: torch.Tensor | None = None) -> torch.Tensor:
         """Run ids (B, S) at the next S slots: float32 logits (B, S, V), or of the last token only (B, V).
         `embeds` (B, S, d_model): the inputs in place of the ids' embeddings (a VLM prompt's image features).
-        A batch-invariant engine runs the prompt in chunks of its decode steps' size, through their kernels."""
+        A batch-invariant engine runs the prompt in chunks of its decode steps' size, through their kernels (whole
+        chunks replayed from a CUDA graph where it replays graphs)."""
         self._check_room(ids.shape[1])
         ids = ids.to(self.device)
         embeds = None if embeds is None else embeds.to(self.device, self.dtype)
         chunk = ids.shape[1] if self.invariant is None else self.invariant.chunk
-        hidden = torch.cat([self._forward_at_next_slots(ids[:, i:i + chunk], None if embeds is None else embeds[:, i:i + chunk])
+        hidden = torch.cat([self._prompt_chunk(ids[:, i:i + chunk], None if embeds is None else embeds[:, i:i + chunk])
                             for i in range(0, max(ids.shape[1], 1), chunk)], dim=1)
         self.last_hidden = hidden
         with self._numerics():
             return self.logits(hidden if all_logits else hidden[:, -1])
+
+    def _prompt_chunk(self, ids: torch.Tensor, embeds: torch.Tensor | None) -> torch.Tensor:
+        """The final hidden states of a piece of the prompt run at the next slots: a whole chunk replays the
+        prompt step's graph, the rest runs eagerly."""
+        step = self._prompt_step
+        if step is None or embeds is not None or ids.shape[1] != step.ids.shape[1]:
+            return self._forward_at_next_slots(ids, embeds)
+        _, hidden = step(ids, self.next_slot)
+        self.next_slot += ids.shape[1]
+        return hidden.clone()  # the graph's output buffer is rewritten by its next replay
 
     def _forward_at_next_slots(self, ids: torch.Tensor, embeds: torch.Tensor | None) -> torch.Tensor:
         """The final hidden states of ids (B, S) run at the next S slots, which they fill."""
@@ -294,10 +308,11 @@ def capture_cuda_graph(run: Callable[[], Any], warmups: int) -> tuple[torch.cuda
 
 class _StaticStep:
     """A forward of `size` tokens per sequence on static input tensors: eager, compiled, or replayed
-    from a CUDA graph (captured when the caches are made; the warm-up writes are reset)."""
+    from a CUDA graph (captured when the caches are made; the warm-up writes are reset). last_logits_only: the
+    logits of the last token alone, (B, 1, V) (a prompt chunk's)."""
 
-    def __init__(self, engine: Engine, batch_size: int, size: int):
-        self.engine = engine
+    def __init__(self, engine: Engine, batch_size: int, size: int, last_logits_only: bool = False):
+        self.engine, self.last_logits_only = engine, last_logits_only
         self.ids = torch.zeros(batch_size, size, dtype=torch.long, device=engine.device)
         self.slots = torch.arange(size, device=engine.device)
         self.offsets = torch.arange(size, device=engine.device)
@@ -316,7 +331,7 @@ class _StaticStep:
     def _forward(self) -> tuple[torch.Tensor, torch.Tensor]:
         with self.engine._numerics():
             hidden = self.engine._hidden(self.ids)
-            return self.engine.logits(hidden), hidden
+            return self.engine.logits(hidden[:, -1:] if self.last_logits_only else hidden), hidden
 
     def place(self, slot: int | torch.Tensor) -> None:
         """Point the step at slots slot, slot + 1, ... (slot: an int, or a (1,) tensor a captured graph updates)."""
