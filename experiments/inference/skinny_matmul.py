@@ -29,8 +29,9 @@ import torch
 import triton
 import triton.language as tl
 
+from lmlab.kernels.invariant_matmul_triton import unsupported as invariant_unsupported
+
 MAX_ROWS = 64
-SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
@@ -149,19 +150,11 @@ def _(x, weight):
 
 
 def unsupported(x: torch.Tensor, weight: torch.Tensor) -> str | None:
-    """Why this call cannot run here (None: it can)."""
+    """Why this call cannot run here (None: it can): lmlab's batch-invariant matmul's limits, and MAX_ROWS."""
     rows = x.numel() // max(x.shape[-1], 1)
-    if not INTERPRET and not x.is_cuda:
-        return "x must be a CUDA tensor"
-    if x.dtype not in SUPPORTED_DTYPES or weight.dtype != x.dtype:
-        return f"x of {x.dtype} with a {weight.dtype} weight (supported: float16, bfloat16, float32, both the same)"
-    if weight.dim() != 2 or weight.shape[1] != x.shape[-1]:
-        return f"weight {tuple(weight.shape)} does not match x's last dimension {x.shape[-1]}"
     if not 1 <= rows <= MAX_ROWS:
         return f"{rows} rows of x (supported: 1 to {MAX_ROWS})"
-    if weight.stride(1) != 1:
-        return "the weight's rows must be contiguous"
-    return None
+    return invariant_unsupported(x, weight)
 
 
 def skinny_matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

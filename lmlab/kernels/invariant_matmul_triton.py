@@ -29,6 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
+from lmlab.kernels.decode_attention_triton import sm_count
+
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 BLOCK_M = 16  # rows per tile: the smallest tl.dot tile, so one row wastes the least
@@ -96,11 +98,6 @@ class Tiles:
     k_per_split: int
     num_warps: int = 4
     num_stages: int = 4
-
-
-@functools.cache
-def sm_count(device: torch.device) -> int:
-    return 4 if INTERPRET else torch.cuda.get_device_properties(device).multi_processor_count
 
 
 @functools.cache
