@@ -69,9 +69,6 @@ class CacheState:
     attention_kernel: Callable | None = None
     # Each K/V-owning attention's cache as the caches are made (the latest loop's): CLA layers read it
     by_attention: dict = field(default_factory=dict)
-    # Slots filled once this forward has written its own (a prompt's forward knows it on the host): SDPA then
-    # reads only those, not the whole preallocated cache. None in static steps (shapes fixed for CUDA graphs).
-    filled: int | None = None
 
     @classmethod
     def empty(cls, batch_size: int, device) -> CacheState:
@@ -201,10 +198,7 @@ class KVCache(LayerCache):
         if kernel is not None and _kernel_applies(attn, position, q, keys):
             out = kernel(q, keys, values, self.state.slots, self.state.start, attn.score_scale, attn.window)
             return attn.o_proj(rearrange(out, "b h s d -> b s (h d)"))
-        key_slots = self.key_slots
-        if self.state.filled is not None:
-            keys, values, key_slots = keys[:, :, :self.state.filled], values[:, :, :self.state.filled], key_slots[:self.state.filled]
-        mask = score_mask(self.state, key_slots, attn.window, position, attn.softcap is not None, q.dtype)
+        mask = score_mask(self.state, self.key_slots, attn.window, position, attn.softcap is not None, q.dtype)
         return mha_attend(attn, q, keys, values, mask)
 
 

@@ -245,14 +245,10 @@ class Engine:
         return hidden.clone()  # the graph's output buffer is rewritten by its next replay
 
     def _forward_at_next_slots(self, ids: torch.Tensor, embeds: torch.Tensor | None) -> torch.Tensor:
-        """The final hidden states of ids (B, S) run at the next S slots, which they fill."""
+        """The final hidden states of ids (B, S) run at the next S slots."""
         self.state.slots = torch.arange(self.next_slot, self.next_slot + ids.shape[1], device=self.device)
-        self.state.filled = self.next_slot + ids.shape[1]
-        try:
-            with self._numerics():
-                hidden = self._hidden(ids, embeds)
-        finally:
-            self.state.filled = None
+        with self._numerics():
+            hidden = self._hidden(ids, embeds)
         self.next_slot += ids.shape[1]
         return hidden
 
