@@ -41,6 +41,10 @@ GEMV_GATE_UP_TILE_ELEMS = 4096
 # o_proj without a grid barrier: items of (head, output rows) wait on their kv head's attention splits and add into a
 # float32 sum with atomics (else a barrier, then whole-row tiles as in down)
 GEMV_O_PROJ_ON_COUNTERS = True
+# Items of gate/up and down whose loads are in flight ahead of the one a program reduces (1 or 2); their first AHEAD
+# items' loads are issued before the barrier that opens the stage. llama400m gives a program ~2.7 gate/up and ~1.9
+# down items, so with 1 each further item waits out a memory round trip after the barrier.
+GEMV_ITEMS_AHEAD = 2
 GEMV_MAX_WIDTH = 8192  # wider inputs take the tensor-core path (a whole row per tile would not fit in registers)
 NUM_STAGES = 3
 
@@ -125,8 +129,7 @@ def _decode_layers_op(x: torch.Tensor, qkv: torch.Tensor, o: torch.Tensor, gate_
                        n_kv_heads, interleaved, eps, scale, programs)
     if persistent:
         args = (*plan.args, 0, k_cache.shape[0], *plan.shape)
-        programs *= min(plan.programs_per_sm, _resident_per_sm(args, plan.meta))
-        layers_kernel[(programs,)](*args, STAGE=-1, **plan.meta)
+        layers_kernel[(persistent_programs(plan, args),)](*args, STAGE=-1, **plan.meta)
     else:
         for layer in range(k_cache.shape[0]):
             for stage in range(N_STAGES):
@@ -144,6 +147,11 @@ class LaunchPlan:
     shape: tuple
     meta: dict
     programs_per_sm: int
+
+
+def persistent_programs(plan: LaunchPlan, args: tuple) -> int:
+    """Programs of the persistent launch with these arguments: the plan's per SM, or fewer where fewer fit."""
+    return sm_count(args[0].device) * min(plan.programs_per_sm, _resident_per_sm(args, plan.meta))
 
 
 def launch_plan(x, qkv, o, gate_up, down, norm_attn, norm_ffn, k_cache, v_cache, slots, start, cos, sin, n_heads: int,
@@ -171,7 +179,7 @@ def launch_plan(x, qkv, o, gate_up, down, norm_attn, norm_ffn, k_cache, v_cache,
     sync = torch.zeros(counters + (n_layers * d_model if gemv else 0), dtype=torch.int32, device=x.device)
     arrived, o_acc = sync[1 + n_kv_heads:counters], sync[counters:].view(torch.float32)
     args = (residual, qkv, o, gate_up, down, norm_attn, norm_ffn, k_cache, v_cache, q, part_out, part_lse, attn,
-            arrived, act, cos, sin, slots, start, sync, o_acc)
+            arrived, act, cos, sin, slots, start, sync, o_acc, sync)  # no timeline: its pointer unused
     meta = dict(BB=1 if gemv else max(16, triton.next_power_of_2(batch)), HEAD_DIM=head_dim, GROUP=group,
                 BLOCK_M=max(16, triton.next_power_of_2(group)), BLOCK_N=32,
                 BLOCK_SPLIT=triton.next_power_of_2(split), BLOCK_K=BLOCK_K, INTERLEAVED=interleaved,
@@ -180,7 +188,7 @@ def launch_plan(x, qkv, o, gate_up, down, norm_attn, norm_ffn, k_cache, v_cache,
                 GEMV=gemv, KP_MODEL=kp_model, KP_FF=kp_ff, T_QKV=_tile_rows(kp_model, head_dim // 2) if gemv else 16,
                 T_O=_tile_rows(head_dim if split_o else kp_attn),
                 T_GU=_tile_rows(kp_model, elems=GEMV_GATE_UP_TILE_ELEMS), T_D=_tile_rows(kp_ff),
-                KP_ATTN=kp_attn, SPLIT_O=split_o)
+                KP_ATTN=kp_attn, SPLIT_O=split_o, AHEAD=GEMV_ITEMS_AHEAD, TIMELINE=False)
     shape = (batch, d_model, d_ff, n_heads, n_kv_heads, split, eps, scale * LOG2E,
              k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), k_cache.stride(3))
     return LaunchPlan(args, shape, meta, GEMV_PROGRAMS_PER_SM if gemv else PROGRAMS_PER_SM)

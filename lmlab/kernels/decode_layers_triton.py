@@ -54,6 +54,15 @@ def _wait_until(Counter, target):
 
 
 @triton.jit
+def _stamp(Stamp, TIMELINE: tl.constexpr):
+    """With TIMELINE, store the GPU's global timer (ns) at Stamp: each program's stage boundaries, which say where
+    the step's time goes (experiments/inference/timeline_megakernel.py)."""
+    if TIMELINE:
+        tl.store(Stamp, tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64,
+                                                  is_pure=False, pack=1))
+
+
+@triton.jit
 def _grid_barrier(Sync, target):
     """Arrive, then wait until every program has (Sync[0] reaches `target`): every program's writes before the
     barrier are visible to every program after it."""
@@ -339,17 +348,33 @@ def _gate_up_tiles(W, item, d_model, d_ff, TILE: tl.constexpr, KP: tl.constexpr)
 
 
 @triton.jit
-def _gate_up_gemv(X, OAcc, NormW, W, Act, pid, n_programs, eps, d_model, d_ff, gate_w, up_w,
-                  TILE: tl.constexpr, KP: tl.constexpr):
+def _gate_up_tiles_ahead(W, pid, n_programs, d_model, d_ff, TILE: tl.constexpr, KP: tl.constexpr,
+                         AHEAD: tl.constexpr):
+    """The gate and up tiles of this program's first item and, with AHEAD 2, its second (else the first's again)."""
+    gate_w, up_w = _gate_up_tiles(W, pid, d_model, d_ff, TILE, KP)
+    if AHEAD == 2:
+        gate_w2, up_w2 = _gate_up_tiles(W, pid + n_programs, d_model, d_ff, TILE, KP)
+    else:
+        gate_w2, up_w2 = gate_w, up_w
+    return gate_w, up_w, gate_w2, up_w2
+
+
+@triton.jit
+def _gate_up_gemv(X, OAcc, NormW, W, Act, pid, n_programs, eps, d_model, d_ff, gate_w, up_w, gate_w2, up_w2,
+                  TILE: tl.constexpr, KP: tl.constexpr, AHEAD: tl.constexpr):
     """_gate_up_stage for one sequence, whose residual is X + OAcc (o_proj's sums); gate_w, up_w: the first item's
-    tiles, already loading."""
+    tiles, already loading, and with AHEAD 2 gate_w2, up_w2 the second's; each item issues the loads of the one
+    AHEAD items after it."""
     x, inv_rms = _normed_row(_row(X, d_model, KP) + _row(OAcc, d_model, KP), NormW, d_model, eps, KP)
     for item in range(pid, tl.cdiv(d_ff, TILE), n_programs):
-        next_gate, next_up = _gate_up_tiles(W, item + n_programs, d_model, d_ff, TILE, KP)
+        next_gate, next_up = _gate_up_tiles(W, item + AHEAD * n_programs, d_model, d_ff, TILE, KP)
         cols = item * TILE + tl.arange(0, TILE)
         tl.store(Act + cols, _swiglu(_normed_gemv(gate_w, x, inv_rms), _normed_gemv(up_w, x, inv_rms),
                                      Act.dtype.element_ty), mask=cols < d_ff)
-        gate_w, up_w = next_gate, next_up
+        if AHEAD == 2:
+            gate_w, up_w, gate_w2, up_w2 = gate_w2, up_w2, next_gate, next_up
+        else:
+            gate_w, up_w = next_gate, next_up
 
 
 @triton.jit
@@ -359,49 +384,70 @@ def _add_tile(W, item, d_model, width, TILE: tl.constexpr, KP: tl.constexpr):
 
 
 @triton.jit
-def _add_gemv(X, OAcc, W, In, pid, n_programs, d_model, width, w, TILE: tl.constexpr, KP: tl.constexpr):
+def _add_tiles_ahead(W, pid, n_programs, d_model, width, TILE: tl.constexpr, KP: tl.constexpr, AHEAD: tl.constexpr):
+    """The tiles of this program's first item and, with AHEAD 2, its second (else the first again, unused)."""
+    w = _add_tile(W, pid, d_model, width, TILE, KP)
+    if AHEAD == 2:
+        w2 = _add_tile(W, pid + n_programs, d_model, width, TILE, KP)
+    else:
+        w2 = w
+    return w, w2
+
+
+@triton.jit
+def _add_gemv(X, OAcc, W, In, pid, n_programs, d_model, width, w, w2, TILE: tl.constexpr, KP: tl.constexpr,
+              AHEAD: tl.constexpr):
     """_matmul_add_stage for one sequence, also folding o_proj's sums (OAcc) into X; w: the first item's tile,
-    already loading."""
+    already loading, and with AHEAD 2 w2 the second's; each item issues the loads of the one AHEAD items after it."""
     a = _row(In, width, KP)
     for item in range(pid, tl.cdiv(d_model, TILE), n_programs):
-        next_w = _add_tile(W, item + n_programs, d_model, width, TILE, KP)
+        next_w = _add_tile(W, item + AHEAD * n_programs, d_model, width, TILE, KP)
         cols = item * TILE + tl.arange(0, TILE)
         ok = cols < d_model
         residual = tl.load(X + cols, mask=ok, other=0.0, cache_modifier=".cg")
         residual += tl.load(OAcc + cols, mask=ok, other=0.0, cache_modifier=".cg")
         tl.store(X + cols, residual + _gemv(w, a), mask=ok)
-        w = next_w
+        if AHEAD == 2:
+            w, w2 = w2, next_w
+        else:
+            w = next_w
 
 
 @triton.jit
-def _residual_matmul(X, OAcc, W, In, Sync, target, rows, row_ok, pid, n_programs, d_model, width,
+def _residual_matmul(X, OAcc, W, In, Sync, target, rows, row_ok, pid, n_programs, d_model, width, Stamp,
                      BARRIER: tl.constexpr, GEMV: tl.constexpr, TILE: tl.constexpr, KP: tl.constexpr,
-                     BB: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr):
+                     BB: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr, AHEAD: tl.constexpr,
+                     TIMELINE: tl.constexpr):
     """X += In @ W.T (down; o_proj where its items do not wait on counters), the matrix-vector path also folding in
-    OAcc; opened by a grid barrier (Sync[0] reaching `target`) when BARRIER; the first matrix-vector tile's loads are
-    issued before it."""
+    OAcc; opened by a grid barrier (Sync[0] reaching `target`) when BARRIER, and stamped at Stamp once open; the
+    loads of the first AHEAD matrix-vector items are issued before it."""
     if GEMV:
-        w = _add_tile(W, pid, d_model, width, TILE, KP)
+        w, w2 = _add_tiles_ahead(W, pid, n_programs, d_model, width, TILE, KP, AHEAD)
     if BARRIER:
         _grid_barrier(Sync, target)
+    _stamp(Stamp, TIMELINE)
     if GEMV:
-        _add_gemv(X, OAcc, W, In, pid, n_programs, d_model, width, w, TILE, KP)
+        _add_gemv(X, OAcc, W, In, pid, n_programs, d_model, width, w, w2, TILE, KP, AHEAD)
     else:
         _matmul_add_stage(X, W, In, rows, row_ok, pid, n_programs, d_model, width, BB, BLOCK_K, PREC)
 
 
 @triton.jit
 def layers_kernel(X, Wqkv, Wo, Wgu, Wd, Norm1, Norm2, Kc, Vc, Q, PartO, PartL, Attn, Arrived, Act, Cos, Sin, Slots,
-                   Start, Sync, OAcc, layer_lo, layer_hi, batch, d_model, d_ff, n_heads, n_kv_heads, n_split, eps,
+                   Start, Sync, OAcc, Times, layer_lo, layer_hi, batch, d_model, d_ff, n_heads, n_kv_heads, n_split, eps,
                    qk_scale, sc_layer, sc_b, sc_h, sc_l,
                    STAGE: tl.constexpr, BB: tl.constexpr, HEAD_DIM: tl.constexpr, GROUP: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SPLIT: tl.constexpr, BLOCK_K: tl.constexpr,
                    INTERLEAVED: tl.constexpr, PREC: tl.constexpr, GEMV: tl.constexpr, KP_MODEL: tl.constexpr,
                    KP_ATTN: tl.constexpr, KP_FF: tl.constexpr, T_QKV: tl.constexpr, T_O: tl.constexpr,
-                   T_GU: tl.constexpr, T_D: tl.constexpr, SPLIT_O: tl.constexpr):
+                   T_GU: tl.constexpr, T_D: tl.constexpr, SPLIT_O: tl.constexpr, AHEAD: tl.constexpr,
+                   TIMELINE: tl.constexpr):
     """STAGE -1: every stage of layers [layer_lo, layer_hi) with a grid barrier before each stage but the first (and
     on the GEMV path but o_proj, whose items wait on counters); else that stage only. GEMV: batch 1, matrix-vector
-    tiles whose first loads are issued before the barrier; o_proj adds into OAcc[layer], not X."""
+    tiles whose first AHEAD items' loads (gate/up, down) are issued before the barrier, and each item issues the
+    loads of the one AHEAD after it; o_proj adds into OAcc[layer], not X. TIMELINE: each
+    program stamps eight moments a layer into Times (layer - layer_lo, moment, program), int64 ns: qkv open, qkv
+    done, attention done, o_proj done, gate/up open, gate/up done, down open, down done."""
     pid = tl.program_id(0)
     n_programs = tl.num_programs(0)
     rows = tl.arange(0, BB)
@@ -417,11 +463,13 @@ def layers_kernel(X, Wqkv, Wo, Wgu, Wd, Norm1, Norm2, Kc, Vc, Q, PartO, PartL, A
         wqkv, wo = Wqkv + at * qkv_rows * d_model, Wo + at * d_model * width
         wgu, wd = Wgu + at * 2 * d_ff * d_model, Wd + at * d_model * d_ff
         o_acc = OAcc + at * d_model
+        stamps = Times + (layer - layer_lo) * 8 * n_programs + pid
         if STAGE < 0 or STAGE == 0:
             if GEMV:
                 w1, w2 = _qkv_tiles(wqkv, pid, n_qkv_items, d_model, HEAD_DIM, T_QKV, INTERLEAVED, KP_MODEL)
             if STAGE < 0 and layer > layer_lo:
                 _grid_barrier(Sync, arrivals)
+            _stamp(stamps, TIMELINE)
             if GEMV:
                 _qkv_gemv(X, Norm1 + at * d_model, wqkv, Q, kc, vc, Cos, Sin, Sync, Slots, Start, pid, n_programs,
                           n_qkv_items, eps, sc_b, sc_h, sc_l, d_model, n_heads, n_kv_heads, w1, w2,
@@ -430,28 +478,37 @@ def layers_kernel(X, Wqkv, Wo, Wgu, Wd, Norm1, Norm2, Kc, Vc, Q, PartO, PartL, A
                 _qkv_stage(X, Norm1 + at * d_model, wqkv, Q, kc, vc, Cos, Sin, Sync, Slots, Start, rows, row_ok, pid,
                            n_programs, eps, sc_b, sc_h, sc_l, d_model, n_heads, n_kv_heads,
                            BB, HEAD_DIM, T_QKV, INTERLEAVED, BLOCK_K, PREC)
+            _stamp(stamps + n_programs, TIMELINE)
         if STAGE < 0 or STAGE == 1:
             _attention_stage(Q, kc, vc, PartO, PartL, Attn, Arrived, Sync, Slots, Start, layer, pid, n_programs,
                              batch, n_heads, n_kv_heads, n_split, sc_b, sc_h, sc_l, qk_scale,
                              GROUP, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_SPLIT, T_QKV, PREC, not SPLIT_O)
+            _stamp(stamps + 2 * n_programs, TIMELINE)
         if STAGE < 0 or STAGE == 2:
             if SPLIT_O:
                 _o_proj_gemv(wo, PartO, PartL, Arrived, o_acc, layer, pid, n_programs, d_model, n_heads, n_split,
                              GROUP, HEAD_DIM, BLOCK_SPLIT, T_O)
             else:
                 _residual_matmul(X, o_acc, wo, Attn, Sync, arrivals + n_programs, rows, row_ok, pid, n_programs,
-                                 d_model, width, STAGE < 0, GEMV, T_O, KP_ATTN, BB, BLOCK_K, PREC)
+                                 d_model, width, Times, STAGE < 0, GEMV, T_O, KP_ATTN, BB, BLOCK_K, PREC, AHEAD,
+                                 False)
+            _stamp(stamps + 3 * n_programs, TIMELINE)
         if STAGE < 0 or STAGE == 3:
             if GEMV:
-                gate_w, up_w = _gate_up_tiles(wgu, pid, d_model, d_ff, T_GU, KP_MODEL)
+                gate_w, up_w, gate_w2, up_w2 = _gate_up_tiles_ahead(wgu, pid, n_programs, d_model, d_ff, T_GU,
+                                                                     KP_MODEL, AHEAD)
             if STAGE < 0:
                 _grid_barrier(Sync, arrivals + (BARRIERS - 2) * n_programs)
+            _stamp(stamps + 4 * n_programs, TIMELINE)
             if GEMV:
                 _gate_up_gemv(X, o_acc, Norm2 + at * d_model, wgu, Act, pid, n_programs, eps, d_model, d_ff, gate_w,
-                              up_w, T_GU, KP_MODEL)
+                              up_w, gate_w2, up_w2, T_GU, KP_MODEL, AHEAD)
             else:
                 _gate_up_stage(X, Norm2 + at * d_model, wgu, Act, rows, row_ok, pid, n_programs, eps, d_model, d_ff,
                                BB, BLOCK_K, PREC)
+            _stamp(stamps + 5 * n_programs, TIMELINE)
         if STAGE < 0 or STAGE == 4:
             _residual_matmul(X, o_acc, wd, Act, Sync, arrivals + (BARRIERS - 1) * n_programs, rows, row_ok, pid,
-                             n_programs, d_model, d_ff, STAGE < 0, GEMV, T_D, KP_FF, BB, BLOCK_K, PREC)
+                             n_programs, d_model, d_ff, stamps + 6 * n_programs, STAGE < 0, GEMV, T_D, KP_FF, BB,
+                             BLOCK_K, PREC, AHEAD, TIMELINE)
+            _stamp(stamps + 7 * n_programs, TIMELINE)
