@@ -41,10 +41,6 @@ GEMV_GATE_UP_TILE_ELEMS = 4096
 # o_proj without a grid barrier: items of (head, output rows) wait on their kv head's attention splits and add into a
 # float32 sum with atomics (else a barrier, then whole-row tiles as in down)
 GEMV_O_PROJ_ON_COUNTERS = True
-# Items of gate/up and down whose loads are in flight ahead of the one a program reduces (1 or 2); their first AHEAD
-# items' loads are issued before the barrier that opens the stage. llama400m gives a program ~2.7 gate/up and ~1.9
-# down items, so with 1 each further item waits out a memory round trip after the barrier.
-GEMV_ITEMS_AHEAD = 2
 GEMV_MAX_WIDTH = 8192  # wider inputs take the tensor-core path (a whole row per tile would not fit in registers)
 NUM_STAGES = 3
 
@@ -188,7 +184,7 @@ def launch_plan(x, qkv, o, gate_up, down, norm_attn, norm_ffn, k_cache, v_cache,
                 GEMV=gemv, KP_MODEL=kp_model, KP_FF=kp_ff, T_QKV=_tile_rows(kp_model, head_dim // 2) if gemv else 16,
                 T_O=_tile_rows(head_dim if split_o else kp_attn),
                 T_GU=_tile_rows(kp_model, elems=GEMV_GATE_UP_TILE_ELEMS), T_D=_tile_rows(kp_ff),
-                KP_ATTN=kp_attn, SPLIT_O=split_o, AHEAD=GEMV_ITEMS_AHEAD, TIMELINE=False)
+                KP_ATTN=kp_attn, SPLIT_O=split_o, TIMELINE=False)
     shape = (batch, d_model, d_ff, n_heads, n_kv_heads, split, eps, scale * LOG2E,
              k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), k_cache.stride(3))
     return LaunchPlan(args, shape, meta, GEMV_PROGRAMS_PER_SM if gemv else PROGRAMS_PER_SM)

@@ -348,33 +348,17 @@ def _gate_up_tiles(W, item, d_model, d_ff, TILE: tl.constexpr, KP: tl.constexpr)
 
 
 @triton.jit
-def _gate_up_tiles_ahead(W, pid, n_programs, d_model, d_ff, TILE: tl.constexpr, KP: tl.constexpr,
-                         AHEAD: tl.constexpr):
-    """The gate and up tiles of this program's first item and, with AHEAD 2, its second (else the first's again)."""
-    gate_w, up_w = _gate_up_tiles(W, pid, d_model, d_ff, TILE, KP)
-    if AHEAD == 2:
-        gate_w2, up_w2 = _gate_up_tiles(W, pid + n_programs, d_model, d_ff, TILE, KP)
-    else:
-        gate_w2, up_w2 = gate_w, up_w
-    return gate_w, up_w, gate_w2, up_w2
-
-
-@triton.jit
-def _gate_up_gemv(X, OAcc, NormW, W, Act, pid, n_programs, eps, d_model, d_ff, gate_w, up_w, gate_w2, up_w2,
-                  TILE: tl.constexpr, KP: tl.constexpr, AHEAD: tl.constexpr):
+def _gate_up_gemv(X, OAcc, NormW, W, Act, pid, n_programs, eps, d_model, d_ff, gate_w, up_w,
+                  TILE: tl.constexpr, KP: tl.constexpr):
     """_gate_up_stage for one sequence, whose residual is X + OAcc (o_proj's sums); gate_w, up_w: the first item's
-    tiles, already loading, and with AHEAD 2 gate_w2, up_w2 the second's; each item issues the loads of the one
-    AHEAD items after it."""
+    tiles, already loading."""
     x, inv_rms = _normed_row(_row(X, d_model, KP) + _row(OAcc, d_model, KP), NormW, d_model, eps, KP)
     for item in range(pid, tl.cdiv(d_ff, TILE), n_programs):
-        next_gate, next_up = _gate_up_tiles(W, item + AHEAD * n_programs, d_model, d_ff, TILE, KP)
+        next_gate, next_up = _gate_up_tiles(W, item + n_programs, d_model, d_ff, TILE, KP)
         cols = item * TILE + tl.arange(0, TILE)
         tl.store(Act + cols, _swiglu(_normed_gemv(gate_w, x, inv_rms), _normed_gemv(up_w, x, inv_rms),
                                      Act.dtype.element_ty), mask=cols < d_ff)
-        if AHEAD == 2:
-            gate_w, up_w, gate_w2, up_w2 = gate_w2, up_w2, next_gate, next_up
-        else:
-            gate_w, up_w = next_gate, next_up
+        gate_w, up_w = next_gate, next_up
 
 
 @triton.jit
@@ -384,50 +368,34 @@ def _add_tile(W, item, d_model, width, TILE: tl.constexpr, KP: tl.constexpr):
 
 
 @triton.jit
-def _add_tiles_ahead(W, pid, n_programs, d_model, width, TILE: tl.constexpr, KP: tl.constexpr, AHEAD: tl.constexpr):
-    """The tiles of this program's first item and, with AHEAD 2, its second (else the first again, unused)."""
-    w = _add_tile(W, pid, d_model, width, TILE, KP)
-    if AHEAD == 2:
-        w2 = _add_tile(W, pid + n_programs, d_model, width, TILE, KP)
-    else:
-        w2 = w
-    return w, w2
-
-
-@triton.jit
-def _add_gemv(X, OAcc, W, In, pid, n_programs, d_model, width, w, w2, TILE: tl.constexpr, KP: tl.constexpr,
-              AHEAD: tl.constexpr):
+def _add_gemv(X, OAcc, W, In, pid, n_programs, d_model, width, w, TILE: tl.constexpr, KP: tl.constexpr):
     """_matmul_add_stage for one sequence, also folding o_proj's sums (OAcc) into X; w: the first item's tile,
-    already loading, and with AHEAD 2 w2 the second's; each item issues the loads of the one AHEAD items after it."""
+    already loading."""
     a = _row(In, width, KP)
     for item in range(pid, tl.cdiv(d_model, TILE), n_programs):
-        next_w = _add_tile(W, item + AHEAD * n_programs, d_model, width, TILE, KP)
+        next_w = _add_tile(W, item + n_programs, d_model, width, TILE, KP)
         cols = item * TILE + tl.arange(0, TILE)
         ok = cols < d_model
         residual = tl.load(X + cols, mask=ok, other=0.0, cache_modifier=".cg")
         residual += tl.load(OAcc + cols, mask=ok, other=0.0, cache_modifier=".cg")
         tl.store(X + cols, residual + _gemv(w, a), mask=ok)
-        if AHEAD == 2:
-            w, w2 = w2, next_w
-        else:
-            w = next_w
+        w = next_w
 
 
 @triton.jit
 def _residual_matmul(X, OAcc, W, In, Sync, target, rows, row_ok, pid, n_programs, d_model, width, Stamp,
                      BARRIER: tl.constexpr, GEMV: tl.constexpr, TILE: tl.constexpr, KP: tl.constexpr,
-                     BB: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr, AHEAD: tl.constexpr,
-                     TIMELINE: tl.constexpr):
+                     BB: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr, TIMELINE: tl.constexpr):
     """X += In @ W.T (down; o_proj where its items do not wait on counters), the matrix-vector path also folding in
-    OAcc; opened by a grid barrier (Sync[0] reaching `target`) when BARRIER, and stamped at Stamp once open; the
-    loads of the first AHEAD matrix-vector items are issued before it."""
+    OAcc; opened by a grid barrier (Sync[0] reaching `target`) when BARRIER, and stamped at Stamp once open; the first
+    matrix-vector tile's loads are issued before it."""
     if GEMV:
-        w, w2 = _add_tiles_ahead(W, pid, n_programs, d_model, width, TILE, KP, AHEAD)
+        w = _add_tile(W, pid, d_model, width, TILE, KP)
     if BARRIER:
         _grid_barrier(Sync, target)
     _stamp(Stamp, TIMELINE)
     if GEMV:
-        _add_gemv(X, OAcc, W, In, pid, n_programs, d_model, width, w, w2, TILE, KP, AHEAD)
+        _add_gemv(X, OAcc, W, In, pid, n_programs, d_model, width, w, TILE, KP)
     else:
         _matmul_add_stage(X, W, In, rows, row_ok, pid, n_programs, d_model, width, BB, BLOCK_K, PREC)
 
@@ -440,12 +408,10 @@ def layers_kernel(X, Wqkv, Wo, Wgu, Wd, Norm1, Norm2, Kc, Vc, Q, PartO, PartL, A
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SPLIT: tl.constexpr, BLOCK_K: tl.constexpr,
                    INTERLEAVED: tl.constexpr, PREC: tl.constexpr, GEMV: tl.constexpr, KP_MODEL: tl.constexpr,
                    KP_ATTN: tl.constexpr, KP_FF: tl.constexpr, T_QKV: tl.constexpr, T_O: tl.constexpr,
-                   T_GU: tl.constexpr, T_D: tl.constexpr, SPLIT_O: tl.constexpr, AHEAD: tl.constexpr,
-                   TIMELINE: tl.constexpr):
+                   T_GU: tl.constexpr, T_D: tl.constexpr, SPLIT_O: tl.constexpr, TIMELINE: tl.constexpr):
     """STAGE -1: every stage of layers [layer_lo, layer_hi) with a grid barrier before each stage but the first (and
     on the GEMV path but o_proj, whose items wait on counters); else that stage only. GEMV: batch 1, matrix-vector
-    tiles whose first AHEAD items' loads (gate/up, down) are issued before the barrier, and each item issues the
-    loads of the one AHEAD after it; o_proj adds into OAcc[layer], not X. TIMELINE: each
+    tiles whose first loads are issued before the barrier; o_proj adds into OAcc[layer], not X. TIMELINE: each
     program stamps eight moments a layer into Times (layer - layer_lo, moment, program), int64 ns: qkv open, qkv
     done, attention done, o_proj done, gate/up open, gate/up done, down open, down done."""
     pid = tl.program_id(0)
@@ -490,19 +456,17 @@ def layers_kernel(X, Wqkv, Wo, Wgu, Wd, Norm1, Norm2, Kc, Vc, Q, PartO, PartL, A
                              GROUP, HEAD_DIM, BLOCK_SPLIT, T_O)
             else:
                 _residual_matmul(X, o_acc, wo, Attn, Sync, arrivals + n_programs, rows, row_ok, pid, n_programs,
-                                 d_model, width, Times, STAGE < 0, GEMV, T_O, KP_ATTN, BB, BLOCK_K, PREC, AHEAD,
-                                 False)
+                                 d_model, width, Times, STAGE < 0, GEMV, T_O, KP_ATTN, BB, BLOCK_K, PREC, False)
             _stamp(stamps + 3 * n_programs, TIMELINE)
         if STAGE < 0 or STAGE == 3:
             if GEMV:
-                gate_w, up_w, gate_w2, up_w2 = _gate_up_tiles_ahead(wgu, pid, n_programs, d_model, d_ff, T_GU,
-                                                                     KP_MODEL, AHEAD)
+                gate_w, up_w = _gate_up_tiles(wgu, pid, d_model, d_ff, T_GU, KP_MODEL)
             if STAGE < 0:
                 _grid_barrier(Sync, arrivals + (BARRIERS - 2) * n_programs)
             _stamp(stamps + 4 * n_programs, TIMELINE)
             if GEMV:
                 _gate_up_gemv(X, o_acc, Norm2 + at * d_model, wgu, Act, pid, n_programs, eps, d_model, d_ff, gate_w,
-                              up_w, gate_w2, up_w2, T_GU, KP_MODEL, AHEAD)
+                              up_w, T_GU, KP_MODEL)
             else:
                 _gate_up_stage(X, Norm2 + at * d_model, wgu, Act, rows, row_ok, pid, n_programs, eps, d_model, d_ff,
                                BB, BLOCK_K, PREC)
@@ -510,5 +474,5 @@ def layers_kernel(X, Wqkv, Wo, Wgu, Wd, Norm1, Norm2, Kc, Vc, Q, PartO, PartL, A
         if STAGE < 0 or STAGE == 4:
             _residual_matmul(X, o_acc, wd, Act, Sync, arrivals + (BARRIERS - 1) * n_programs, rows, row_ok, pid,
                              n_programs, d_model, d_ff, stamps + 6 * n_programs, STAGE < 0, GEMV, T_D, KP_FF, BB,
-                             BLOCK_K, PREC, AHEAD, TIMELINE)
+                             BLOCK_K, PREC, TIMELINE)
             _stamp(stamps + 7 * n_programs, TIMELINE)

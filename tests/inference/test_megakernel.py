@@ -127,25 +127,22 @@ def test_generate_with_the_megakernel_equals_generate_without_it_fp32():
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" or importlib.util.find_spec("triton") is None,
                     reason="runs under Triton's CPU interpreter (TRITON_INTERPRET=1 with Triton installed)")
-@pytest.mark.parametrize("batch, attention, layout, o_proj_on_counters, items_ahead", [
-    (1, {"name": "mha", "n_heads": 4}, "half", True, 2),  # the matrix-vector path
-    (1, {"name": "mha", "n_heads": 4}, "half", True, 1),
-    (1, {"name": "mha", "n_heads": 4}, "half", False, 2),
-    (1, {"name": "mha", "n_heads": 4, "n_kv_heads": 1}, "interleaved", True, 2),
-    (2, {"name": "mha", "n_heads": 4, "n_kv_heads": 2}, "half", False, 2),  # the tensor-core path
+@pytest.mark.parametrize("batch, attention, layout, o_proj_on_counters", [
+    (1, {"name": "mha", "n_heads": 4}, "half", True),  # the matrix-vector path
+    (1, {"name": "mha", "n_heads": 4}, "half", False),
+    (1, {"name": "mha", "n_heads": 4, "n_kv_heads": 1}, "interleaved", True),
+    (2, {"name": "mha", "n_heads": 4, "n_kv_heads": 2}, "half", False),  # the tensor-core path
 ])
 def test_matches_the_layer_by_layer_step_under_the_interpreter(batch, attention, layout, o_proj_on_counters,
-                                                               items_ahead, monkeypatch):
+                                                               monkeypatch):
     """Stage by stage (the interpreter runs programs in turn), with 3 programs and small tiles, so a program takes
-    several work items and prefetches one or two ahead across them; at batch 1 with o_proj's items on counters or
-    after a barrier."""
+    several work items and prefetches across them; at batch 1 with o_proj's items on counters or after a barrier."""
     from lmlab.kernels import decode_layers as dl
 
     monkeypatch.setattr(dl, "sm_count", lambda device: 3)
     monkeypatch.setattr(dl, "GEMV_TILE_ELEMS", 256)
     monkeypatch.setattr(dl, "GEMV_GATE_UP_TILE_ELEMS", 256)
     monkeypatch.setattr(dl, "GEMV_O_PROJ_ON_COUNTERS", o_proj_on_counters)
-    monkeypatch.setattr(dl, "GEMV_ITEMS_AHEAD", items_ahead)
     model = _model(n_layers=2, attention=attention, position={"name": "rope", "layout": layout})  # head_dim 32
     g = torch.Generator().manual_seed(1)
     prompt = torch.randint(0, VOCAB, (batch, 6), generator=g)
