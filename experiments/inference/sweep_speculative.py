@@ -12,7 +12,8 @@ acceptance rate, tokens and milliseconds (of the whole generation) per round, wh
 one captured CUDA graph each (`lmlab.inference.greedy_rounds`), and how many outputs equal the target's
 own, with the first differing token of the others and the target's top-1 minus top-2 logit there. Rows left when
 `--budget-s` runs out are skipped and named. `--batch-invariant`: the target's engines (alone and speculative) are
-batch-invariant (lmlab.inference.batch_invariant), and the compiled target alone is timed too, for reference.
+batch-invariant (lmlab.inference.batch_invariant), and the compiled target alone is timed too, for reference, and on a
+GPU the target alone in the decode megakernel (lmlab's fastest batch-1 engine, not batch-invariant).
 """
 
 from __future__ import annotations
@@ -56,11 +57,13 @@ def main() -> None:
           f"{comparison.alone_tokens_per_s:,.0f} tokens/s", flush=True)
     print(f"  decode alone, after the prefill and first token: {comparison.alone_decode_tokens_per_s:,.0f} tokens/s",
           flush=True)
-    reference = None
-    if args.batch_invariant:  # the fastest batch-1 engine without the invariance, for comparison
-        _, reference, reference_decode = comparison.time_alone(Engine(target, compile=compile))
-        print(f"  the compiled target alone, for reference: {reference:,.0f} tokens/s (decode {reference_decode:,.0f})",
-              flush=True)
+    references = {}  # the target alone on engines without the invariance, for comparison
+    if args.batch_invariant:
+        kinds = {"compiled": {}, **({"megakernel": {"megakernel": True}} if device.type == "cuda" else {})}
+        for name, options in kinds.items():
+            _, references[name], decode = comparison.time_alone(Engine(target, compile=compile, **options))
+            print(f"  the {name} target alone, for reference: {references[name]:,.0f} tokens/s (decode {decode:,.0f})",
+                  flush=True)
     print(f"{'draft':<40} {'engine':<11} {'k':>2} {'tok/s':>7} {'speed-up':>8} {'decode':>7} {'speed-up':>8} "
           f"{'accept':>7} {'tok/round':>9} {'ms/round':>8} {'graph':>5} {'identical':>9}", flush=True)
     engines = [(path, kind, Engine(build_model([], path, device, dtype)[0], compile=compile,
@@ -81,9 +84,9 @@ def main() -> None:
                   f"{row['ms_per_round']:>8.3f} {'yes' if row['round_graph'] else 'no':>5} "
                   f"{row['identical_outputs']:>4}/{row['prompts']}" + (f"  first differences: {margins}" if margins else ""),
                   flush=True)
-            if reference is not None:
-                row["speedup_over_compiled_alone"] = row["speculative_tokens_per_s"] / reference
-                print(f"{'':<40} against the compiled target alone: {row['speedup_over_compiled_alone']:.2f}x", flush=True)
+            for name, reference in references.items():
+                row[f"speedup_over_{name}_alone"] = row["speculative_tokens_per_s"] / reference
+                print(f"{'':<40} against the {name} target alone: {row[f'speedup_over_{name}_alone']:.2f}x", flush=True)
     if skipped:
         print(f"skipped after the {args.budget_s:.0f} s budget: {'; '.join(skipped)}", flush=True)
     if args.json:
@@ -92,7 +95,8 @@ def main() -> None:
                                          "torch": torch.__version__, "dtype": args.dtype, "target": args.target,
                                          "batch_invariant": args.batch_invariant,
                                          "target_alone_tokens_per_s": comparison.alone_tokens_per_s,
-                                         "compiled_target_alone_tokens_per_s": reference,
+                                         **{f"{name}_target_alone_tokens_per_s": tokens_per_s
+                                            for name, tokens_per_s in references.items()},
                                          "rows": rows, "skipped": skipped}, indent=2))
 
 
