@@ -41,6 +41,10 @@ GEMV_GATE_UP_TILE_ELEMS = 4096
 # o_proj without a grid barrier: items of (head, output rows) wait on their kv head's attention splits and add into a
 # float32 sum with atomics (else a barrier, then whole-row tiles as in down)
 GEMV_O_PROJ_ON_COUNTERS = True
+# Arrive at each grid barrier before issuing the next stage's first tile loads, then wait: the arrival's release
+# fence need not wait for them (the timeline showed the barrier before q/k/v, whose 32 KB loads went first, taking
+# twice the others: experiments/inference/h200-2026-12-04b/)
+GEMV_ARRIVE_BEFORE_LOADS = True
 GEMV_MAX_WIDTH = 8192  # wider inputs take the tensor-core path (a whole row per tile would not fit in registers)
 NUM_STAGES = 3
 
@@ -184,7 +188,8 @@ def launch_plan(x, qkv, o, gate_up, down, norm_attn, norm_ffn, k_cache, v_cache,
                 GEMV=gemv, KP_MODEL=kp_model, KP_FF=kp_ff, T_QKV=_tile_rows(kp_model, head_dim // 2) if gemv else 16,
                 T_O=_tile_rows(head_dim if split_o else kp_attn),
                 T_GU=_tile_rows(kp_model, elems=GEMV_GATE_UP_TILE_ELEMS), T_D=_tile_rows(kp_ff),
-                KP_ATTN=kp_attn, SPLIT_O=split_o, TIMELINE=False)
+                KP_ATTN=kp_attn, SPLIT_O=split_o,
+                ARRIVE_FIRST=gemv and GEMV_ARRIVE_BEFORE_LOADS, TIMELINE=False)
     shape = (batch, d_model, d_ff, n_heads, n_kv_heads, split, eps, scale * LOG2E,
              k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), k_cache.stride(3))
     return LaunchPlan(args, shape, meta, GEMV_PROGRAMS_PER_SM if gemv else PROGRAMS_PER_SM)

@@ -63,11 +63,18 @@ def _stamp(Stamp, TIMELINE: tl.constexpr):
 
 
 @triton.jit
-def _grid_barrier(Sync, target):
-    """Arrive, then wait until every program has (Sync[0] reaches `target`): every program's writes before the
-    barrier are visible to every program after it."""
+def _arrive(Sync):
+    """Count this program in at the grid barrier, released: its writes so far are visible to whoever sees the count."""
     tl.debug_barrier()  # all of this program's stores are issued
     tl.atomic_add(Sync, 1, sem="release", scope="gpu")
+
+
+@triton.jit
+def _grid_barrier(Sync, target, ARRIVED: tl.constexpr):
+    """Arrive (unless ARRIVED: the program already has), then wait until every program has (Sync[0] reaches
+    `target`): every program's writes before the barrier are visible to every program after it."""
+    if not ARRIVED:
+        _arrive(Sync)
     _wait_until(Sync, target)
     tl.debug_barrier()
 
@@ -385,14 +392,17 @@ def _add_gemv(X, OAcc, W, In, pid, n_programs, d_model, width, w, TILE: tl.const
 @triton.jit
 def _residual_matmul(X, OAcc, W, In, Sync, target, rows, row_ok, pid, n_programs, d_model, width, Stamp,
                      BARRIER: tl.constexpr, GEMV: tl.constexpr, TILE: tl.constexpr, KP: tl.constexpr,
-                     BB: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr, TIMELINE: tl.constexpr):
+                     BB: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr, ARRIVE_FIRST: tl.constexpr,
+                     TIMELINE: tl.constexpr):
     """X += In @ W.T (down; o_proj where its items do not wait on counters), the matrix-vector path also folding in
     OAcc; opened by a grid barrier (Sync[0] reaching `target`) when BARRIER, and stamped at Stamp once open; the first
-    matrix-vector tile's loads are issued before it."""
+    matrix-vector tile's loads are issued before the wait (and, with ARRIVE_FIRST, after the arrival)."""
+    if BARRIER and ARRIVE_FIRST:
+        _arrive(Sync)
     if GEMV:
         w = _add_tile(W, pid, d_model, width, TILE, KP)
     if BARRIER:
-        _grid_barrier(Sync, target)
+        _grid_barrier(Sync, target, ARRIVE_FIRST)
     _stamp(Stamp, TIMELINE)
     if GEMV:
         _add_gemv(X, OAcc, W, In, pid, n_programs, d_model, width, w, TILE, KP)
@@ -408,10 +418,12 @@ def layers_kernel(X, Wqkv, Wo, Wgu, Wd, Norm1, Norm2, Kc, Vc, Q, PartO, PartL, A
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SPLIT: tl.constexpr, BLOCK_K: tl.constexpr,
                    INTERLEAVED: tl.constexpr, PREC: tl.constexpr, GEMV: tl.constexpr, KP_MODEL: tl.constexpr,
                    KP_ATTN: tl.constexpr, KP_FF: tl.constexpr, T_QKV: tl.constexpr, T_O: tl.constexpr,
-                   T_GU: tl.constexpr, T_D: tl.constexpr, SPLIT_O: tl.constexpr, TIMELINE: tl.constexpr):
+                   T_GU: tl.constexpr, T_D: tl.constexpr, SPLIT_O: tl.constexpr, ARRIVE_FIRST: tl.constexpr,
+                   TIMELINE: tl.constexpr):
     """STAGE -1: every stage of layers [layer_lo, layer_hi) with a grid barrier before each stage but the first (and
     on the GEMV path but o_proj, whose items wait on counters); else that stage only. GEMV: batch 1, matrix-vector
-    tiles whose first loads are issued before the barrier; o_proj adds into OAcc[layer], not X. TIMELINE: each
+    tiles whose first loads are issued before the barrier's wait (with ARRIVE_FIRST after the program arrives, so its
+    arrival does not wait on them); o_proj adds into OAcc[layer], not X. TIMELINE: each
     program stamps eight moments a layer into Times (layer - layer_lo, moment, program), int64 ns: qkv open, qkv
     done, attention done, o_proj done, gate/up open, gate/up done, down open, down done."""
     pid = tl.program_id(0)
@@ -431,10 +443,12 @@ def layers_kernel(X, Wqkv, Wo, Wgu, Wd, Norm1, Norm2, Kc, Vc, Q, PartO, PartL, A
         o_acc = OAcc + at * d_model
         stamps = Times + (layer - layer_lo) * 8 * n_programs + pid
         if STAGE < 0 or STAGE == 0:
+            if ARRIVE_FIRST and STAGE < 0 and layer > layer_lo:
+                _arrive(Sync)
             if GEMV:
                 w1, w2 = _qkv_tiles(wqkv, pid, n_qkv_items, d_model, HEAD_DIM, T_QKV, INTERLEAVED, KP_MODEL)
             if STAGE < 0 and layer > layer_lo:
-                _grid_barrier(Sync, arrivals)
+                _grid_barrier(Sync, arrivals, ARRIVE_FIRST)
             _stamp(stamps, TIMELINE)
             if GEMV:
                 _qkv_gemv(X, Norm1 + at * d_model, wqkv, Q, kc, vc, Cos, Sin, Sync, Slots, Start, pid, n_programs,
@@ -456,13 +470,16 @@ def layers_kernel(X, Wqkv, Wo, Wgu, Wd, Norm1, Norm2, Kc, Vc, Q, PartO, PartL, A
                              GROUP, HEAD_DIM, BLOCK_SPLIT, T_O)
             else:
                 _residual_matmul(X, o_acc, wo, Attn, Sync, arrivals + n_programs, rows, row_ok, pid, n_programs,
-                                 d_model, width, Times, STAGE < 0, GEMV, T_O, KP_ATTN, BB, BLOCK_K, PREC, False)
+                                 d_model, width, Times, STAGE < 0, GEMV, T_O, KP_ATTN, BB, BLOCK_K, PREC,
+                                 ARRIVE_FIRST, False)
             _stamp(stamps + 3 * n_programs, TIMELINE)
         if STAGE < 0 or STAGE == 3:
+            if ARRIVE_FIRST and STAGE < 0:
+                _arrive(Sync)
             if GEMV:
                 gate_w, up_w = _gate_up_tiles(wgu, pid, d_model, d_ff, T_GU, KP_MODEL)
             if STAGE < 0:
-                _grid_barrier(Sync, arrivals + (BARRIERS - 2) * n_programs)
+                _grid_barrier(Sync, arrivals + (BARRIERS - 2) * n_programs, ARRIVE_FIRST)
             _stamp(stamps + 4 * n_programs, TIMELINE)
             if GEMV:
                 _gate_up_gemv(X, o_acc, Norm2 + at * d_model, wgu, Act, pid, n_programs, eps, d_model, d_ff, gate_w,
@@ -474,5 +491,5 @@ def layers_kernel(X, Wqkv, Wo, Wgu, Wd, Norm1, Norm2, Kc, Vc, Q, PartO, PartL, A
         if STAGE < 0 or STAGE == 4:
             _residual_matmul(X, o_acc, wd, Act, Sync, arrivals + (BARRIERS - 1) * n_programs, rows, row_ok, pid,
                              n_programs, d_model, d_ff, stamps + 6 * n_programs, STAGE < 0, GEMV, T_D, KP_FF, BB,
-                             BLOCK_K, PREC, TIMELINE)
+                             BLOCK_K, PREC, ARRIVE_FIRST, TIMELINE)
             _stamp(stamps + 7 * n_programs, TIMELINE)
