@@ -53,19 +53,19 @@ def measure(launches: int, settings: dict[str, int]) -> dict:
     slots, start = torch.tensor([255], device="cuda"), torch.zeros(1, dtype=torch.long, device="cuda")
     rope, eps = model.position, model.layers[0].input_layernorm.eps
 
-    def launch(times: torch.Tensor | None) -> None:
-        # a fresh plan each launch: its counters start at zero
-        plan = dl.launch_plan(x, w.qkv, w.o, w.gate_up, w.down, w.norm_attn, w.norm_ffn, k, v, slots, start, rope.cos,
+    def fresh_plan() -> dl.LaunchPlan:  # one a launch: its counters start at zero
+        return dl.launch_plan(x, w.qkv, w.o, w.gate_up, w.down, w.norm_attn, w.norm_ffn, k, v, slots, start, rope.cos,
                               rope.sin, w.n_heads, w.n_kv_heads, w.rope_interleaved, eps, w.head_dim ** -0.5,
                               sm_count(x.device))
+
+    def launch(times: torch.Tensor | None) -> None:
+        plan = fresh_plan()
         tensors = plan.args if times is None else (*plan.args[:-1], times)
         args = (*tensors, 0, n_layers, *plan.shape)
         layers_kernel[(dl.persistent_programs(plan, args),)](*args, STAGE=-1,
                                                               **{**plan.meta, "TIMELINE": times is not None})
 
-    probe = dl.launch_plan(x, w.qkv, w.o, w.gate_up, w.down, w.norm_attn, w.norm_ffn, k, v, slots, start, rope.cos,
-                           rope.sin, w.n_heads, w.n_kv_heads, w.rope_interleaved, eps, w.head_dim ** -0.5,
-                           sm_count(x.device))
+    probe = fresh_plan()
     programs = dl.persistent_programs(probe, (*probe.args, 0, n_layers, *probe.shape))
     stamps, step_us = [], {}
     for stamped in (False, True):
