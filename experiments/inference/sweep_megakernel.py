@@ -35,15 +35,22 @@ SETTINGS = {True: {"GEMV_O_PROJ_ON_COUNTERS": (False, True), "GEMV_PROGRAMS_PER_
 STAGES = ("qkv", "attention", "o_proj", "gate_up", "down")
 
 
-def stack_step(kernel: Megakernel, batch: int, persistent: bool):
-    """One decode step through the layer stack at slot 255 of a 384-slot cache, as a function of nothing."""
+def stack_inputs(kernel: Megakernel, batch: int) -> tuple:
+    """`decode_layers`' arguments for one decode step through the layer stack at slot 255 of a 384-slot cache:
+    (x, weights, k_cache, v_cache, slots, start, cos, sin, eps), random rows and caches."""
     model, w = kernel.model, kernel.weights
     shape = (len(model.layers), batch, w.n_kv_heads, 384, w.head_dim)
     k, v = (torch.randn(shape, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     x = torch.randn(batch, w.o.shape[1], device="cuda", dtype=torch.bfloat16)
     slots, start = torch.tensor([255], device="cuda"), torch.zeros(batch, dtype=torch.long, device="cuda")
-    rope, eps = model.position, model.layers[0].input_layernorm.eps
-    return lambda: dl.decode_layers(x, w, k, v, slots, start, rope.cos, rope.sin, eps, persistent=persistent)
+    rope = model.position
+    return x, w, k, v, slots, start, rope.cos, rope.sin, model.layers[0].input_layernorm.eps
+
+
+def stack_step(kernel: Megakernel, batch: int, persistent: bool):
+    """One decode step through the layer stack (`stack_inputs`), as a function of nothing."""
+    inputs = stack_inputs(kernel, batch)
+    return lambda: dl.decode_layers(*inputs, persistent=persistent)
 
 
 def time_stack(kernel: Megakernel, batch: int, persistent: bool) -> float:

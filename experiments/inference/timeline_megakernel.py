@@ -36,6 +36,8 @@ OWN_TIMES = (("q/k/v", 0, 1), ("attention + o_proj", 1, 3), ("gate/up", 4, 5), (
 def measure(launches: int, settings: dict[str, int]) -> dict:
     """Stamps of `launches` persistent launches (after warm-up), as nested lists [launch][layer][moment][program]
     in ns, with the step's time in microseconds with and without the stamps."""
+    from sweep_megakernel import stack_inputs  # this folder's: the same step the sweep times
+
     from lmlab.inference.bench import DEFAULT_OVERRIDES, build_model
     from lmlab.inference.megakernel import Megakernel
     from lmlab.kernels import decode_layers as dl
@@ -45,21 +47,14 @@ def measure(launches: int, settings: dict[str, int]) -> dict:
     for name, value in settings.items():
         setattr(dl, name, value)
     model, _ = build_model(DEFAULT_OVERRIDES, None, torch.device("cuda"), torch.bfloat16)
-    w = Megakernel(model).weights
+    x, w, k, v, slots, start, cos, sin, eps = stack_inputs(Megakernel(model), batch=1)
     n_layers = len(model.layers)
-    k, v = (torch.randn(n_layers, 1, w.n_kv_heads, 384, w.head_dim, device="cuda", dtype=torch.bfloat16)
-            for _ in range(2))
-    x = torch.randn(1, w.o.shape[1], device="cuda", dtype=torch.bfloat16)
-    slots, start = torch.tensor([255], device="cuda"), torch.zeros(1, dtype=torch.long, device="cuda")
-    rope, eps = model.position, model.layers[0].input_layernorm.eps
 
     def fresh_plan() -> dl.LaunchPlan:  # one a launch: its counters start at zero
-        return dl.launch_plan(x, w.qkv, w.o, w.gate_up, w.down, w.norm_attn, w.norm_ffn, k, v, slots, start, rope.cos,
-                              rope.sin, w.n_heads, w.n_kv_heads, w.rope_interleaved, eps, w.head_dim ** -0.5,
-                              sm_count(x.device))
+        return dl.launch_plan(x, w.qkv, w.o, w.gate_up, w.down, w.norm_attn, w.norm_ffn, k, v, slots, start, cos, sin,
+                              w.n_heads, w.n_kv_heads, w.rope_interleaved, eps, w.head_dim ** -0.5, sm_count(x.device))
 
-    def launch(times: torch.Tensor | None) -> None:
-        plan = fresh_plan()
+    def launch(plan: dl.LaunchPlan, times: torch.Tensor | None) -> None:
         tensors = plan.args if times is None else (*plan.args[:-1], times)
         args = (*tensors, 0, n_layers, *plan.shape)
         layers_kernel[(dl.persistent_programs(plan, args),)](*args, STAGE=-1,
@@ -73,8 +68,9 @@ def measure(launches: int, settings: dict[str, int]) -> dict:
         elapsed = []
         for i in range(5 + launches):
             begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            plan = fresh_plan()  # its scratch made before the clock starts
             begin.record()
-            launch(times)
+            launch(plan, times)
             end.record()
             torch.cuda.synchronize()
             if i >= 5:  # after warm-up (the first compiles)
