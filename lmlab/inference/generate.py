@@ -163,10 +163,11 @@ def generate(engine, prompts: Sequence[Sequence[int]], sampler=None, max_new_tok
     stop_ids = torch.tensor(sorted(set(stop_token_ids)), dtype=torch.long, device=device)
     out = torch.zeros(batch, max_new_tokens, dtype=torch.long, device=device)
     finished = torch.zeros(batch, dtype=torch.bool, device=device)
-    peaks = torch.zeros(max_new_tokens, device=device)  # each step's largest |logit|: NaN or inf if any is non-finite
+    peaks = torch.zeros(max_new_tokens, batch, device=device)  # each step's and row's largest |logit|: NaN or inf
+    # where one is not finite
     zero = torch.zeros((), dtype=torch.long, device=device)
     counts = token_counts(ids, start, model.vocab_size) if sampler.needs_counts else None
-    beyond = padding_ids(model.vocab_size, tokenizer, device)
+    usable = min(tokenizer_vocab_size(tokenizer) or model.vocab_size, model.vocab_size)  # ids past it: padding
     step_every = 1 if stream is not None or stops.stops else sync_every
 
     sync()
@@ -178,9 +179,7 @@ def generate(engine, prompts: Sequence[Sequence[int]], sampler=None, max_new_tok
     host_done = [False] * batch
     for n in range(max_new_tokens):
         # one launch each where a step's host-free bookkeeping can take it: at batch 1 every launch is ~3% of a step
-        torch.linalg.vector_norm(logits, float("inf"), out=peaks[n])
-        token = torch.where(finished, zero, sampler.sample(without_padding(logits, beyond), counts, generator),
-                            out=out[:, n])
+        token = torch.where(finished, zero, sampler.pick(logits, counts, generator, usable, peaks[n]), out=out[:, n])
         if counts is not None:
             counts.scatter_add_(1, token[:, None], (~finished).float()[:, None])
         was_finished = finished.clone() if stream is not None else None
@@ -208,7 +207,7 @@ def generate(engine, prompts: Sequence[Sequence[int]], sampler=None, max_new_tok
 
 
 def _check_finite(peaks: torch.Tensor, n: int) -> None:
-    bad = (~torch.isfinite(peaks[:n + 1])).nonzero()
+    bad = (~torch.isfinite(peaks[:n + 1])).any(1).nonzero()
     if len(bad):
         step = int(bad[0])
         raise GenerationError(f"the logits turned non-finite (NaN or inf) at generation step {step} (new token "

@@ -20,6 +20,7 @@ import torch
 from torch import Tensor
 
 from lmlab.errors import ConfigError
+from lmlab.kernels.registry import optional_triton_kernel
 from lmlab.registry import Registry
 
 SAMPLERS = Registry("sampler", group="sampler", doc="token samplers for generation")
@@ -152,6 +153,21 @@ class Sampler:
         if self.greedy:  # the argmax of the penalised logits: keep_argmax's masking would not change it
             return self._apply(self.processors[:-1], logits, counts).argmax(-1)
         return exponential_race(self.process(logits, counts).softmax(-1), generator)
+
+    def pick(self, logits: Tensor, counts: Tensor | None, generator: torch.Generator | None, usable: int,
+             peaks: Tensor) -> Tensor:
+        """`sample` over the ids below `usable` (a padded vocabulary's tail is never picked), writing each row's
+        largest |logit| over all ids into peaks [B] (NaN or inf where one is not finite: generation's check).
+        Greedy decoding without penalties takes both from one pass over the logits on a GPU
+        (lmlab.kernels.argmax_peak_triton: one launch instead of three)."""
+        fused = optional_triton_kernel(logits.device, None, "lmlab.kernels.argmax_peak_triton", "argmax_peak")
+        if self.greedy and not self.needs_counts and fused is not None:
+            return fused(logits, usable, peaks)
+        torch.linalg.vector_norm(logits, float("inf"), dim=-1, out=peaks)
+        if usable < logits.shape[-1]:
+            logits = logits.clone()
+            logits[..., usable:] = -torch.inf
+        return self.sample(logits, counts, generator)
 
     def generator(self, device: torch.device | str) -> torch.Generator | None:
         """A generator seeded with `seed` for `sample`; None (torch's global RNG) when no seed is set."""
