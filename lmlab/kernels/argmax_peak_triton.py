@@ -41,13 +41,13 @@ def _argmax_peak_kernel(Logits, Tokens, Peaks, PartMax, PartArg, PartPeak, Done,
         parts = tl.arange(0, CHUNKS)
         ok = parts < n_chunks
         at_row = row * n_chunks + parts
-        best = tl.load(PartMax + at_row, mask=ok, other=float("-inf"), cache_modifier=".cg")
+        bests = tl.load(PartMax + at_row, mask=ok, other=float("-inf"), cache_modifier=".cg")
         args = tl.load(PartArg + at_row, mask=ok, other=vocab, cache_modifier=".cg")
         peaks = tl.load(PartPeak + at_row, mask=ok, other=0.0, cache_modifier=".cg")
-        top = tl.max(best, 0)
-        tl.store(Tokens + row, tl.min(tl.where(ok & (best == top), args, vocab), 0).to(tl.int64))
-        nan = tl.sum((peaks != peaks).to(tl.int32), 0) > 0
-        tl.store(Peaks + row, tl.where(nan, float("nan"), tl.max(peaks, 0)))
+        top = tl.max(bests, 0)
+        tl.store(Tokens + row, tl.min(tl.where(ok & (bests == top), args, vocab), 0).to(tl.int64))
+        any_nan = tl.sum((peaks != peaks).to(tl.int32), 0) > 0
+        tl.store(Peaks + row, tl.where(any_nan, float("nan"), tl.max(peaks, 0)))
         tl.store(Done + row, 0)  # ready for the next call
 
 
