@@ -43,6 +43,8 @@ import triton.language as tl
 from lmlab.kernels.decode_attention_triton import (attend_block, attend_key_range, combined_output, empty_state,
                                                    key_split)
 
+GEMV_CHUNK = tl.constexpr(256)  # input columns a warp's threads cover with 16-byte bf16 loads
+
 
 @triton.jit
 def _wait_until(Counter, target):
@@ -165,32 +167,44 @@ def _qkv_stage(X, NormW, W, Q, Kc, Vc, Cos, Sin, Sync, Slots, Start, rows, row_o
 
 
 @triton.jit
+def _chunked(KP: tl.constexpr):
+    """Offsets 0..KP-1 as (KP / KC, KC): an input row cut into KC-column chunks, KC = GEMV_CHUNK (or KP if less)."""
+    KC: tl.constexpr = KP if KP < GEMV_CHUNK else GEMV_CHUNK
+    return tl.arange(0, KP // KC)[:, None] * KC + tl.arange(0, KC)[None, :]
+
+
+@triton.jit
 def _tile(W, rows, ok, width, KP: tl.constexpr):
-    """W[rows, :width] as a (rows, KP) tile, zero where masked; streamed once a step, so evicted from L2 first."""
-    ks = tl.arange(0, KP)
-    return tl.load(W + rows[:, None] * width + ks[None, :], mask=ok[:, None] & (ks < width)[None, :], other=0.0,
+    """W[rows, :width] as a (rows, KP / KC, KC) tile (row, chunk, column in the chunk), zero where masked; streamed
+    once a step, so evicted from L2 first. With one warp's threads across a chunk's columns, Triton lays the warps
+    along the rows, so `_gemv`'s sums stay inside each warp: a (rows, KP) tile put the warps along the columns, and
+    each of its reductions crossed them through shared memory, three CTA barriers each (SASS, 2026-12-04)."""
+    ks = _chunked(KP)[None, :, :]
+    return tl.load(W + rows[:, None, None] * width + ks, mask=ok[:, None, None] & (ks < width), other=0.0,
                    eviction_policy="evict_first")
 
 
 @triton.jit
 def _row(X, width, KP: tl.constexpr):
-    """The one sequence's row of a buffer other programs wrote (from L2: an L1 line could be stale), in float32."""
-    ks = tl.arange(0, KP)
+    """The one sequence's row of a buffer other programs wrote (from L2: an L1 line could be stale), in float32, as
+    (KP / KC, KC) chunks (`_chunked`)."""
+    ks = _chunked(KP)
     return tl.load(X + ks, mask=ks < width, other=0.0, cache_modifier=".cg").to(tl.float32)
 
 
 @triton.jit
 def _normed_row(x, NormW, d_model, eps, KP: tl.constexpr):
     """x * gain, rounded as the tensor-core path rounds it, and the row's 1 / rms (applied after the matmul)."""
-    ks = tl.arange(0, KP)
+    ks = _chunked(KP)
     gain = tl.load(NormW + ks, mask=ks < d_model, other=0.0)
-    inv_rms = tl.math.rsqrt(tl.sum(x * x, 0) / d_model + eps)
+    inv_rms = tl.math.rsqrt(tl.sum(tl.sum(x * x, 1), 0) / d_model + eps)
     return (x * gain).to(gain.dtype).to(tl.float32), inv_rms
 
 
 @triton.jit
 def _gemv(w, x):
-    return tl.sum(w.to(tl.float32) * x[None, :], 1)
+    """A `_tile` times a `_row`: (rows,) float32."""
+    return tl.sum(tl.sum(w.to(tl.float32) * x[None, :, :], 2), 1)
 
 
 @triton.jit
@@ -307,7 +321,8 @@ def _o_proj_gemv(W, PartO, PartL, Arrived, OAcc, layer, pid, n_programs, d_model
         attn = combined_output(PartO, PartL, head, n_split, HEAD_DIM, BLOCK_SPLIT)
         attn = attn.to(W.dtype.element_ty).to(tl.float32)  # rounded as the reference's attention output
         rows = (item % chunks) * TILE + tl.arange(0, TILE)
-        tl.atomic_add(OAcc + rows, _gemv(w, attn), mask=rows < d_model, sem="relaxed", scope="gpu")
+        tl.atomic_add(OAcc + rows, tl.sum(w.to(tl.float32) * attn[None, :], 1), mask=rows < d_model, sem="relaxed",
+                      scope="gpu")
         w = next_w
 
 
