@@ -45,6 +45,14 @@ GEMV_O_PROJ_ON_COUNTERS = True
 # fence need not wait for them (the timeline showed the barrier before q/k/v, whose 32 KB loads went first, taking
 # twice the others: experiments/inference/h200-2026-12-04b/)
 GEMV_ARRIVE_BEFORE_LOADS = True
+# Input columns per chunk of a matrix-vector tile that holds a row per warp: one warp's threads across a chunk, so
+# Triton lays the warps along the rows and each row's sum stays in its warp. On an H200 the layer stack took 487 us
+# against 517-525 us with whole-row tiles (experiments/inference/h200-2026-12-04c/); down's two-row tiles, fewer rows
+# than warps, took longer chunked (2.3 against 1.7 us a layer), so they keep whole rows.
+GEMV_CHUNK = 256
+# Programs ask L2 for their later gate/up and down items as they arrive at the stage's barrier (bulk prefetches):
+# the swept setting
+GEMV_PREFETCH_LATER = True
 GEMV_MAX_WIDTH = 8192  # wider inputs take the tensor-core path (a whole row per tile would not fit in registers)
 NUM_STAGES = 3
 
@@ -81,6 +89,12 @@ def _tile_rows(width: int, most: int = 1 << 16, elems: int | None = None) -> int
     """Rows of a matrix-vector tile over `width` (a power of two) input columns: about `elems` (GEMV_TILE_ELEMS)
     weights."""
     return max(1, min(most, (elems or GEMV_TILE_ELEMS) // width))
+
+
+def _chunk(width: int, rows: int) -> int:
+    """Input columns per chunk of a matrix-vector tile of `rows` rows over `width` (a power of two) columns:
+    GEMV_CHUNK where the tile has a row for every warp, else the whole width."""
+    return min(width, GEMV_CHUNK) if rows >= GEMV_NUM_WARPS else width
 
 
 def n_splits(batch: int, n_kv_heads: int, cache_len: int, programs: int) -> int:
@@ -180,15 +194,17 @@ def launch_plan(x, qkv, o, gate_up, down, norm_attn, norm_ffn, k_cache, v_cache,
     arrived, o_acc = sync[1 + n_kv_heads:counters], sync[counters:].view(torch.float32)
     args = (residual, qkv, o, gate_up, down, norm_attn, norm_ffn, k_cache, v_cache, q, part_out, part_lse, attn,
             arrived, act, cos, sin, slots, start, sync, o_acc, sync)  # no timeline: its pointer unused
+    tiles = dict(T_QKV=_tile_rows(kp_model, head_dim // 2) if gemv else 16,
+                 T_O=_tile_rows(head_dim if split_o else kp_attn),
+                 T_GU=_tile_rows(kp_model, elems=GEMV_GATE_UP_TILE_ELEMS), T_D=_tile_rows(kp_ff))
     meta = dict(BB=1 if gemv else max(16, triton.next_power_of_2(batch)), HEAD_DIM=head_dim, GROUP=group,
                 BLOCK_M=max(16, triton.next_power_of_2(group)), BLOCK_N=32,
                 BLOCK_SPLIT=triton.next_power_of_2(split), BLOCK_K=BLOCK_K, INTERLEAVED=interleaved,
                 PREC="ieee" if x.dtype == torch.float32 else "tf32", num_stages=NUM_STAGES,
                 num_warps=GEMV_NUM_WARPS if gemv else NUM_WARPS,
-                GEMV=gemv, KP_MODEL=kp_model, KP_FF=kp_ff, T_QKV=_tile_rows(kp_model, head_dim // 2) if gemv else 16,
-                T_O=_tile_rows(head_dim if split_o else kp_attn),
-                T_GU=_tile_rows(kp_model, elems=GEMV_GATE_UP_TILE_ELEMS), T_D=_tile_rows(kp_ff),
-                KP_ATTN=kp_attn, SPLIT_O=split_o,
+                GEMV=gemv, KP_MODEL=kp_model, KP_ATTN=kp_attn, KP_FF=kp_ff,
+                C_MODEL=_chunk(kp_model, min(tiles["T_QKV"], tiles["T_GU"])), C_ATTN=_chunk(kp_attn, tiles["T_O"]),
+                C_FF=_chunk(kp_ff, tiles["T_D"]), **tiles, SPLIT_O=split_o, PREFETCH=gemv and GEMV_PREFETCH_LATER,
                 ARRIVE_FIRST=gemv and GEMV_ARRIVE_BEFORE_LOADS, TIMELINE=False)
     shape = (batch, d_model, d_ff, n_heads, n_kv_heads, split, eps, scale * LOG2E,
              k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), k_cache.stride(3))

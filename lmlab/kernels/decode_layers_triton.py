@@ -43,8 +43,6 @@ import triton.language as tl
 from lmlab.kernels.decode_attention_triton import (attend_block, attend_key_range, combined_output, empty_state,
                                                    key_split)
 
-GEMV_CHUNK = tl.constexpr(256)  # input columns a warp's threads cover with 16-byte bf16 loads
-
 
 @triton.jit
 def _wait_until(Counter, target):
@@ -62,6 +60,38 @@ def _stamp(Stamp, TIMELINE: tl.constexpr):
     if TIMELINE:
         tl.store(Stamp, tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64,
                                                   is_pure=False, pack=1))
+
+
+@triton.jit
+def _prefetch_l2(Start, n_bytes):
+    """Ask the L2 cache for n_bytes from Start (16-byte aligned; a multiple of 16), waiting for nothing: each thread
+    of the program issues one bulk prefetch of up to 4 KiB (the copy engine's `cp.async.bulk.prefetch.L2`, sm_90)."""
+    base = tl.full([1], 0, tl.int64) + Start.to(tl.int64)  # the same in every thread
+    size = tl.full([1], 0, tl.int32) + n_bytes
+    tl.inline_asm_elementwise("""{
+        .reg .pred p;
+        .reg .u32 off, size;
+        .reg .u64 at;
+        mov.u32 off, %tid.x;
+        shl.b32 off, off, 12;
+        setp.lt.u32 p, off, $2;
+        sub.u32 size, $2, off;
+        min.u32 size, size, 4096;
+        cvt.u64.u32 at, off;
+        add.u64 at, at, $1;
+        @p cp.async.bulk.prefetch.L2.global [at], size;
+        mov.u32 $0, 0;
+    }""", "=r,l,r", [base, size], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def _prefetch_rows(W, first, n_rows, width, pid, n_programs, TILE: tl.constexpr):
+    """_prefetch_l2 of the program's items after its first in a stage whose item i is rows [i * TILE, (i + 1) * TILE)
+    of W (n_rows x width, row-major) and starts at row `first`: their tiles then load from L2."""
+    BYTES: tl.constexpr = W.dtype.element_ty.primitive_bitwidth // 8
+    for item in range(pid + n_programs, tl.cdiv(n_rows, TILE), n_programs):
+        row = item * TILE
+        _prefetch_l2(W + (first + row) * width, (tl.minimum(n_rows - row, TILE) * width * BYTES).to(tl.int32))
 
 
 @triton.jit
@@ -167,35 +197,34 @@ def _qkv_stage(X, NormW, W, Q, Kc, Vc, Cos, Sin, Sync, Slots, Start, rows, row_o
 
 
 @triton.jit
-def _chunked(KP: tl.constexpr):
-    """Offsets 0..KP-1 as (KP / KC, KC): an input row cut into KC-column chunks, KC = GEMV_CHUNK (or KP if less)."""
-    KC: tl.constexpr = KP if KP < GEMV_CHUNK else GEMV_CHUNK
+def _chunked(KP: tl.constexpr, KC: tl.constexpr):
+    """Offsets 0..KP-1 as (KP / KC, KC): an input row cut into KC-column chunks."""
     return tl.arange(0, KP // KC)[:, None] * KC + tl.arange(0, KC)[None, :]
 
 
 @triton.jit
-def _tile(W, rows, ok, width, KP: tl.constexpr):
+def _tile(W, rows, ok, width, KP: tl.constexpr, KC: tl.constexpr):
     """W[rows, :width] as a (rows, KP / KC, KC) tile (row, chunk, column in the chunk), zero where masked; streamed
-    once a step, so evicted from L2 first. With one warp's threads across a chunk's columns, Triton lays the warps
-    along the rows, so `_gemv`'s sums stay inside each warp: a (rows, KP) tile put the warps along the columns, and
-    each of its reductions crossed them through shared memory, three CTA barriers each (SASS, 2026-12-04)."""
-    ks = _chunked(KP)[None, :, :]
+    once a step, so evicted from L2 first. With KC = one warp's columns (256 at 16 bytes a thread), Triton lays the
+    warps along the rows, so `_gemv`'s sums stay inside each warp; with KC = KP they lie along the columns, and each
+    sum crosses them through shared memory (three CTA barriers; SASS, 2026-12-04)."""
+    ks = _chunked(KP, KC)[None, :, :]
     return tl.load(W + rows[:, None, None] * width + ks, mask=ok[:, None, None] & (ks < width), other=0.0,
                    eviction_policy="evict_first")
 
 
 @triton.jit
-def _row(X, width, KP: tl.constexpr):
+def _row(X, width, KP: tl.constexpr, KC: tl.constexpr):
     """The one sequence's row of a buffer other programs wrote (from L2: an L1 line could be stale), in float32, as
     (KP / KC, KC) chunks (`_chunked`)."""
-    ks = _chunked(KP)
+    ks = _chunked(KP, KC)
     return tl.load(X + ks, mask=ks < width, other=0.0, cache_modifier=".cg").to(tl.float32)
 
 
 @triton.jit
-def _normed_row(x, NormW, d_model, eps, KP: tl.constexpr):
+def _normed_row(x, NormW, d_model, eps, KP: tl.constexpr, KC: tl.constexpr):
     """x * gain, rounded as the tensor-core path rounds it, and the row's 1 / rms (applied after the matmul)."""
-    ks = _chunked(KP)
+    ks = _chunked(KP, KC)
     gain = tl.load(NormW + ks, mask=ks < d_model, other=0.0)
     inv_rms = tl.math.rsqrt(tl.sum(tl.sum(x * x, 1), 0) / d_model + eps)
     return (x * gain).to(gain.dtype).to(tl.float32), inv_rms
@@ -214,23 +243,25 @@ def _normed_gemv(w, x, inv_rms):
 
 @triton.jit
 def _qkv_tiles(W, item, n_items, d_model, HEAD_DIM: tl.constexpr, PAIRS: tl.constexpr, INTERLEAVED: tl.constexpr,
-               KP: tl.constexpr):
+               KP: tl.constexpr, KC: tl.constexpr):
     head, freq, first, second = _qkv_rows(item, HEAD_DIM, PAIRS, INTERLEAVED)
     ok = (freq < HEAD_DIM) & (item < n_items)
-    return _tile(W, head * HEAD_DIM + first, ok, d_model, KP), _tile(W, head * HEAD_DIM + second, ok, d_model, KP)
+    return (_tile(W, head * HEAD_DIM + first, ok, d_model, KP, KC),
+            _tile(W, head * HEAD_DIM + second, ok, d_model, KP, KC))
 
 
 @triton.jit
 def _qkv_gemv(X, NormW, W, Q, Kc, Vc, Cos, Sin, Sync, Slots, Start, pid, n_programs, n_items, eps, sc_b, sc_h, sc_l,
               d_model, n_heads, n_kv_heads, w1, w2,
-              HEAD_DIM: tl.constexpr, PAIRS: tl.constexpr, INTERLEAVED: tl.constexpr, KP: tl.constexpr):
+              HEAD_DIM: tl.constexpr, PAIRS: tl.constexpr, INTERLEAVED: tl.constexpr, KP: tl.constexpr,
+              KC: tl.constexpr):
     """_qkv_stage for one sequence, as matrix-vector products; w1, w2: the first item's tiles, already loading."""
     rows = tl.arange(0, 1)
     slot = tl.load(Slots)
     pos = tl.maximum(slot - tl.load(Start + rows), 0)
-    x, inv_rms = _normed_row(_row(X, d_model, KP), NormW, d_model, eps, KP)
+    x, inv_rms = _normed_row(_row(X, d_model, KP, KC), NormW, d_model, eps, KP, KC)
     for item in range(pid, n_items, n_programs):
-        next1, next2 = _qkv_tiles(W, item + n_programs, n_items, d_model, HEAD_DIM, PAIRS, INTERLEAVED, KP)
+        next1, next2 = _qkv_tiles(W, item + n_programs, n_items, d_model, HEAD_DIM, PAIRS, INTERLEAVED, KP, KC)
         head, freq, first, second = _qkv_rows(item, HEAD_DIM, PAIRS, INTERLEAVED)
         _qkv_out(_normed_gemv(w1, x, inv_rms)[None, :], _normed_gemv(w2, x, inv_rms)[None, :], head, freq, first,
                  second, Q, Kc, Vc, Cos, Sin, Sync, pos, slot, rows, rows < 1, sc_b, sc_h, sc_l, n_heads,
@@ -364,19 +395,19 @@ def _gate_up_stage(X, NormW, W, Act, rows, row_ok, pid, n_programs, eps, d_model
 
 
 @triton.jit
-def _gate_up_tiles(W, item, d_model, d_ff, TILE: tl.constexpr, KP: tl.constexpr):
+def _gate_up_tiles(W, item, d_model, d_ff, TILE: tl.constexpr, KP: tl.constexpr, KC: tl.constexpr):
     cols = item * TILE + tl.arange(0, TILE)
-    return _tile(W, cols, cols < d_ff, d_model, KP), _tile(W, d_ff + cols, cols < d_ff, d_model, KP)
+    return _tile(W, cols, cols < d_ff, d_model, KP, KC), _tile(W, d_ff + cols, cols < d_ff, d_model, KP, KC)
 
 
 @triton.jit
 def _gate_up_gemv(X, OAcc, NormW, W, Act, pid, n_programs, eps, d_model, d_ff, gate_w, up_w,
-                  TILE: tl.constexpr, KP: tl.constexpr):
+                  TILE: tl.constexpr, KP: tl.constexpr, KC: tl.constexpr):
     """_gate_up_stage for one sequence, whose residual is X + OAcc (o_proj's sums); gate_w, up_w: the first item's
     tiles, already loading."""
-    x, inv_rms = _normed_row(_row(X, d_model, KP) + _row(OAcc, d_model, KP), NormW, d_model, eps, KP)
+    x, inv_rms = _normed_row(_row(X, d_model, KP, KC) + _row(OAcc, d_model, KP, KC), NormW, d_model, eps, KP, KC)
     for item in range(pid, tl.cdiv(d_ff, TILE), n_programs):
-        next_gate, next_up = _gate_up_tiles(W, item + n_programs, d_model, d_ff, TILE, KP)
+        next_gate, next_up = _gate_up_tiles(W, item + n_programs, d_model, d_ff, TILE, KP, KC)
         cols = item * TILE + tl.arange(0, TILE)
         tl.store(Act + cols, _swiglu(_normed_gemv(gate_w, x, inv_rms), _normed_gemv(up_w, x, inv_rms),
                                      Act.dtype.element_ty), mask=cols < d_ff)
@@ -384,18 +415,19 @@ def _gate_up_gemv(X, OAcc, NormW, W, Act, pid, n_programs, eps, d_model, d_ff, g
 
 
 @triton.jit
-def _add_tile(W, item, d_model, width, TILE: tl.constexpr, KP: tl.constexpr):
+def _add_tile(W, item, d_model, width, TILE: tl.constexpr, KP: tl.constexpr, KC: tl.constexpr):
     cols = item * TILE + tl.arange(0, TILE)
-    return _tile(W, cols, cols < d_model, width, KP)
+    return _tile(W, cols, cols < d_model, width, KP, KC)
 
 
 @triton.jit
-def _add_gemv(X, OAcc, W, In, pid, n_programs, d_model, width, w, TILE: tl.constexpr, KP: tl.constexpr):
+def _add_gemv(X, OAcc, W, In, pid, n_programs, d_model, width, w, TILE: tl.constexpr, KP: tl.constexpr,
+              KC: tl.constexpr):
     """_matmul_add_stage for one sequence, also folding o_proj's sums (OAcc) into X; w: the first item's tile,
     already loading."""
-    a = _row(In, width, KP)
+    a = _row(In, width, KP, KC)
     for item in range(pid, tl.cdiv(d_model, TILE), n_programs):
-        next_w = _add_tile(W, item + n_programs, d_model, width, TILE, KP)
+        next_w = _add_tile(W, item + n_programs, d_model, width, TILE, KP, KC)
         cols = item * TILE + tl.arange(0, TILE)
         ok = cols < d_model
         residual = tl.load(X + cols, mask=ok, other=0.0, cache_modifier=".cg")
@@ -407,20 +439,22 @@ def _add_gemv(X, OAcc, W, In, pid, n_programs, d_model, width, w, TILE: tl.const
 @triton.jit
 def _residual_matmul(X, OAcc, W, In, Sync, target, rows, row_ok, pid, n_programs, d_model, width, Stamp,
                      BARRIER: tl.constexpr, GEMV: tl.constexpr, TILE: tl.constexpr, KP: tl.constexpr,
-                     BB: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr, ARRIVE_FIRST: tl.constexpr,
-                     TIMELINE: tl.constexpr):
+                     KC: tl.constexpr, BB: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr,
+                     ARRIVE_FIRST: tl.constexpr, PREFETCH: tl.constexpr, TIMELINE: tl.constexpr):
     """X += In @ W.T (down; o_proj where its items do not wait on counters), the matrix-vector path also folding in
     OAcc; opened by a grid barrier (Sync[0] reaching `target`) when BARRIER, and stamped at Stamp once open; the first
     matrix-vector tile's loads are issued before the wait (and, with ARRIVE_FIRST, after the arrival)."""
     if BARRIER and ARRIVE_FIRST:
         _arrive(Sync)
     if GEMV:
-        w = _add_tile(W, pid, d_model, width, TILE, KP)
+        w = _add_tile(W, pid, d_model, width, TILE, KP, KC)
+    if PREFETCH and BARRIER:
+        _prefetch_rows(W, 0, d_model, width, pid, n_programs, TILE)
     if BARRIER:
         _grid_barrier(Sync, target, ARRIVE_FIRST)
     _stamp(Stamp, TIMELINE)
     if GEMV:
-        _add_gemv(X, OAcc, W, In, pid, n_programs, d_model, width, w, TILE, KP)
+        _add_gemv(X, OAcc, W, In, pid, n_programs, d_model, width, w, TILE, KP, KC)
     else:
         _matmul_add_stage(X, W, In, rows, row_ok, pid, n_programs, d_model, width, BB, BLOCK_K, PREC)
 
@@ -432,13 +466,15 @@ def layers_kernel(X, Wqkv, Wo, Wgu, Wd, Norm1, Norm2, Kc, Vc, Q, PartO, PartL, A
                    STAGE: tl.constexpr, BB: tl.constexpr, HEAD_DIM: tl.constexpr, GROUP: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SPLIT: tl.constexpr, BLOCK_K: tl.constexpr,
                    INTERLEAVED: tl.constexpr, PREC: tl.constexpr, GEMV: tl.constexpr, KP_MODEL: tl.constexpr,
-                   KP_ATTN: tl.constexpr, KP_FF: tl.constexpr, T_QKV: tl.constexpr, T_O: tl.constexpr,
+                   KP_ATTN: tl.constexpr, KP_FF: tl.constexpr, C_MODEL: tl.constexpr, C_ATTN: tl.constexpr,
+                   C_FF: tl.constexpr, PREFETCH: tl.constexpr, T_QKV: tl.constexpr, T_O: tl.constexpr,
                    T_GU: tl.constexpr, T_D: tl.constexpr, SPLIT_O: tl.constexpr, ARRIVE_FIRST: tl.constexpr,
                    TIMELINE: tl.constexpr):
     """STAGE -1: every stage of layers [layer_lo, layer_hi) with a grid barrier before each stage but the first (and
     on the GEMV path but o_proj, whose items wait on counters); else that stage only. GEMV: batch 1, matrix-vector
     tiles whose first loads are issued before the barrier's wait (with ARRIVE_FIRST after the program arrives, so its
-    arrival does not wait on them); o_proj adds into OAcc[layer], not X. TIMELINE: each
+    arrival does not wait on them); o_proj adds into OAcc[layer], not X. PREFETCH (with GEMV and barriers):
+    the programs also ask L2 for the later items of gate/up and down as they arrive. TIMELINE: each
     program stamps eight moments a layer into Times (layer - layer_lo, moment, program), int64 ns: qkv open, qkv
     done, attention done, o_proj done, gate/up open, gate/up done, down open, down done."""
     pid = tl.program_id(0)
@@ -461,14 +497,14 @@ def layers_kernel(X, Wqkv, Wo, Wgu, Wd, Norm1, Norm2, Kc, Vc, Q, PartO, PartL, A
             if ARRIVE_FIRST and STAGE < 0 and layer > layer_lo:
                 _arrive(Sync)
             if GEMV:
-                w1, w2 = _qkv_tiles(wqkv, pid, n_qkv_items, d_model, HEAD_DIM, T_QKV, INTERLEAVED, KP_MODEL)
+                w1, w2 = _qkv_tiles(wqkv, pid, n_qkv_items, d_model, HEAD_DIM, T_QKV, INTERLEAVED, KP_MODEL, C_MODEL)
             if STAGE < 0 and layer > layer_lo:
                 _grid_barrier(Sync, arrivals, ARRIVE_FIRST)
             _stamp(stamps, TIMELINE)
             if GEMV:
                 _qkv_gemv(X, Norm1 + at * d_model, wqkv, Q, kc, vc, Cos, Sin, Sync, Slots, Start, pid, n_programs,
                           n_qkv_items, eps, sc_b, sc_h, sc_l, d_model, n_heads, n_kv_heads, w1, w2,
-                          HEAD_DIM, T_QKV, INTERLEAVED, KP_MODEL)
+                          HEAD_DIM, T_QKV, INTERLEAVED, KP_MODEL, C_MODEL)
             else:
                 _qkv_stage(X, Norm1 + at * d_model, wqkv, Q, kc, vc, Cos, Sin, Sync, Slots, Start, rows, row_ok, pid,
                            n_programs, eps, sc_b, sc_h, sc_l, d_model, n_heads, n_kv_heads,
@@ -485,26 +521,29 @@ def layers_kernel(X, Wqkv, Wo, Wgu, Wd, Norm1, Norm2, Kc, Vc, Q, PartO, PartL, A
                              GROUP, HEAD_DIM, BLOCK_SPLIT, T_O)
             else:
                 _residual_matmul(X, o_acc, wo, Attn, Sync, arrivals + n_programs, rows, row_ok, pid, n_programs,
-                                 d_model, width, Times, STAGE < 0, GEMV, T_O, KP_ATTN, BB, BLOCK_K, PREC,
-                                 ARRIVE_FIRST, False)
+                                 d_model, width, Times, STAGE < 0, GEMV, T_O, KP_ATTN, C_ATTN, BB, BLOCK_K, PREC,
+                                 ARRIVE_FIRST, False, False)
             _stamp(stamps + 3 * n_programs, TIMELINE)
         if STAGE < 0 or STAGE == 3:
             if ARRIVE_FIRST and STAGE < 0:
                 _arrive(Sync)
             if GEMV:
-                gate_w, up_w = _gate_up_tiles(wgu, pid, d_model, d_ff, T_GU, KP_MODEL)
+                gate_w, up_w = _gate_up_tiles(wgu, pid, d_model, d_ff, T_GU, KP_MODEL, C_MODEL)
+                if PREFETCH and STAGE < 0:
+                    _prefetch_rows(wgu, 0, d_ff, d_model, pid, n_programs, T_GU)
+                    _prefetch_rows(wgu, d_ff, d_ff, d_model, pid, n_programs, T_GU)
             if STAGE < 0:
                 _grid_barrier(Sync, arrivals + (BARRIERS - 2) * n_programs, ARRIVE_FIRST)
             _stamp(stamps + 4 * n_programs, TIMELINE)
             if GEMV:
                 _gate_up_gemv(X, o_acc, Norm2 + at * d_model, wgu, Act, pid, n_programs, eps, d_model, d_ff, gate_w,
-                              up_w, T_GU, KP_MODEL)
+                              up_w, T_GU, KP_MODEL, C_MODEL)
             else:
                 _gate_up_stage(X, Norm2 + at * d_model, wgu, Act, rows, row_ok, pid, n_programs, eps, d_model, d_ff,
                                BB, BLOCK_K, PREC)
             _stamp(stamps + 5 * n_programs, TIMELINE)
         if STAGE < 0 or STAGE == 4:
             _residual_matmul(X, o_acc, wd, Act, Sync, arrivals + (BARRIERS - 1) * n_programs, rows, row_ok, pid,
-                             n_programs, d_model, d_ff, stamps + 6 * n_programs, STAGE < 0, GEMV, T_D, KP_FF, BB,
-                             BLOCK_K, PREC, ARRIVE_FIRST, TIMELINE)
+                             n_programs, d_model, d_ff, stamps + 6 * n_programs, STAGE < 0, GEMV, T_D, KP_FF, C_FF, BB,
+                             BLOCK_K, PREC, ARRIVE_FIRST, PREFETCH and GEMV, TIMELINE)
             _stamp(stamps + 7 * n_programs, TIMELINE)
