@@ -17,6 +17,7 @@ layers and the launches. The step's time with and without the stamps, in the sam
 from __future__ import annotations
 
 import argparse
+import ast
 import json
 import statistics
 
@@ -156,7 +157,7 @@ def main() -> None:
         with open(args.source) as f:
             run = json.load(f)
     else:
-        run = measure(args.launches, {k: int(v) for k, v in (s.split("=", 1) for s in args.set)})
+        run = measure(args.launches, {k: ast.literal_eval(v) for k, v in (s.split("=", 1) for s in args.set)})
     summary = analyse(run)
     report(run, summary)
     if args.json and not args.source:

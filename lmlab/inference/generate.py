@@ -161,7 +161,7 @@ def generate(engine, prompts: Sequence[Sequence[int]], sampler=None, max_new_tok
     ids, start = left_pad(prompts, device)
     batch = len(prompts)
     stop_ids = torch.tensor(sorted(set(stop_token_ids)), dtype=torch.long, device=device)
-    out = torch.zeros(batch, max_new_tokens, dtype=torch.long, device=device)
+    out = torch.zeros(max_new_tokens, batch, dtype=torch.long, device=device)  # step-major: each step's row contiguous
     finished = torch.zeros(batch, dtype=torch.bool, device=device)
     peaks = torch.zeros(max_new_tokens, batch, device=device)  # each step's and row's largest |logit|: NaN or inf
     # where one is not finite
@@ -179,7 +179,7 @@ def generate(engine, prompts: Sequence[Sequence[int]], sampler=None, max_new_tok
     host_done = [False] * batch
     for n in range(max_new_tokens):
         # one launch each where a step's host-free bookkeeping can take it: at batch 1 every launch is ~3% of a step
-        token = torch.where(finished, zero, sampler.pick(logits, counts, generator, usable, peaks[n]), out=out[:, n])
+        token = torch.where(finished, zero, sampler.pick(logits, counts, generator, usable, peaks[n]), out=out[n])
         if counts is not None:
             counts.scatter_add_(1, token[:, None], (~finished).float()[:, None])
         was_finished = finished.clone() if stream is not None else None
@@ -202,7 +202,7 @@ def generate(engine, prompts: Sequence[Sequence[int]], sampler=None, max_new_tok
             logits = engine.decode(token)
     sync()
     decode_s = time.perf_counter() - decode_began
-    return build_generation(out[:, :n + 1].tolist(), stop_token_ids, stops, tokenizer, ttft, decode_s, n,
+    return build_generation(out[:n + 1].T.tolist(), stop_token_ids, stops, tokenizer, ttft, decode_s, n,
                    sum(map(len, prompts)), engine.kv_cache_bytes())
 
 
@@ -216,7 +216,7 @@ def _check_finite(peaks: torch.Tensor, n: int) -> None:
 
 def _mark_stop_strings(out: torch.Tensor, n: int, finished: torch.Tensor, host_done: list[bool],
                        stops: StopStrings) -> None:
-    rows = out[:, :n + 1].tolist()
+    rows = out[:n + 1].T.tolist()
     for b, tokens in enumerate(rows):
         if not host_done[b] and stops.hit(tokens):
             host_done[b] = True

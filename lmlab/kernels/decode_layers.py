@@ -45,11 +45,10 @@ GEMV_O_PROJ_ON_COUNTERS = True
 # fence need not wait for them (the timeline showed the barrier before q/k/v, whose 32 KB loads went first, taking
 # twice the others: experiments/inference/h200-2026-12-04b/)
 GEMV_ARRIVE_BEFORE_LOADS = True
-# Input columns per chunk of a matrix-vector tile that holds a row per warp: one warp's threads across a chunk, so
-# Triton lays the warps along the rows and each row's sum stays in its warp. On an H200 the layer stack took 487 us
-# against 517-525 us with whole-row tiles (experiments/inference/h200-2026-12-04c/); down's two-row tiles, fewer rows
-# than warps, took longer chunked (2.3 against 1.7 us a layer), so they keep whole rows.
-GEMV_CHUNK = 256
+# Input columns per chunk of a matrix-vector tile with at least GEMV_CHUNK_MIN_ROWS rows (others keep whole rows): one
+# warp's threads across a chunk, so Triton lays the warps along the rows and each row's sum stays in its warp. On an
+# H200 the layer stack took 487 us against 517-525 us with whole-row tiles (experiments/inference/h200-2026-12-04c/).
+GEMV_CHUNK, GEMV_CHUNK_MIN_ROWS = 256, 4
 # Programs ask L2 for their later gate/up and down items as they arrive at the stage's barrier (bulk prefetches):
 # the swept setting
 GEMV_PREFETCH_LATER = True
@@ -93,8 +92,8 @@ def _tile_rows(width: int, most: int = 1 << 16, elems: int | None = None) -> int
 
 def _chunk(width: int, rows: int) -> int:
     """Input columns per chunk of a matrix-vector tile of `rows` rows over `width` (a power of two) columns:
-    GEMV_CHUNK where the tile has a row for every warp, else the whole width."""
-    return min(width, GEMV_CHUNK) if rows >= GEMV_NUM_WARPS else width
+    GEMV_CHUNK where the tile has GEMV_CHUNK_MIN_ROWS rows or more, else the whole width."""
+    return min(width, GEMV_CHUNK) if rows >= GEMV_CHUNK_MIN_ROWS else width
 
 
 def n_splits(batch: int, n_kv_heads: int, cache_len: int, programs: int) -> int:
