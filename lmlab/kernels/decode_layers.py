@@ -96,6 +96,12 @@ def _chunk(width: int, rows: int) -> int:
     return min(width, GEMV_CHUNK) if rows >= GEMV_CHUNK_MIN_ROWS else width
 
 
+def _bulk_prefetch(device: torch.device) -> bool:
+    """Whether the device has the bulk L2 prefetch (sm_90 and later); a "meta" or CPU device is taken to (the sm_90
+    compile of megakernel_resources.py; the interpreter never runs the persistent kernel that issues them)."""
+    return device.type != "cuda" or torch.cuda.get_device_capability(device) >= (9, 0)
+
+
 def n_splits(batch: int, n_kv_heads: int, cache_len: int, programs: int) -> int:
     """Key-range splits per (sequence, kv head): at most one attention work item per program."""
     return max(1, min(programs // (batch * n_kv_heads), cache_len // KEYS_PER_SPLIT))
@@ -203,7 +209,7 @@ def launch_plan(x, qkv, o, gate_up, down, norm_attn, norm_ffn, k_cache, v_cache,
                 num_warps=GEMV_NUM_WARPS if gemv else NUM_WARPS,
                 GEMV=gemv, KP_MODEL=kp_model, KP_ATTN=kp_attn, KP_FF=kp_ff,
                 C_MODEL=_chunk(kp_model, min(tiles["T_QKV"], tiles["T_GU"])), C_ATTN=_chunk(kp_attn, tiles["T_O"]),
-                C_FF=_chunk(kp_ff, tiles["T_D"]), **tiles, SPLIT_O=split_o, PREFETCH=gemv and GEMV_PREFETCH_LATER,
+                C_FF=_chunk(kp_ff, tiles["T_D"]), **tiles, SPLIT_O=split_o, PREFETCH=gemv and GEMV_PREFETCH_LATER and _bulk_prefetch(x.device),
                 ARRIVE_FIRST=gemv and GEMV_ARRIVE_BEFORE_LOADS, TIMELINE=False)
     shape = (batch, d_model, d_ff, n_heads, n_kv_heads, split, eps, scale * LOG2E,
              k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), k_cache.stride(3))

@@ -23,9 +23,10 @@ for its kv head's splits (their count), combines that head's splits itself and a
 float32 sum with atomics, which gate/up and down read with the residual (the sums' order, so the last bits, then
 vary from run to run). The residual stream stays in float32 for the whole step. The matmuls take one of two paths:
   batch 1    matrix-vector products: a work item is a few weight rows over the whole input width, loaded as one
-             tile and reduced on the CUDA cores. A program issues the loads of its next item before it reduces
-             the current one, and those of a stage's first item before the barrier that opens the stage, so the
-             weights stream while the programs wait.
+             tile and reduced on the CUDA cores (tiles with a row per warp in 256-column chunks, so that each row's
+             sum stays in one warp). A program issues the loads of its next item before it reduces the current
+             one, and those of a stage's first item before the barrier that opens the stage, so the weights stream
+             while the programs wait; with PREFETCH it also asks L2 for its later gate/up and down items there.
   batch > 1  tensor-core tiles of 16 output rows, in BLOCK_K-column steps, the batch padded to 16 rows.
 The first version had only the second path and was slower than the compiled step at batch 1 (1.14 ms for the
 layer stack against 0.82 ms for the whole compiled step): its tiles kept too few weight bytes in flight.
