@@ -209,7 +209,8 @@ def launch_plan(x, qkv, o, gate_up, down, norm_attn, norm_ffn, k_cache, v_cache,
                 num_warps=GEMV_NUM_WARPS if gemv else NUM_WARPS,
                 GEMV=gemv, KP_MODEL=kp_model, KP_ATTN=kp_attn, KP_FF=kp_ff,
                 C_MODEL=_chunk(kp_model, min(tiles["T_QKV"], tiles["T_GU"])), C_ATTN=_chunk(kp_attn, tiles["T_O"]),
-                C_FF=_chunk(kp_ff, tiles["T_D"]), **tiles, SPLIT_O=split_o, PREFETCH=gemv and GEMV_PREFETCH_LATER and _bulk_prefetch(x.device),
+                C_FF=_chunk(kp_ff, tiles["T_D"]), **tiles, SPLIT_O=split_o,
+                PREFETCH=gemv and GEMV_PREFETCH_LATER and _bulk_prefetch(x.device),
                 ARRIVE_FIRST=gemv and GEMV_ARRIVE_BEFORE_LOADS, TIMELINE=False)
     shape = (batch, d_model, d_ff, n_heads, n_kv_heads, split, eps, scale * LOG2E,
              k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), k_cache.stride(3))
