@@ -151,7 +151,7 @@ def generate(engine, prompts: Sequence[Sequence[int]], sampler=None, max_new_tok
     end before the stop string that ended them, or after it with `include_stop_str_in_output`. `embed` maps
     the left-padded prompt ids (B, P) to the embeddings the prefill runs on instead (B, P, d_model): a VLM's,
     with image features at its marker positions; the generated tokens are embedded as usual."""
-    from lmlab.inference.samplers import SAMPLERS  # registry entries load with the engine's users
+    from lmlab.inference.samplers import SAMPLERS, pick  # registry entries load with the engine's users
 
     model, device = engine.model, engine.device
     prompts = prepare_prompts(prompts, max_new_tokens, model.max_seq_len, truncate)
@@ -179,7 +179,7 @@ def generate(engine, prompts: Sequence[Sequence[int]], sampler=None, max_new_tok
     host_done = [False] * batch
     for n in range(max_new_tokens):
         # one launch each where a step's host-free bookkeeping can take it: at batch 1 every launch is ~3% of a step
-        token = torch.where(finished, zero, sampler.pick(logits, counts, generator, usable, peaks[n]), out=out[n])
+        token = torch.where(finished, zero, pick(sampler, logits, counts, generator, usable, peaks[n]), out=out[n])
         if counts is not None:
             counts.scatter_add_(1, token[:, None], (~finished).float()[:, None])
         was_finished = finished.clone() if stream is not None else None
