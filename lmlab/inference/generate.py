@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from lmlab.errors import ConfigError
+from lmlab.kernels.registry import optional_triton_kernel
 from lmlab.timing import sync
 
 StreamCallback = Callable[[list[int | None]], None]  # each step: the new token of each sequence, None once finished
@@ -123,16 +124,40 @@ class StopStrings:
         return text[:start - minus_length] if self.include else text[:start]
 
 
+def usable_vocab_size(model_vocab_size: int, tokenizer) -> int:
+    """How many leading ids may be sampled: the tokenizer's (at most the model's). A model's vocabulary is padded
+    (to a multiple of 64); the ids past the tokenizer's mean nothing, yet an untrained or barely trained model gives
+    them probability."""
+    return min(tokenizer_vocab_size(tokenizer) or model_vocab_size, model_vocab_size)
+
+
 def padding_ids(model_vocab_size: int, tokenizer, device) -> torch.Tensor | None:
-    """(V,) bool of the ids past the tokenizer's, or None. A model's vocabulary is padded (to a multiple
-    of 64); those ids mean nothing, yet an untrained or barely trained model gives them probability."""
-    usable = tokenizer_vocab_size(tokenizer) or model_vocab_size
+    """(V,) bool of the ids past `usable_vocab_size`, or None when there are none."""
+    usable = usable_vocab_size(model_vocab_size, tokenizer)
     return torch.arange(model_vocab_size, device=device) >= usable if usable < model_vocab_size else None
 
 
 def without_padding(logits: torch.Tensor, beyond: torch.Tensor | None) -> torch.Tensor:
     """The logits with the padding ids at -inf, so that they are never sampled."""
     return logits if beyond is None else logits.masked_fill(beyond, -torch.inf)
+
+
+def pick(sampler, logits: torch.Tensor, counts: torch.Tensor | None, generator: torch.Generator | None,
+         beyond: torch.Tensor | None, usable: int, peaks: torch.Tensor) -> torch.Tensor:
+    """`sampler.sample` over the ids that are not padding (`padding_ids`' mask `beyond`, the ids from `usable`
+    on), writing each row's largest |logit| over all ids into peaks [B] (NaN or inf where one is not finite:
+    generation's check). Any object with a Sampler's `sample`, `greedy` and `needs_counts` serves (a wrapper that
+    restricts the ids, say). Greedy decoding by a Sampler that samples as Sampler does, without penalties, takes
+    both from one pass over the logits on a GPU (lmlab.kernels.argmax_peak_triton: one launch instead of three)."""
+    from lmlab.inference.samplers import Sampler
+
+    plain_greedy = (isinstance(sampler, Sampler) and type(sampler).sample is Sampler.sample and sampler.greedy
+                    and not sampler.needs_counts)
+    fused = optional_triton_kernel(logits.device, None, "lmlab.kernels.argmax_peak_triton", "argmax_peak")
+    if plain_greedy and fused is not None:
+        return fused(logits, usable, peaks)
+    torch.linalg.vector_norm(logits, float("inf"), dim=-1, out=peaks)
+    return sampler.sample(without_padding(logits, beyond), counts, generator)
 
 
 def tokenizer_vocab_size(tokenizer) -> int | None:
@@ -151,7 +176,7 @@ def generate(engine, prompts: Sequence[Sequence[int]], sampler=None, max_new_tok
     end before the stop string that ended them, or after it with `include_stop_str_in_output`. `embed` maps
     the left-padded prompt ids (B, P) to the embeddings the prefill runs on instead (B, P, d_model): a VLM's,
     with image features at its marker positions; the generated tokens are embedded as usual."""
-    from lmlab.inference.samplers import SAMPLERS, pick  # registry entries load with the engine's users
+    from lmlab.inference.samplers import SAMPLERS  # registry entries load with the engine's users
 
     model, device = engine.model, engine.device
     prompts = prepare_prompts(prompts, max_new_tokens, model.max_seq_len, truncate)
@@ -167,7 +192,7 @@ def generate(engine, prompts: Sequence[Sequence[int]], sampler=None, max_new_tok
     # where one is not finite
     zero = torch.zeros((), dtype=torch.long, device=device)
     counts = token_counts(ids, start, model.vocab_size) if sampler.needs_counts else None
-    usable = min(tokenizer_vocab_size(tokenizer) or model.vocab_size, model.vocab_size)  # ids past it: padding
+    beyond, usable = padding_ids(model.vocab_size, tokenizer, device), usable_vocab_size(model.vocab_size, tokenizer)
     step_every = 1 if stream is not None or stops.stops else sync_every
 
     sync()
@@ -179,7 +204,7 @@ def generate(engine, prompts: Sequence[Sequence[int]], sampler=None, max_new_tok
     host_done = [False] * batch
     for n in range(max_new_tokens):
         # one launch each where a step's host-free bookkeeping can take it: at batch 1 every launch is ~3% of a step
-        token = torch.where(finished, zero, pick(sampler, logits, counts, generator, usable, peaks[n]), out=out[n])
+        token = torch.where(finished, zero, pick(sampler, logits, counts, generator, beyond, usable, peaks[n]), out=out[n])
         if counts is not None:
             counts.scatter_add_(1, token[:, None], (~finished).float()[:, None])
         was_finished = finished.clone() if stream is not None else None

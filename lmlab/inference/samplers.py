@@ -20,7 +20,6 @@ import torch
 from torch import Tensor
 
 from lmlab.errors import ConfigError
-from lmlab.kernels.registry import optional_triton_kernel
 from lmlab.registry import Registry
 
 SAMPLERS = Registry("sampler", group="sampler", doc="token samplers for generation")
@@ -159,25 +158,6 @@ class Sampler:
         if self.cfg.seed is None:
             return None
         return torch.Generator(device=device).manual_seed(self.cfg.seed)
-
-
-def pick(sampler, logits: Tensor, counts: Tensor | None, generator: torch.Generator | None, usable: int,
-         peaks: Tensor) -> Tensor:
-    """`sampler.sample` over the ids below `usable` (a padded vocabulary's tail is never picked), writing each row's
-    largest |logit| over all ids into peaks [B] (NaN or inf where one is not finite: generation's check). Any object
-    with a Sampler's `sample`, `greedy` and `needs_counts` serves (a wrapper that restricts the ids, say). Greedy
-    decoding by a Sampler that samples as Sampler does, without penalties, takes both from one pass over the logits
-    on a GPU (lmlab.kernels.argmax_peak_triton: one launch instead of three)."""
-    plain_greedy = (isinstance(sampler, Sampler) and type(sampler).sample is Sampler.sample and sampler.greedy
-                    and not sampler.needs_counts)
-    fused = optional_triton_kernel(logits.device, None, "lmlab.kernels.argmax_peak_triton", "argmax_peak")
-    if plain_greedy and fused is not None:
-        return fused(logits, usable, peaks)
-    torch.linalg.vector_norm(logits, float("inf"), dim=-1, out=peaks)
-    if usable < logits.shape[-1]:
-        logits = logits.clone()
-        logits[..., usable:] = -torch.inf
-    return sampler.sample(logits, counts, generator)
 
 
 @SAMPLERS.register("greedy")

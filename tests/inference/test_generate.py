@@ -151,3 +151,36 @@ def test_greedy_matches_transformers_generate_on_a_converted_llama():
     expected = hf.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=20, min_new_tokens=20,
                            do_sample=False, pad_token_id=0)[0, prompt.shape[1]:].tolist()
     assert Engine(model).generate(prompt.tolist(), max_new_tokens=20).tokens[0] == expected
+
+
+class _OnlyOddIds:
+    """A sampler by duck typing that never picks an even id (as multimodal's RangeSampler restricts the ids)."""
+
+    greedy, needs_counts = True, False
+
+    def sample(self, logits, counts=None, generator=None):
+        return logits.masked_fill(torch.arange(logits.shape[-1]) % 2 == 0, -torch.inf).argmax(-1)
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_pick_samples_below_usable_and_writes_each_rows_peak(monkeypatch, fused):
+    import importlib.util
+    import os
+
+    from lmlab.inference import generate
+
+    if fused:  # the one-pass kernel, where Triton's CPU interpreter can run it
+        if os.environ.get("TRITON_INTERPRET") != "1" or importlib.util.find_spec("triton") is None:
+            pytest.skip("the fused path runs on the CPU under Triton's interpreter (TRITON_INTERPRET=1)")
+        from lmlab.kernels.argmax_peak_triton import argmax_peak
+
+        monkeypatch.setattr(generate, "optional_triton_kernel", lambda *args: argmax_peak)
+    logits = torch.tensor([[0.0, 3.0, 1.0, 9.0, 2.0], [5.0, 2.0, 1.0, -7.0, float("nan")]])
+    peaks = torch.zeros(2)
+    beyond = torch.arange(5) >= 3  # ids 3 and 4 are padding: never picked, but their logits count for the peak
+    tokens = generate.pick(SAMPLERS.build("greedy"), logits, None, None, beyond, 3, peaks)
+    assert tokens.tolist() == [1, 0]
+    assert peaks[0] == 9.0 and peaks[1].isnan()
+    # a sampler that is not a plain greedy Sampler keeps its own rule, fused kernel or not
+    assert generate.pick(_OnlyOddIds(), logits[:1], None, None, None, 5, torch.zeros(1)).tolist() == [3]
+    assert generate.pick(_OnlyOddIds(), logits[:1], None, None, beyond, 3, torch.zeros(1)).tolist() == [1]
