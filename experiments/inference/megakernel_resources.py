@@ -42,7 +42,8 @@ def plan_for(batch, layers, d_model, heads, kv_heads, head_dim, d_ff, cache_len,
     k, v = (torch.empty(layers, batch, kv_heads, cache_len, head_dim, **meta) for _ in range(2))
     rope = [torch.empty(cache_len, head_dim // 2, device="meta") for _ in range(2)]
     slots, start = torch.empty(1, dtype=torch.long, device="meta"), torch.empty(batch, dtype=torch.long, device="meta")
-    return dl.launch_plan(torch.empty(batch, d_model, **meta), *w, *norms, k, v, slots, start, *rope, heads, kv_heads,
+    residual = torch.empty(batch, d_model, device="meta")
+    return dl.launch_plan(residual, *w, *norms, k, v, slots, start, *rope, heads, kv_heads,
                           False, 1e-5, head_dim ** -0.5, programs)
 
 

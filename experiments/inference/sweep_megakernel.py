@@ -2,8 +2,8 @@
 
     python experiments/inference/sweep_megakernel.py --batch 1 32 --out sweep-megakernel.json [--only [SETTING ...]]
 
-llama400m (vocab 50304, random weights, bf16), one token per sequence at slot 255 of a 384-slot cache: the layer
-stack (`decode_layers`) replayed from a CUDA graph, medians of the last 40 of 50 replays, launched stage by stage and
+llama400m (vocab 50304, random weights, bf16), one token per sequence at slot 255 of a 384-slot cache (`--slots`:
+others, the mean of their times ranking the settings): the layer stack (`decode_layers`) replayed from a CUDA graph, medians of the last 40 of 50 replays, launched stage by stage and
 persistent for each setting of programs per SM, tile size (GEMV_TILE_ELEMS and GEMV_GATE_UP_TILE_ELEMS at batch 1,
 BLOCK_K above), warps and, at batch 1, how o_proj waits (GEMV_O_PROJ_ON_COUNTERS), when programs arrive at a barrier,
 whether they prefetch their later items to L2 and which tiles are cut into chunks;
@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import statistics
 
 import torch
 
@@ -37,27 +38,27 @@ SETTINGS = {True: {"GEMV_O_PROJ_ON_COUNTERS": (False, True), "GEMV_PROGRAMS_PER_
 STAGES = ("qkv", "attention", "o_proj", "gate_up", "down")
 
 
-def stack_inputs(kernel: Megakernel, batch: int) -> tuple:
-    """`decode_layers`' arguments for one decode step through the layer stack at slot 255 of a 384-slot cache:
+def stack_inputs(kernel: Megakernel, batch: int, slot: int = 255) -> tuple:
+    """`decode_layers`' arguments for one decode step through the layer stack at `slot` of a 384-slot cache:
     (x, weights, k_cache, v_cache, slots, start, cos, sin, eps), random rows and caches."""
     model, w = kernel.model, kernel.weights
     shape = (len(model.layers), batch, w.n_kv_heads, 384, w.head_dim)
     k, v = (torch.randn(shape, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-    x = torch.randn(batch, w.o.shape[1], device="cuda", dtype=torch.bfloat16)
-    slots, start = torch.tensor([255], device="cuda"), torch.zeros(batch, dtype=torch.long, device="cuda")
+    x = torch.randn(batch, w.o.shape[1], device="cuda")  # the float32 residual stream, updated in place
+    slots, start = torch.tensor([slot], device="cuda"), torch.zeros(batch, dtype=torch.long, device="cuda")
     rope = model.position
     return x, w, k, v, slots, start, rope.cos, rope.sin, model.layers[0].input_layernorm.eps
 
 
-def stack_step(kernel: Megakernel, batch: int, persistent: bool):
+def stack_step(kernel: Megakernel, batch: int, persistent: bool, slot: int = 255):
     """One decode step through the layer stack (`stack_inputs`), as a function of nothing."""
-    inputs = stack_inputs(kernel, batch)
+    inputs = stack_inputs(kernel, batch, slot)
     return lambda: dl.decode_layers(*inputs, persistent=persistent)
 
 
-def time_stack(kernel: Megakernel, batch: int, persistent: bool) -> float:
+def time_stack(kernel: Megakernel, batch: int, persistent: bool, slot: int = 255) -> float:
     """Microseconds per replay of one decode step through the layer stack."""
-    return graph_replay_us(stack_step(kernel, batch, persistent), replays=50, skip=10)
+    return graph_replay_us(stack_step(kernel, batch, persistent, slot), replays=50, skip=10)
 
 
 def stage_profile(kernel: Megakernel, batch: int) -> dict[str, float]:
@@ -79,22 +80,32 @@ def stage_profile(kernel: Megakernel, batch: int) -> dict[str, float]:
     return totals
 
 
-def generation_profile(model, engine: str, batch: int, prompt: int = 128, new: int = 256, top: int = 12) -> list:
+def generation_profile(model, engine: str, batch: int, prompt: int = 128, new: int = 256,
+                       top: int = 12) -> tuple[list, list]:
     """(kernel, launches per token, GPU microseconds per token) of one more greedy generation by `engine` (already
-    warm), the `top` kernels by time, then every kernel's total."""
+    warm), the `top` kernels by time, then every kernel's total; and, where a step has one megakernel launch, one
+    middle step's kernels in launch order: (name, GPU us, us idle since the previous kernel ended)."""
     ids = torch.randint(0, model.vocab_size, (batch, prompt), device="cuda")
     run = contender(engine, model)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         run(ids, new)
         torch.cuda.synchronize()
     totals: dict[str, list[float]] = {}
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA:
-            entry = totals.setdefault(e.name[:60], [0, 0.0])
-            entry[0] += 1
-            entry[1] += e.device_time
+    kernels = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
+                     key=lambda e: e.time_range.start)
+    for e in kernels:
+        entry = totals.setdefault(e.name[:60], [0, 0.0])
+        entry[0] += 1
+        entry[1] += e.device_time
     rows = sorted(([name, n / new, us / new] for name, (n, us) in totals.items()), key=lambda r: -r[2])
-    return rows[:top] + [["all kernels", sum(r[1] for r in rows), sum(r[2] for r in rows)]]
+    steps = [i for i, e in enumerate(kernels) if "layers_kernel" in e.name]
+    sequence = []
+    if len(steps) > 2:
+        middle = len(steps) // 2
+        for i in range(steps[middle], steps[middle + 1]):
+            idle = kernels[i].time_range.start - kernels[i - 1].time_range.end
+            sequence.append([kernels[i].name[:90], kernels[i].device_time, idle])
+    return rows[:top] + [["all kernels", sum(r[1] for r in rows), sum(r[2] for r in rows)]], sequence
 
 
 def main() -> None:
@@ -103,6 +114,9 @@ def main() -> None:
     parser.add_argument("--out", default="sweep-megakernel.json")
     parser.add_argument("--only", nargs="*", default=None, metavar="SETTING",
                         help="sweep these settings only, the others at the module's values (none: no sweep)")
+    parser.add_argument("--slots", type=int, nargs="+", default=[255],
+                        help="cache slots (of 384) the persistent stack is timed at; a setting's time is their mean "
+                             "(generation with 128-token prompts and 256 new tokens runs slots 128-383)")
     args = parser.parse_args()
     model, _ = build_model(DEFAULT_OVERRIDES, None, torch.device("cuda"), torch.bfloat16)
     kernel = Megakernel(model)
@@ -120,8 +134,10 @@ def main() -> None:
             setting = dict(zip(settings, values))
             for name, value in setting.items():
                 setattr(dl, name, value)
-            rows.append({"batch": batch, **setting, "us": time_stack(kernel, batch, persistent=True)})
-            print(f"batch {batch:>3} {setting}: {rows[-1]['us']:8.1f} us", flush=True)
+            at = {slot: time_stack(kernel, batch, persistent=True, slot=slot) for slot in args.slots}
+            rows.append({"batch": batch, **setting, "us": statistics.mean(at.values()), "us_at_slot": at})
+            print(f"batch {batch:>3} {setting}: {rows[-1]['us']:8.1f} us",
+                  "(" + ", ".join(f"slot {k}: {v:.1f}" for k, v in at.items()) + ")", flush=True)
         best[batch] = min((r for r in rows if r["batch"] == batch and "stages" not in r), key=lambda r: r["us"])
         for name in settings:
             setattr(dl, name, best[batch][name])
@@ -129,10 +145,15 @@ def main() -> None:
     bench = run_benchmark(model, ["megakernel", "compiled"], args.batch, [128], 256, repeats=3)
     profiles = {}
     for batch, engine in itertools.product(args.batch, ("megakernel", "compiled")):
-        profiles[f"{engine} batch {batch}"] = generation_profile(model, engine, batch)
+        rows, sequence = generation_profile(model, engine, batch)
+        profiles[f"{engine} batch {batch}"] = {"per_token": rows, "one_step": sequence}
         print(f"{engine}, batch {batch}: GPU time per generated token")
-        for name, launches, us in profiles[f"{engine} batch {batch}"]:
+        for name, launches, us in rows:
             print(f"  {us:8.1f} us {launches:6.1f} launches  {name}")
+        if sequence:
+            print(f"{engine}, batch {batch}: one step's kernels in launch order (GPU us, idle us before)")
+            for name, us, idle in sequence:
+                print(f"  {us:8.1f} {idle:8.1f}  {name}")
     with open(args.out, "w") as f:
         json.dump({"sweep": rows, "best": best, "bench": bench["rows"], "generation_profile": profiles}, f,
                   indent=1, default=str)

@@ -31,6 +31,7 @@ from lmlab.inference.cache import CacheState, LayerCache, factory_for
 from lmlab.kernels.registry import optional_triton_kernel, triton_unavailable
 from lmlab.nn.fused import fuse_projections
 from lmlab.nn.moe import MoELayer
+from lmlab.nn.norms import RMSNorm
 from lmlab.nn.transformer import Transformer
 
 log = logging.getLogger(__name__)
@@ -59,7 +60,7 @@ class Engine:
 
     def __init__(self, model: Transformer, compile: bool = False, cuda_graphs: bool | None = None,
                  attention_kernel: bool | None = None, megakernel: bool = False, folded_norms: bool | None = None,
-                 batch_invariant: bool = False):
+                 batch_invariant: bool = False, head_kernel: bool | None = None):
         """compile: torch.compile the decode step. cuda_graphs: replay it from a CUDA graph (default: when
         compiled on CUDA; without compile it still removes the Python cost of launching each kernel).
         attention_kernel: decode steps attend with the Triton flash-decoding kernel where it applies
@@ -69,7 +70,9 @@ class Engine:
         stacks with the attention kernel), for the batches the megakernel does not take; default: compiled on CUDA,
         at batches of AUTO_FOLD_MIN_BATCH or more, where the model allows it. batch_invariant: every step computes
         each token to the same bits whatever its shape (lmlab.inference.batch_invariant; eager steps, replayed from
-        CUDA graphs unless cuda_graphs=False)."""
+        CUDA graphs unless cuda_graphs=False). head_kernel: steps of a few tokens take the final norm and the head in
+        one Triton kernel (lmlab.kernels.normed_head_triton: an RMSNorm before a plain head without soft-capping);
+        default: on CUDA with Triton where the model allows, unless batch_invariant."""
         check_generatable(model)
         self.model = model.eval()
         weight = model.embed_tokens.weight
@@ -86,6 +89,7 @@ class Engine:
             self.attention_kernel = self.invariant.attention_kernel
         fuse_projections(model)  # q/k/v and gate/up as one matmul each
         self.megakernel = self._megakernel(model) if megakernel else None
+        self.head_kernel = self._head_kernel(model, False if batch_invariant else head_kernel)
         self.folded_norms = (self._folded_norms(model, folded_norms) if self.invariant is None
                              else self.invariant.folded_norms(model))
         if compile:  # one compiled graph per (batch, cache length, tokens per step): allow many
@@ -119,6 +123,27 @@ class Engine:
         from lmlab.inference.megakernel import Megakernel  # here: Triton is optional
 
         return Megakernel(model)
+
+    def _head_kernel(self, model: Transformer, wanted: bool | None) -> Callable | None:
+        kernel = optional_triton_kernel(self.device, wanted, "lmlab.kernels.normed_head_triton", "normed_head",
+                                        option="head_kernel")
+        if kernel is not None and wanted and (problem := self._head_problem()):
+            raise ConfigError(f"head_kernel=True, but {problem}")
+        return kernel
+
+    def _head_problem(self, rows: torch.Tensor | None = None) -> str | None:
+        """Why the model's head (now: quantizing may replace it), or these rows (n, d_model), cannot take the fused
+        norm + head kernel (None: they can)."""
+        model = self.model
+        if type(model.norm) is not RMSNorm:
+            return f"the final norm is {type(model.norm).__name__}, not rmsnorm"
+        if type(model.lm_head) is not torch.nn.Linear or model.lm_head.bias is not None:
+            return "lm_head is not a plain bias-free Linear"
+        if rows is None:
+            return None
+        from lmlab.kernels.normed_head_triton import unsupported
+
+        return unsupported(rows, model.output_head())
 
     def _folded_norms(self, model: Transformer, wanted: bool | None):
         automatic = wanted is None  # on where it was measured faster: compiled CUDA steps of several sequences
@@ -216,6 +241,11 @@ class Engine:
         return model.run_layers(x, positions, self.caches)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """float32 logits of final hidden states (..., d_model)."""
+        rows = hidden.reshape(-1, hidden.shape[-1]).contiguous()
+        if self.head_kernel is not None and self._head_problem(rows) is None:
+            norm = self.model.norm
+            return self.head_kernel(rows, norm.weight, norm.eps, self.model.output_head()).view(*hidden.shape[:-1], -1)
         return self.model._head(self.model.norm(hidden)).float()
 
     @torch.inference_mode()

@@ -143,21 +143,25 @@ def without_padding(logits: torch.Tensor, beyond: torch.Tensor | None) -> torch.
 
 
 def pick(sampler, logits: torch.Tensor, counts: torch.Tensor | None, generator: torch.Generator | None,
-         beyond: torch.Tensor | None, usable: int, peaks: torch.Tensor) -> torch.Tensor:
+         beyond: torch.Tensor | None, usable: int, peaks: torch.Tensor, finished: torch.Tensor | None = None,
+         out: torch.Tensor | None = None) -> torch.Tensor:
     """`sampler.sample` over the ids that are not padding (`padding_ids`' mask `beyond`, the ids from `usable`
     on), writing each row's largest |logit| over all ids into peaks [B] (NaN or inf where one is not finite:
-    generation's check). Any object with a Sampler's `sample`, `greedy` and `needs_counts` serves (a wrapper that
+    generation's check). Rows that `finished` [B] marks take token 0; `out` [B]: where the tokens go. Any object with a Sampler's `sample`, `greedy` and `needs_counts` serves (a wrapper that
     restricts the ids, say). Greedy decoding by a Sampler that samples as Sampler does, without penalties, takes
-    both from one pass over the logits on a GPU (lmlab.kernels.argmax_peak_triton: one launch instead of three)."""
+    both from one pass over the logits on a GPU (lmlab.kernels.argmax_peak_triton: one launch instead of four)."""
     from lmlab.inference.samplers import Sampler
 
     plain_greedy = (isinstance(sampler, Sampler) and type(sampler).sample is Sampler.sample and sampler.greedy
                     and not sampler.needs_counts)
     fused = optional_triton_kernel(logits.device, None, "lmlab.kernels.argmax_peak_triton", "argmax_peak")
     if plain_greedy and fused is not None:
-        return fused(logits, usable, peaks)
+        return fused(logits, usable, peaks, finished, out)
     torch.linalg.vector_norm(logits, float("inf"), dim=-1, out=peaks)
-    return sampler.sample(without_padding(logits, beyond), counts, generator)
+    token = sampler.sample(without_padding(logits, beyond), counts, generator)
+    if finished is not None:
+        token = token.masked_fill(finished, 0)
+    return token if out is None else out.copy_(token)
 
 
 def tokenizer_vocab_size(tokenizer) -> int | None:
@@ -190,7 +194,6 @@ def generate(engine, prompts: Sequence[Sequence[int]], sampler=None, max_new_tok
     finished = torch.zeros(batch, dtype=torch.bool, device=device)
     peaks = torch.zeros(max_new_tokens, batch, device=device)  # each step's and row's largest |logit|: NaN or inf
     # where one is not finite
-    zero = torch.zeros((), dtype=torch.long, device=device)
     counts = token_counts(ids, start, model.vocab_size) if sampler.needs_counts else None
     beyond, usable = padding_ids(model.vocab_size, tokenizer, device), usable_vocab_size(model.vocab_size, tokenizer)
     step_every = 1 if stream is not None or stops.stops else sync_every
@@ -204,7 +207,7 @@ def generate(engine, prompts: Sequence[Sequence[int]], sampler=None, max_new_tok
     host_done = [False] * batch
     for n in range(max_new_tokens):
         # one launch each where a step's host-free bookkeeping can take it: at batch 1 every launch is ~3% of a step
-        token = torch.where(finished, zero, pick(sampler, logits, counts, generator, beyond, usable, peaks[n]), out=out[n])
+        token = pick(sampler, logits, counts, generator, beyond, usable, peaks[n], finished, out[n])
         if counts is not None:
             counts.scatter_add_(1, token[:, None], (~finished).float()[:, None])
         was_finished = finished.clone() if stream is not None else None

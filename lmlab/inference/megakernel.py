@@ -152,7 +152,8 @@ class Megakernel:
 
         block = self.model.layers[0]
         rope = self.model.position
-        out = decode_layers(x[:, 0], self.weights, self.k_cache, self.v_cache, state.slots, state.start,
+        residual = x[:, 0].to(torch.float32, copy=True)  # compiled: written so by the embedding's own kernel
+        out = decode_layers(residual, self.weights, self.k_cache, self.v_cache, state.slots, state.start,
                             rope.cos, rope.sin, block.input_layernorm.eps, block.self_attn.score_scale,
                             persistent=self.persistent)
         return out[:, None]

@@ -2,7 +2,8 @@
 
 `argmax_peak(logits, usable, peaks)` returns each row's argmax over the ids below `usable` (a padded vocabulary's
 tail is never picked; the lowest id on a tie, as torch.argmax) and writes each row's largest |logit| over all ids
-into `peaks` (NaN or inf where any logit is not finite: generation's check that names the step).
+into `peaks` (NaN or inf where any logit is not finite: generation's check that names the step). With `finished`,
+rows marked there take token 0 (generation's finished sequences), and `out` receives the tokens.
 
 Why a kernel: at batch 1 the step's two ATen reductions over 50,304 float32 logits (torch.argmax and
 torch.linalg.vector_norm) took ~11 us of GPU time each on an H200, ~4% of a megakernel decode step
@@ -23,8 +24,8 @@ _WORKSPACE: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
 
 @triton.jit
-def _argmax_peak_kernel(Logits, Tokens, Peaks, PartMax, PartArg, PartPeak, Done, vocab, usable, stride, n_chunks,
-                        CHUNK: tl.constexpr, CHUNKS: tl.constexpr):
+def _argmax_peak_kernel(Logits, Tokens, Peaks, Finished, PartMax, PartArg, PartPeak, Done, vocab, usable, stride,
+                        n_chunks, CHUNK: tl.constexpr, CHUNKS: tl.constexpr, FINISHED: tl.constexpr):
     row, chunk = tl.program_id(0), tl.program_id(1)
     ids = chunk * CHUNK + tl.arange(0, CHUNK)
     x = tl.load(Logits + row * stride + ids, mask=ids < vocab, other=0.0).to(tl.float32)
@@ -45,7 +46,10 @@ def _argmax_peak_kernel(Logits, Tokens, Peaks, PartMax, PartArg, PartPeak, Done,
         args = tl.load(PartArg + at_row, mask=ok, other=vocab, cache_modifier=".cg")
         peaks = tl.load(PartPeak + at_row, mask=ok, other=0.0, cache_modifier=".cg")
         top = tl.max(bests, 0)
-        tl.store(Tokens + row, tl.min(tl.where(ok & (bests == top), args, vocab), 0).to(tl.int64))
+        token = tl.min(tl.where(ok & (bests == top), args, vocab), 0).to(tl.int64)
+        if FINISHED:
+            token = tl.where(tl.load(Finished + row) != 0, 0, token)
+        tl.store(Tokens + row, token)
         any_nan = tl.sum((peaks != peaks).to(tl.int32), 0) > 0
         tl.store(Peaks + row, tl.where(any_nan, float("nan"), tl.max(peaks, 0)))
         tl.store(Done + row, 0)  # ready for the next call
@@ -63,9 +67,10 @@ def _workspace(rows: int, n_chunks: int, device: torch.device) -> tuple[torch.Te
     return _WORKSPACE[key]
 
 
-def argmax_peak(logits: torch.Tensor, usable: int, peaks: torch.Tensor) -> torch.Tensor:
-    """logits (B, V) -> the argmax of each row over ids < usable, (B,) int64; peaks (B,) float32 gets each row's
-    largest |logit| over all V ids."""
+def argmax_peak(logits: torch.Tensor, usable: int, peaks: torch.Tensor, finished: torch.Tensor | None = None,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+    """logits (B, V) -> the argmax of each row over ids < usable, (B,) int64 (in `out` where given; 0 in the rows
+    that `finished` (B,) bool marks); peaks (B,) float32 gets each row's largest |logit| over all V ids."""
     rows, vocab = logits.shape
     if not 0 < usable <= vocab:
         raise ValueError(f"argmax_peak: usable={usable} must be in [1, {vocab}] (the logits' vocabulary)")
@@ -73,8 +78,12 @@ def argmax_peak(logits: torch.Tensor, usable: int, peaks: torch.Tensor) -> torch
         raise ValueError("argmax_peak: the logits need contiguous rows and peaks a (rows,) float32 tensor")
     n_chunks = triton.cdiv(vocab, CHUNK)
     parts, args, done = _workspace(rows, n_chunks, logits.device)
-    tokens = torch.empty(rows, dtype=torch.long, device=logits.device)
-    _argmax_peak_kernel[(rows, n_chunks)](logits, tokens, peaks, parts[0], args, parts[1], done, vocab, usable,
-                                          logits.stride(0), n_chunks, CHUNK=CHUNK,
-                                          CHUNKS=triton.next_power_of_2(n_chunks), num_warps=NUM_WARPS)
+    for name, given, dtype in (("finished", finished, torch.bool), ("out", out, torch.long)):
+        if given is not None and (given.shape != (rows,) or given.dtype != dtype or not given.is_contiguous()):
+            raise ValueError(f"argmax_peak: {name} must be a contiguous (rows,) {dtype} tensor")
+    tokens = torch.empty(rows, dtype=torch.long, device=logits.device) if out is None else out
+    _argmax_peak_kernel[(rows, n_chunks)](logits, tokens, peaks, tokens if finished is None else finished, parts[0],
+                                          args, parts[1], done, vocab, usable, logits.stride(0), n_chunks,
+                                          CHUNK=CHUNK, CHUNKS=triton.next_power_of_2(n_chunks),
+                                          FINISHED=finished is not None, num_warps=NUM_WARPS)
     return tokens

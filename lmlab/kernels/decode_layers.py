@@ -1,9 +1,10 @@
 """Launching the decode megakernel (`lmlab.kernels.decode_layers_triton`, whose docstring says how it works).
 
-`decode_layers(x, weights, k_cache, v_cache, slots, start, cos, sin, eps, scale)` runs one new token per sequence,
-x (batch, d_model), through every layer of a stack whose weights are stacked per kind
-(`lmlab.inference.megakernel.StackedWeights`), writes each layer's new key and value at cache slot `slots[0]`, and
-returns the last layer's output (before the final norm) in x's dtype. `persistent=False` launches each (layer,
+`decode_layers(x, weights, k_cache, v_cache, slots, start, cos, sin, eps, scale)` runs one new token per sequence
+through every layer of a stack whose weights are stacked per kind (`lmlab.inference.megakernel.StackedWeights`):
+x (batch, d_model), float32, is the residual stream, which it updates in place (the kernel's own buffer, so no cast
+in or out is a launch of its own). It writes each layer's new key and value at cache slot `slots[0]`, and returns
+the last layer's output (before the final norm) in the weights' dtype. `persistent=False` launches each (layer,
 stage) as a kernel of its own (for Triton's CPU interpreter, and as the many-launch baseline). `launch_plan` gives
 the scratch buffers and settings of a step on any device; the module's settings below are what
 experiments/inference/sweep_megakernel.py sweeps.
@@ -65,7 +66,7 @@ def _resident_per_sm(args: tuple, meta: dict) -> int:
     largest. Counting it by hand got it wrong: 2 x 114 KiB of shared memory fits 228 KiB only without the 1 KiB
     that each block reserves, so half the grid waited for an SM while the other half spun at the first barrier."""
     specialized = tuple((a == 1, a % 16 == 0) for a in args if type(a) is int)  # what Triton compiles a variant for
-    key = (args[0].device, args[1].dtype, specialized, *sorted(meta.items()))
+    key = (args[0].device, args[2].dtype, specialized, *sorted(meta.items()))
     if key not in _RESIDENT:
         kernel = layers_kernel.warmup(*args, grid=(1,), STAGE=-1, **meta)  # the very kernel the launch runs
         kernel._init_handles()
@@ -115,6 +116,8 @@ def unsupported(x: torch.Tensor, weights: StackedWeights, k_cache: torch.Tensor)
         return f"head_dim={weights.head_dim} (supported: {', '.join(map(str, SUPPORTED_HEAD_DIMS))})"
     if weights.n_heads % weights.n_kv_heads or weights.n_heads // weights.n_kv_heads > 64:
         return f"{weights.n_heads} query heads over {weights.n_kv_heads} kv heads"
+    if x.dtype != torch.float32:
+        return f"x is {x.dtype}; it must be the float32 residual stream (updated in place)"
     if x.shape[0] > 64:
         return f"batch {x.shape[0]} > 64 (the matmuls hold the whole batch in one tile)"
     if k_cache.stride(-1) != 1 or k_cache.dtype != weights.qkv.dtype:
@@ -125,7 +128,8 @@ def unsupported(x: torch.Tensor, weights: StackedWeights, k_cache: torch.Tensor)
 def decode_layers(x: torch.Tensor, weights: StackedWeights, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   slots: torch.Tensor, start: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, eps: float,
                   scale: float | None = None, persistent: bool = True) -> torch.Tensor:
-    """x (batch, d_model) -> the last layer's output (batch, d_model); k_cache and v_cache
+    """x (batch, d_model), the float32 residual stream, updated in place -> the last layer's output (batch, d_model)
+    in the weights' dtype; k_cache and v_cache
     (layers, batch, kv_heads, cache_len, head_dim) get each layer's new key and value at slots[0]. cos and sin:
     RoPE's tables (positions, head_dim / 2). scale: of the attention scores (None: 1 / sqrt(head_dim))."""
     problem = unsupported(x, weights, k_cache)
@@ -137,8 +141,9 @@ def decode_layers(x: torch.Tensor, weights: StackedWeights, k_cache: torch.Tenso
                              weights.n_kv_heads, weights.rope_interleaved, eps, scale, persistent)
 
 
-# A custom op, so torch.compile treats the launch as one opaque call (and a CUDA graph captures it).
-@torch.library.custom_op("lmlab::decode_layers", mutates_args=("k_cache", "v_cache"))
+# A custom op, so torch.compile treats the launch as one opaque call (and a CUDA graph captures it). Inductor passes it
+# the buffer that its embedding kernel wrote x to, cast to float32 there: no copy of its own.
+@torch.library.custom_op("lmlab::decode_layers", mutates_args=("x", "k_cache", "v_cache"))
 def _decode_layers_op(x: torch.Tensor, qkv: torch.Tensor, o: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
                       norm_attn: torch.Tensor, norm_ffn: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       slots: torch.Tensor, start: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_heads: int,
@@ -153,13 +158,13 @@ def _decode_layers_op(x: torch.Tensor, qkv: torch.Tensor, o: torch.Tensor, gate_
         for layer in range(k_cache.shape[0]):
             for stage in range(N_STAGES):
                 layers_kernel[(programs,)](*plan.args, layer, layer + 1, *plan.shape, STAGE=stage, **plan.meta)
-    return plan.args[0].to(x.dtype)  # the float32 residual stream
+    return plan.args[1]  # written by the last layer
 
 
 @dataclass
 class LaunchPlan:
-    """What `layers_kernel` is launched with: its tensors (the float32 residual stream first, then the weights,
-    caches and scratch), its scalars after (layer_lo, layer_hi), its compile-time settings, and the programs per SM
+    """What `layers_kernel` is launched with: its tensors (the float32 residual stream first, the output in the
+    weights' dtype, then the weights, caches and scratch), its scalars after (layer_lo, layer_hi), its compile-time settings, and the programs per SM
     wanted (fewer where fewer fit)."""
 
     args: tuple
@@ -175,29 +180,32 @@ def persistent_programs(plan: LaunchPlan, args: tuple) -> int:
 
 def launch_plan(x, qkv, o, gate_up, down, norm_attn, norm_ffn, k_cache, v_cache, slots, start, cos, sin, n_heads: int,
                 n_kv_heads: int, interleaved: bool, eps: float, scale: float, programs: int) -> LaunchPlan:
-    """The scratch buffers and settings of one decode step on `programs` SMs (any device, "meta" included:
+    """The scratch buffers and settings of one decode step on `programs` SMs, x being the float32 residual stream that
+    the launch updates in place (any device, "meta" included:
     experiments/inference/megakernel_resources.py compiles from it without a GPU)."""
     batch, d_model = x.shape
     n_layers, cache_len, head_dim = k_cache.shape[0], k_cache.shape[3], k_cache.shape[4]
     group = n_heads // n_kv_heads
     d_ff = down.shape[2]
+    kp_model, kp_attn, kp_ff = (triton.next_power_of_2(w) for w in (d_model, n_heads * head_dim, d_ff))
+    gemv = batch == 1 and max(kp_model, kp_attn, kp_ff) <= GEMV_MAX_WIDTH
+    per_sm = GEMV_PROGRAMS_PER_SM if gemv else PROGRAMS_PER_SM
     split = n_splits(batch, n_kv_heads, cache_len, programs)
     f32 = dict(dtype=torch.float32, device=x.device)
-    residual = x.to(torch.float32, copy=True)
+    dtype = qkv.dtype
+    out = torch.empty(batch, d_model, dtype=dtype, device=x.device)
     q = torch.empty(batch, n_heads, head_dim, **f32)
     part_out = torch.empty(batch, n_heads, split, head_dim, **f32)
     part_lse = torch.empty(batch, n_heads, split, **f32)
-    attn = torch.empty(batch, n_heads * head_dim, dtype=x.dtype, device=x.device)
-    act = torch.empty(batch, d_ff, dtype=x.dtype, device=x.device)
-    kp_model, kp_attn, kp_ff = (triton.next_power_of_2(w) for w in (d_model, n_heads * head_dim, d_ff))
-    gemv = batch == 1 and max(kp_model, kp_attn, kp_ff) <= GEMV_MAX_WIDTH
+    attn = torch.empty(batch, n_heads * head_dim, dtype=dtype, device=x.device)
+    act = torch.empty(batch, d_ff, dtype=dtype, device=x.device)
     split_o = gemv and GEMV_O_PROJ_ON_COUNTERS
     # Zeroed in one fill: the counters (the grid barrier's, each kv head's finished q/k/v items, each (sequence, kv
     # head)'s finished attention splits) and, on the matrix-vector path, each layer's o_proj sums (float32 zeros)
     counters = 1 + n_kv_heads + batch * n_kv_heads
     sync = torch.zeros(counters + (n_layers * d_model if gemv else 0), dtype=torch.int32, device=x.device)
     arrived, o_acc = sync[1 + n_kv_heads:counters], sync[counters:].view(torch.float32)
-    args = (residual, qkv, o, gate_up, down, norm_attn, norm_ffn, k_cache, v_cache, q, part_out, part_lse, attn,
+    args = (x, out, qkv, o, gate_up, down, norm_attn, norm_ffn, k_cache, v_cache, q, part_out, part_lse, attn,
             arrived, act, cos, sin, slots, start, sync, o_acc, sync)  # no timeline: its pointer unused
     tiles = dict(T_QKV=_tile_rows(kp_model, head_dim // 2) if gemv else 16,
                  T_O=_tile_rows(head_dim if split_o else kp_attn),
@@ -205,7 +213,7 @@ def launch_plan(x, qkv, o, gate_up, down, norm_attn, norm_ffn, k_cache, v_cache,
     meta = dict(BB=1 if gemv else max(16, triton.next_power_of_2(batch)), HEAD_DIM=head_dim, GROUP=group,
                 BLOCK_M=max(16, triton.next_power_of_2(group)), BLOCK_N=32,
                 BLOCK_SPLIT=triton.next_power_of_2(split), BLOCK_K=BLOCK_K, INTERLEAVED=interleaved,
-                PREC="ieee" if x.dtype == torch.float32 else "tf32", num_stages=NUM_STAGES,
+                PREC="ieee" if dtype == torch.float32 else "tf32", num_stages=NUM_STAGES,
                 num_warps=GEMV_NUM_WARPS if gemv else NUM_WARPS,
                 GEMV=gemv, KP_MODEL=kp_model, KP_ATTN=kp_attn, KP_FF=kp_ff,
                 C_MODEL=_chunk(kp_model, min(tiles["T_QKV"], tiles["T_GU"])), C_ATTN=_chunk(kp_attn, tiles["T_O"]),
@@ -214,10 +222,10 @@ def launch_plan(x, qkv, o, gate_up, down, norm_attn, norm_ffn, k_cache, v_cache,
                 ARRIVE_FIRST=gemv and GEMV_ARRIVE_BEFORE_LOADS, TIMELINE=False)
     shape = (batch, d_model, d_ff, n_heads, n_kv_heads, split, eps, scale * LOG2E,
              k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), k_cache.stride(3))
-    return LaunchPlan(args, shape, meta, GEMV_PROGRAMS_PER_SM if gemv else PROGRAMS_PER_SM)
+    return LaunchPlan(args, shape, meta, per_sm)
 
 
 @_decode_layers_op.register_fake
 def _(x, qkv, o, gate_up, down, norm_attn, norm_ffn, k_cache, v_cache, slots, start, cos, sin, n_heads, n_kv_heads,
       interleaved, eps, scale, persistent):
-    return torch.empty_like(x)
+    return torch.empty_like(x, dtype=qkv.dtype)

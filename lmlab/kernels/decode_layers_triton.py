@@ -154,13 +154,20 @@ def _qkv_rows(item, HEAD_DIM: tl.constexpr, PAIRS: tl.constexpr, INTERLEAVED: tl
 
 
 @triton.jit
-def _qkv_out(acc1, acc2, head, freq, first, second, Q, Kc, Vc, Cos, Sin, Sync, pos, slot, rows, row_ok, sc_b, sc_h,
-             sc_l, n_heads, n_kv_heads, HEAD_DIM: tl.constexpr):
-    """RoPE on a (batch, pairs) item of q or k; q to scratch, k and v into the caches at `slot`; then the item
-    counts itself done in its kv head's counter (Sync[1 + kv head]), which the attention items wait on."""
+def _rope_tables(Cos, Sin, pos, freq, row_ok, HEAD_DIM: tl.constexpr):
+    """RoPE's cos and sin at each row's position `pos` for the frequencies `freq`: (rows, pairs) each."""
     HALF: tl.constexpr = HEAD_DIM // 2
     cos = tl.load(Cos + pos[:, None] * HALF + freq[None, :], mask=row_ok[:, None], other=1.0)
     sin = tl.load(Sin + pos[:, None] * HALF + freq[None, :], mask=row_ok[:, None], other=0.0)
+    return cos, sin
+
+
+@triton.jit
+def _qkv_out(acc1, acc2, head, freq, first, second, Q, Kc, Vc, cos, sin, Sync, slot, rows, row_ok, sc_b, sc_h,
+             sc_l, n_heads, n_kv_heads, HEAD_DIM: tl.constexpr):
+    """RoPE (cos, sin: `_rope_tables`) on a (batch, pairs) item of q or k; q to scratch, k and v into the caches at
+    `slot`; then the item counts itself done in its kv head's counter (Sync[1 + kv head]), which the attention items
+    wait on."""
     rotated = head < n_heads + n_kv_heads
     out1 = tl.where(rotated, acc1 * cos - acc2 * sin, acc1)
     out2 = tl.where(rotated, acc2 * cos + acc1 * sin, acc2)
@@ -193,7 +200,8 @@ def _qkv_stage(X, NormW, W, Q, Kc, Vc, Cos, Sin, Sync, Slots, Start, rows, row_o
         head, freq, first, second = _qkv_rows(item, HEAD_DIM, PAIRS, INTERLEAVED)
         acc1, acc2 = _normed_matmul_pair(X, NormW, W, head * HEAD_DIM + first, head * HEAD_DIM + second,
                                          freq < HEAD_DIM, rows, row_ok, d_model, eps, BB, BLOCK_K, PREC)
-        _qkv_out(acc1, acc2, head, freq, first, second, Q, Kc, Vc, Cos, Sin, Sync, pos, slot, rows, row_ok,
+        cos, sin = _rope_tables(Cos, Sin, pos, freq, row_ok, HEAD_DIM)
+        _qkv_out(acc1, acc2, head, freq, first, second, Q, Kc, Vc, cos, sin, Sync, slot, rows, row_ok,
                  sc_b, sc_h, sc_l, n_heads, n_kv_heads, HEAD_DIM)
 
 
@@ -252,22 +260,43 @@ def _qkv_tiles(W, item, n_items, d_model, HEAD_DIM: tl.constexpr, PAIRS: tl.cons
 
 
 @triton.jit
-def _qkv_gemv(X, NormW, W, Q, Kc, Vc, Cos, Sin, Sync, Slots, Start, pid, n_programs, n_items, eps, sc_b, sc_h, sc_l,
-              d_model, n_heads, n_kv_heads, w1, w2,
+def _qkv_item_rope(Cos, Sin, pos, item, HEAD_DIM: tl.constexpr, PAIRS: tl.constexpr, INTERLEAVED: tl.constexpr):
+    """_rope_tables of a matrix-vector q/k/v item, (1, PAIRS) each."""
+    _, freq, _, _ = _qkv_rows(item, HEAD_DIM, PAIRS, INTERLEAVED)
+    return _rope_tables(Cos, Sin, pos, freq, pos >= 0, HEAD_DIM)
+
+
+@triton.jit
+def _qkv_gemv(X, NormW, W, Q, Kc, Vc, Cos, Sin, Sync, slot, pos, pid, n_programs, n_items, eps, sc_b, sc_h, sc_l,
+              d_model, n_heads, n_kv_heads, w1, w2, cos, sin,
               HEAD_DIM: tl.constexpr, PAIRS: tl.constexpr, INTERLEAVED: tl.constexpr, KP: tl.constexpr,
               KC: tl.constexpr):
-    """_qkv_stage for one sequence, as matrix-vector products; w1, w2: the first item's tiles, already loading."""
+    """_qkv_stage for one sequence (at position pos (1,), cache slot `slot`), as matrix-vector products; w1, w2: the
+    first item's tiles, already loading, and cos, sin its RoPE tables (loaded before the barrier, not after the
+    products: one round trip to memory off the chain that every attention item waits on)."""
     rows = tl.arange(0, 1)
-    slot = tl.load(Slots)
-    pos = tl.maximum(slot - tl.load(Start + rows), 0)
     x, inv_rms = _normed_row(_row(X, d_model, KP, KC), NormW, d_model, eps, KP, KC)
     for item in range(pid, n_items, n_programs):
         next1, next2 = _qkv_tiles(W, item + n_programs, n_items, d_model, HEAD_DIM, PAIRS, INTERLEAVED, KP, KC)
+        next_cos, next_sin = _qkv_item_rope(Cos, Sin, pos, item + n_programs, HEAD_DIM, PAIRS, INTERLEAVED)
         head, freq, first, second = _qkv_rows(item, HEAD_DIM, PAIRS, INTERLEAVED)
         _qkv_out(_normed_gemv(w1, x, inv_rms)[None, :], _normed_gemv(w2, x, inv_rms)[None, :], head, freq, first,
-                 second, Q, Kc, Vc, Cos, Sin, Sync, pos, slot, rows, rows < 1, sc_b, sc_h, sc_l, n_heads,
+                 second, Q, Kc, Vc, cos, sin, Sync, slot, rows, rows < 1, sc_b, sc_h, sc_l, n_heads,
                  n_kv_heads, HEAD_DIM)
-        w1, w2 = next1, next2
+        w1, w2, cos, sin = next1, next2, next_cos, next_sin
+
+
+@triton.jit
+def _attend_own_key(q, k, v, holds, qk_scale, m_i, l_i, acc):
+    """attend_block for one key, the query's own (k, v: (HEAD_DIM,)), where `holds`; rounded as the blocks round
+    (q and the probabilities in the caches' dtype, products summed in float32)."""
+    score = tl.where(holds, tl.sum(q.to(tl.float32) * k.to(tl.float32)[None, :], 1) * qk_scale, float("-inf"))
+    m_new = tl.maximum(m_i, score)
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.math.exp2(m_i - m_safe)
+    p = tl.math.exp2(score - m_safe)
+    p_rounded = p.to(v.dtype).to(tl.float32)
+    return m_new, l_i * alpha + p, acc * alpha[:, None] + p_rounded[:, None] * v.to(tl.float32)[None, :]
 
 
 @triton.jit
@@ -295,24 +324,24 @@ def _attention_stage(Q, Kc, Vc, PartO, PartL, Attn, Arrived, Sync, Slots, Start,
         k_lo, k_hi = key_split(tl.minimum(start, slot), slot + 1, split, n_split, BLOCK_N)
         k_base, v_base = Kc + b * sc_b + kv_head * sc_h, Vc + b * sc_b + kv_head * sc_h
         keys = k_lo + tl.arange(0, BLOCK_N)
-        earlier = (keys < k_hi) & (keys != slot)  # written by earlier steps: loaded while the q/k/v items run
+        before = tl.minimum(k_hi, slot)  # the split's keys from earlier steps end here; this step's is the range's last
+        earlier = keys < before  # loaded while the q/k/v items run
         k = tl.load(k_base + keys[:, None] * sc_l + dims[None, :], mask=earlier[:, None], other=0.0)
         v = tl.load(v_base + keys[:, None] * sc_l + dims[None, :], mask=earlier[:, None], other=0.0)
+        holds = (k_lo <= slot) & (slot < k_hi)  # the split whose range ends with this step's key
         _wait_until(Sync + 1 + kv_head, (layer + 1) * qkv_items)
+        # This step's key and value (vectors, attended on their own after the blocks), then q: loads issued before any
+        # is used (when the step's key was merged into the block, the compiled code waited for each load in turn)
+        k_new = tl.load(k_base + slot * sc_l + dims, mask=holds & (dims < HEAD_DIM), other=0.0, cache_modifier=".cg")
+        v_new = tl.load(v_base + slot * sc_l + dims, mask=holds & (dims < HEAD_DIM), other=0.0, cache_modifier=".cg")
         q = tl.load(Q + (b * n_heads + head)[:, None] * HEAD_DIM + dims[None, :], mask=r_ok[:, None], other=0.0,
-                    cache_modifier=".cg")
-        here = (keys == slot)[:, None]  # this step's key and value, if the block holds its slot
-        k = tl.where(here, tl.load(k_base + keys[:, None] * sc_l + dims[None, :], mask=here, other=0.0,
-                                   cache_modifier=".cg"), k)
-        v = tl.where(here, tl.load(v_base + keys[:, None] * sc_l + dims[None, :], mask=here, other=0.0,
-                                   cache_modifier=".cg"), v)
+                    cache_modifier=".cg").to(Kc.dtype.element_ty)
         q_slot = tl.zeros((BLOCK_M,), tl.int64) + slot
         m_i, l_i, acc = empty_state(BLOCK_M, HEAD_DIM)
-        q = q.to(Kc.dtype.element_ty)
-        m_i, l_i, acc = attend_block(q, k, v, keys, keys < k_hi, q_slot, start, qk_scale, 0, m_i, l_i, acc,
-                                     False, PREC)
-        m_i, l_i, acc = attend_key_range(q, k_base, v_base, sc_l, sc_l, k_lo + BLOCK_N, k_hi, q_slot, start,
+        m_i, l_i, acc = attend_block(q, k, v, keys, earlier, q_slot, start, qk_scale, 0, m_i, l_i, acc, False, PREC)
+        m_i, l_i, acc = attend_key_range(q, k_base, v_base, sc_l, sc_l, k_lo + BLOCK_N, before, q_slot, start,
                                          qk_scale, 0, m_i, l_i, acc, BLOCK_N, HEAD_DIM, False, PREC)
+        m_i, l_i, acc = _attend_own_key(q, k_new, v_new, holds, qk_scale, m_i, l_i, acc)
         part = (b * n_heads + head) * n_split
         tl.store(PartL + part + split, tl.where(l_i == 0.0, float("-inf"), m_i + tl.math.log2(l_i)), mask=r_ok)
         tl.store(PartO + (part + split)[:, None] * HEAD_DIM + dims[None, :],
@@ -359,9 +388,10 @@ def _o_proj_gemv(W, PartO, PartL, Arrived, OAcc, layer, pid, n_programs, d_model
 
 
 @triton.jit
-def _matmul_add_stage(X, W, In, rows, row_ok, pid, n_programs, d_model, width,
+def _matmul_add_stage(X, Out, last, W, In, rows, row_ok, pid, n_programs, d_model, width,
                       BB: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr):
-    """X[rows] += In[rows] @ W.T, W (d_model, width): o_proj over the attention output, down over the FFN's."""
+    """X[rows] += In[rows] @ W.T, W (d_model, width): o_proj over the attention output, down over the FFN's; where
+    `last`, the sums also go to Out in its dtype (the step's output)."""
     for item in range(pid, tl.cdiv(d_model, 16), n_programs):
         cols = item * 16 + tl.arange(0, 16)
         col_ok = cols < d_model
@@ -373,9 +403,11 @@ def _matmul_add_stage(X, W, In, rows, row_ok, pid, n_programs, d_model, width,
                         cache_modifier=".cg")
             w = tl.load(W + cols[:, None] * width + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
             acc = tl.dot(a, tl.trans(w), acc, input_precision=PREC)
-        at = X + rows[:, None] * d_model + cols[None, :]  # the residual stream stays float32
+        at = rows[:, None] * d_model + cols[None, :]
         ok = row_ok[:, None] & col_ok[None, :]
-        tl.store(at, tl.load(at, mask=ok, other=0.0, cache_modifier=".cg") + acc, mask=ok)
+        total = tl.load(X + at, mask=ok, other=0.0, cache_modifier=".cg") + acc
+        tl.store(X + at, total, mask=ok)  # the residual stream stays float32
+        tl.store(Out + at, total.to(Out.dtype.element_ty), mask=ok & last)
 
 
 @triton.jit
@@ -422,7 +454,7 @@ def _add_tile(W, item, d_model, width, TILE: tl.constexpr, KP: tl.constexpr, KC:
 
 
 @triton.jit
-def _add_gemv(X, OAcc, W, In, pid, n_programs, d_model, width, w, TILE: tl.constexpr, KP: tl.constexpr,
+def _add_gemv(X, Out, last, OAcc, W, In, pid, n_programs, d_model, width, w, TILE: tl.constexpr, KP: tl.constexpr,
               KC: tl.constexpr):
     """_matmul_add_stage for one sequence, also folding o_proj's sums (OAcc) into X; w: the first item's tile,
     already loading."""
@@ -433,17 +465,19 @@ def _add_gemv(X, OAcc, W, In, pid, n_programs, d_model, width, w, TILE: tl.const
         ok = cols < d_model
         residual = tl.load(X + cols, mask=ok, other=0.0, cache_modifier=".cg")
         residual += tl.load(OAcc + cols, mask=ok, other=0.0, cache_modifier=".cg")
-        tl.store(X + cols, residual + _gemv(w, a), mask=ok)
+        residual += _gemv(w, a)
+        tl.store(X + cols, residual, mask=ok)
+        tl.store(Out + cols, residual.to(Out.dtype.element_ty), mask=ok & last)
         w = next_w
 
 
 @triton.jit
-def _residual_matmul(X, OAcc, W, In, Sync, target, rows, row_ok, pid, n_programs, d_model, width, Stamp,
+def _residual_matmul(X, Out, last, OAcc, W, In, Sync, target, rows, row_ok, pid, n_programs, d_model, width, Stamp,
                      BARRIER: tl.constexpr, GEMV: tl.constexpr, TILE: tl.constexpr, KP: tl.constexpr,
                      KC: tl.constexpr, BB: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr,
                      ARRIVE_FIRST: tl.constexpr, PREFETCH: tl.constexpr, TIMELINE: tl.constexpr):
     """X += In @ W.T (down; o_proj where its items do not wait on counters), the matrix-vector path also folding in
-    OAcc; opened by a grid barrier (Sync[0] reaching `target`) when BARRIER, and stamped at Stamp once open; the first
+    OAcc, and where `last` also written to Out; opened by a grid barrier (Sync[0] reaching `target`) when BARRIER, and stamped at Stamp once open; the first
     matrix-vector tile's loads are issued before the wait (and, with ARRIVE_FIRST, after the arrival)."""
     if BARRIER and ARRIVE_FIRST:
         _arrive(Sync)
@@ -455,13 +489,13 @@ def _residual_matmul(X, OAcc, W, In, Sync, target, rows, row_ok, pid, n_programs
         _grid_barrier(Sync, target, ARRIVE_FIRST)
     _stamp(Stamp, TIMELINE)
     if GEMV:
-        _add_gemv(X, OAcc, W, In, pid, n_programs, d_model, width, w, TILE, KP, KC)
+        _add_gemv(X, Out, last, OAcc, W, In, pid, n_programs, d_model, width, w, TILE, KP, KC)
     else:
-        _matmul_add_stage(X, W, In, rows, row_ok, pid, n_programs, d_model, width, BB, BLOCK_K, PREC)
+        _matmul_add_stage(X, Out, last, W, In, rows, row_ok, pid, n_programs, d_model, width, BB, BLOCK_K, PREC)
 
 
 @triton.jit
-def layers_kernel(X, Wqkv, Wo, Wgu, Wd, Norm1, Norm2, Kc, Vc, Q, PartO, PartL, Attn, Arrived, Act, Cos, Sin, Slots,
+def layers_kernel(X, Out, Wqkv, Wo, Wgu, Wd, Norm1, Norm2, Kc, Vc, Q, PartO, PartL, Attn, Arrived, Act, Cos, Sin, Slots,
                    Start, Sync, OAcc, Times, layer_lo, layer_hi, batch, d_model, d_ff, n_heads, n_kv_heads, n_split, eps,
                    qk_scale, sc_layer, sc_b, sc_h, sc_l,
                    STAGE: tl.constexpr, BB: tl.constexpr, HEAD_DIM: tl.constexpr, GROUP: tl.constexpr,
@@ -471,7 +505,8 @@ def layers_kernel(X, Wqkv, Wo, Wgu, Wd, Norm1, Norm2, Kc, Vc, Q, PartO, PartL, A
                    C_FF: tl.constexpr, PREFETCH: tl.constexpr, T_QKV: tl.constexpr, T_O: tl.constexpr,
                    T_GU: tl.constexpr, T_D: tl.constexpr, SPLIT_O: tl.constexpr, ARRIVE_FIRST: tl.constexpr,
                    TIMELINE: tl.constexpr):
-    """STAGE -1: every stage of layers [layer_lo, layer_hi) with a grid barrier before each stage but the first (and
+    """X: the float32 residual stream, updated in place; the launch's last layer also writes it to Out in Out's dtype.
+    STAGE -1: every stage of layers [layer_lo, layer_hi) with a grid barrier before each stage but the first (and
     on the GEMV path but o_proj, whose items wait on counters); else that stage only. GEMV: batch 1, matrix-vector
     tiles whose first loads are issued before the barrier's wait (with ARRIVE_FIRST after the program arrives, so its
     arrival does not wait on them); o_proj adds into OAcc[layer], not X. PREFETCH (with GEMV and barriers):
@@ -486,6 +521,10 @@ def layers_kernel(X, Wqkv, Wo, Wgu, Wd, Norm1, Norm2, Kc, Vc, Q, PartO, PartL, A
     n_qkv_items = (n_heads + 2 * n_kv_heads) * (HEAD_DIM // 2 // T_QKV)
     width = n_heads * HEAD_DIM
     BARRIERS: tl.constexpr = 3 if SPLIT_O else 4  # per layer
+    if GEMV:  # the same every layer: the position, and the RoPE tables of the program's first q/k/v item
+        slot = tl.load(Slots)
+        pos = tl.maximum(slot - tl.load(Start + rows), 0)
+        cos, sin = _qkv_item_rope(Cos, Sin, pos, pid, HEAD_DIM, T_QKV, INTERLEAVED)
     for layer in range(layer_lo, layer_hi):
         at = tl.cast(layer, tl.int64)
         arrivals = (layer - layer_lo) * BARRIERS * n_programs  # every program's arrivals at earlier layers' barriers
@@ -503,8 +542,8 @@ def layers_kernel(X, Wqkv, Wo, Wgu, Wd, Norm1, Norm2, Kc, Vc, Q, PartO, PartL, A
                 _grid_barrier(Sync, arrivals, ARRIVE_FIRST)
             _stamp(stamps, TIMELINE)
             if GEMV:
-                _qkv_gemv(X, Norm1 + at * d_model, wqkv, Q, kc, vc, Cos, Sin, Sync, Slots, Start, pid, n_programs,
-                          n_qkv_items, eps, sc_b, sc_h, sc_l, d_model, n_heads, n_kv_heads, w1, w2,
+                _qkv_gemv(X, Norm1 + at * d_model, wqkv, Q, kc, vc, Cos, Sin, Sync, slot, pos, pid, n_programs,
+                          n_qkv_items, eps, sc_b, sc_h, sc_l, d_model, n_heads, n_kv_heads, w1, w2, cos, sin,
                           HEAD_DIM, T_QKV, INTERLEAVED, KP_MODEL, C_MODEL)
             else:
                 _qkv_stage(X, Norm1 + at * d_model, wqkv, Q, kc, vc, Cos, Sin, Sync, Slots, Start, rows, row_ok, pid,
@@ -521,9 +560,9 @@ def layers_kernel(X, Wqkv, Wo, Wgu, Wd, Norm1, Norm2, Kc, Vc, Q, PartO, PartL, A
                 _o_proj_gemv(wo, PartO, PartL, Arrived, o_acc, layer, pid, n_programs, d_model, n_heads, n_split,
                              GROUP, HEAD_DIM, BLOCK_SPLIT, T_O)
             else:
-                _residual_matmul(X, o_acc, wo, Attn, Sync, arrivals + n_programs, rows, row_ok, pid, n_programs,
-                                 d_model, width, Times, STAGE < 0, GEMV, T_O, KP_ATTN, C_ATTN, BB, BLOCK_K, PREC,
-                                 ARRIVE_FIRST, False, False)
+                _residual_matmul(X, Out, False, o_acc, wo, Attn, Sync, arrivals + n_programs, rows, row_ok, pid,
+                                 n_programs, d_model, width, Times, STAGE < 0, GEMV, T_O, KP_ATTN, C_ATTN, BB, BLOCK_K,
+                                 PREC, ARRIVE_FIRST, False, False)
             _stamp(stamps + 3 * n_programs, TIMELINE)
         if STAGE < 0 or STAGE == 3:
             if ARRIVE_FIRST and STAGE < 0:
@@ -544,7 +583,8 @@ def layers_kernel(X, Wqkv, Wo, Wgu, Wd, Norm1, Norm2, Kc, Vc, Q, PartO, PartL, A
                                BB, BLOCK_K, PREC)
             _stamp(stamps + 5 * n_programs, TIMELINE)
         if STAGE < 0 or STAGE == 4:
-            _residual_matmul(X, o_acc, wd, Act, Sync, arrivals + (BARRIERS - 1) * n_programs, rows, row_ok, pid,
-                             n_programs, d_model, d_ff, stamps + 6 * n_programs, STAGE < 0, GEMV, T_D, KP_FF, C_FF, BB,
-                             BLOCK_K, PREC, ARRIVE_FIRST, PREFETCH and GEMV, TIMELINE)
+            _residual_matmul(X, Out, layer == layer_hi - 1, o_acc, wd, Act, Sync,
+                             arrivals + (BARRIERS - 1) * n_programs, rows, row_ok, pid, n_programs, d_model, d_ff,
+                             stamps + 6 * n_programs, STAGE < 0, GEMV, T_D, KP_FF, C_FF, BB, BLOCK_K, PREC,
+                             ARRIVE_FIRST, PREFETCH and GEMV, TIMELINE)
             _stamp(stamps + 7 * n_programs, TIMELINE)

@@ -101,10 +101,11 @@ def triton_unavailable() -> str | None:
     return None
 
 
-def optional_triton_kernel(device: torch.device, wanted: bool | None, module: str, name: str) -> Callable | None:
+def optional_triton_kernel(device: torch.device, wanted: bool | None, module: str, name: str,
+                           option: str = "attention_kernel") -> Callable | None:
     """The Triton kernel `module.name` where it can run, or None (the caller's PyTorch path). wanted=None:
     on CUDA with Triton; False: never; True: always (CPU tensors too under Triton's interpreter,
-    TRITON_INTERPRET=1), and one clear error where it cannot run."""
+    TRITON_INTERPRET=1), and one clear error, naming the `option` that asked, where it cannot run."""
     if device.type == "cuda":
         missing = triton_unavailable()
     elif wanted and os.environ.get("TRITON_INTERPRET") == "1" and importlib.util.find_spec("triton") is not None:
@@ -112,7 +113,7 @@ def optional_triton_kernel(device: torch.device, wanted: bool | None, module: st
     else:
         missing = "the model is not on a CUDA device"
     if wanted and missing:
-        raise ConfigError(f"attention_kernel=True, but {missing}")
+        raise ConfigError(f"{option}=True, but {missing}")
     if missing or wanted is False:
         return None
     return getattr(importlib.import_module(module), name)  # imported here: only set kernels need Triton

@@ -184,3 +184,11 @@ def test_pick_samples_below_usable_and_writes_each_rows_peak(monkeypatch, fused)
     # a sampler that is not a plain greedy Sampler keeps its own rule, fused kernel or not
     assert generate.pick(_OnlyOddIds(), logits[:1], None, None, None, 5, torch.zeros(1)).tolist() == [3]
     assert generate.pick(_OnlyOddIds(), logits[:1], None, None, beyond, 3, torch.zeros(1)).tolist() == [1]
+    # finished rows take token 0, written where asked
+    out = torch.full((2,), -1)
+    tokens = generate.pick(SAMPLERS.build("greedy"), logits, None, None, beyond, 3, peaks, torch.tensor([True, False]),
+                           out)
+    assert tokens.data_ptr() == out.data_ptr() and out.tolist() == [0, 0]
+    out = torch.full((2,), -1)
+    generate.pick(_OnlyOddIds(), logits, None, None, None, 5, peaks, torch.tensor([False, True]), out)
+    assert out.tolist() == [3, 0]

@@ -70,3 +70,16 @@ def test_bad_arguments_are_refused():
         argmax_peak(logits, 11, torch.empty(2, device=DEVICE))
     with pytest.raises(ValueError, match="peaks"):
         argmax_peak(logits, 10, torch.empty(3, device=DEVICE))
+
+
+def test_finished_rows_take_token_zero_written_into_out():
+    from lmlab.kernels.argmax_peak_triton import argmax_peak
+
+    logits = torch.randn(3, 3000, generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    out = torch.full((3,), -1, dtype=torch.long, device=DEVICE)
+    finished = torch.tensor([False, True, False], device=DEVICE)
+    tokens = argmax_peak(logits, 3000, torch.zeros(3, device=DEVICE), finished, out)
+    want = logits.argmax(-1).masked_fill(finished, 0)
+    assert tokens.data_ptr() == out.data_ptr() and out.tolist() == want.tolist()
+    with pytest.raises(ValueError, match="finished"):
+        argmax_peak(logits, 3000, torch.zeros(3, device=DEVICE), finished.long())
