@@ -3,15 +3,16 @@
     python experiments/inference/sweep_megakernel.py --batch 1 32 --out sweep-megakernel.json [--only [SETTING ...]]
 
 llama400m (vocab 50304, random weights, bf16), one token per sequence at slot 255 of a 384-slot cache (`--slots`:
-others, the mean of their times ranking the settings): the layer stack (`decode_layers`) replayed from a CUDA graph, medians of the last 40 of 50 replays, launched stage by stage and
-persistent for each setting of programs per SM, tile size (GEMV_TILE_ELEMS and GEMV_GATE_UP_TILE_ELEMS at batch 1,
-BLOCK_K above), warps and, at batch 1, how o_proj waits (GEMV_O_PROJ_ON_COUNTERS), when programs arrive at a barrier,
-whether they prefetch their later items to L2 and which tiles are cut into chunks;
-with it, each stage's GPU time from the stage-by-stage launches (torch.profiler). Then `lmlab bench generate`'s rows
-(128-token prompts, 256 new tokens) for the megakernel, each batch with its fastest setting, and for the compiled
-engine, in the same process, and the GPU time per generated token of each engine's kernels (torch.profiler over one
-more generation): what the layer stack leaves to the head, sampling and the generation loop. `--only SETTING...`
-sweeps those settings alone (the others at the module's values); a bare `--only` times the module's settings.
+others, the mean of their times ranking the settings): the layer stack (`decode_layers`) replayed from a CUDA graph,
+medians of the last 40 of 50 replays, launched stage by stage and persistent for each setting of programs per SM, tile
+size (GEMV_TILE_ELEMS and GEMV_GATE_UP_TILE_ELEMS at batch 1, BLOCK_K above), warps and, at batch 1, how o_proj waits
+(GEMV_O_PROJ_ON_COUNTERS), when programs arrive at a barrier, whether they prefetch their later items to L2 and which
+tiles are cut into chunks; with it, each stage's GPU time from the stage-by-stage launches (torch.profiler). Then `lmlab
+bench generate`'s rows (128-token prompts, 256 new tokens) for the megakernel, each batch with its fastest setting, and
+for the compiled engine, in the same process, and the GPU time per generated token of each engine's kernels
+(torch.profiler over one more generation): what the layer stack leaves to the head, sampling and the generation loop.
+`--only SETTING...` sweeps those settings alone (the others at the module's values); a bare `--only` times the module's
+settings.
 """
 
 from __future__ import annotations

@@ -61,18 +61,18 @@ class Engine:
     def __init__(self, model: Transformer, compile: bool = False, cuda_graphs: bool | None = None,
                  attention_kernel: bool | None = None, megakernel: bool = False, folded_norms: bool | None = None,
                  batch_invariant: bool = False, head_kernel: bool | None = None):
-        """compile: torch.compile the decode step. cuda_graphs: replay it from a CUDA graph (default: when
-        compiled on CUDA; without compile it still removes the Python cost of launching each kernel).
-        attention_kernel: decode steps attend with the Triton flash-decoding kernel where it applies
-        (default: on CUDA with Triton), else SDPA with a mask. megakernel: one-token steps run every layer in
-        one persistent Triton kernel (lmlab.inference.megakernel; plain Llama stacks only). folded_norms: decode
-        steps fold each RMSNorm into the kernels around it (lmlab.inference.folded_norms; plain unquantized Llama
-        stacks with the attention kernel), for the batches the megakernel does not take; default: compiled on CUDA,
-        at batches of AUTO_FOLD_MIN_BATCH or more, where the model allows it. batch_invariant: every step computes
-        each token to the same bits whatever its shape (lmlab.inference.batch_invariant; eager steps, replayed from
-        CUDA graphs unless cuda_graphs=False). head_kernel: steps of a few tokens take the final norm and the head in
-        one Triton kernel (lmlab.kernels.normed_head_triton: an RMSNorm before a plain head without soft-capping);
-        default: on CUDA with Triton where the model allows, unless batch_invariant."""
+        """compile: torch.compile the decode step. cuda_graphs: replay it from a CUDA graph (default: when compiled on
+        CUDA; without compile it still removes the Python cost of launching each kernel). attention_kernel: decode steps
+        attend with the Triton flash-decoding kernel where it applies (default: on CUDA with Triton), else SDPA with a
+        mask. megakernel: one-token steps run every layer in one persistent Triton kernel (lmlab.inference.megakernel;
+        plain Llama stacks only). folded_norms: decode steps fold each RMSNorm into the kernels around it
+        (lmlab.inference.folded_norms; plain unquantized Llama stacks with the attention kernel), for the batches the
+        megakernel does not take; default: compiled on CUDA, at batches of AUTO_FOLD_MIN_BATCH or more, where the model
+        allows it. batch_invariant: every step computes each token to the same bits whatever its shape
+        (lmlab.inference.batch_invariant; eager steps, replayed from CUDA graphs unless cuda_graphs=False). head_kernel:
+        one-token logits (batch 1) take the final norm and the head in one Triton kernel
+        (lmlab.kernels.normed_head_triton: an RMSNorm before a plain head without soft-capping); default: on CUDA with
+        Triton where the model allows, unless batch_invariant."""
         check_generatable(model)
         self.model = model.eval()
         weight = model.embed_tokens.weight

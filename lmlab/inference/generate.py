@@ -3,8 +3,10 @@ strings, streaming, and the timings a user compares engines by.
 
 Prompts are left-padded to a common length, so every sequence writes the same cache slot at each
 step while keeping its own positions. The loop keeps tokens, finished flags and a non-finite check
-on the device and syncs with the host only every `sync_every` steps (each step when streaming or
-when stop strings need the text).
+on the device. It syncs with the host each step when streaming or when stop strings need the text;
+otherwise it looks every `sync_every` steps and reads each look at the next one (`DeviceLook`), so
+the host never waits for the GPU to drain; up to 2 * sync_every - 1 steps may then run past the
+last sequence's stop, their tokens dropped.
 """
 
 from __future__ import annotations
@@ -145,11 +147,12 @@ def without_padding(logits: torch.Tensor, beyond: torch.Tensor | None) -> torch.
 def pick(sampler, logits: torch.Tensor, counts: torch.Tensor | None, generator: torch.Generator | None,
          beyond: torch.Tensor | None, usable: int, peaks: torch.Tensor, finished: torch.Tensor | None = None,
          out: torch.Tensor | None = None) -> torch.Tensor:
-    """`sampler.sample` over the ids that are not padding (`padding_ids`' mask `beyond`, the ids from `usable`
-    on), writing each row's largest |logit| over all ids into peaks [B] (NaN or inf where one is not finite:
-    generation's check). Rows that `finished` [B] marks take token 0; `out` [B]: where the tokens go. Any object with a Sampler's `sample`, `greedy` and `needs_counts` serves (a wrapper that
-    restricts the ids, say). Greedy decoding by a Sampler that samples as Sampler does, without penalties, takes
-    both from one pass over the logits on a GPU (lmlab.kernels.argmax_peak_triton: one launch instead of four)."""
+    """`sampler.sample` over the ids that are not padding (`padding_ids`' mask `beyond`, the ids from `usable` on),
+    writing each row's largest |logit| over all ids into peaks [B] (NaN or inf where one is not finite: generation's
+    check). Rows that `finished` [B] marks take token 0; `out` [B]: where the tokens go. Any object with a Sampler's
+    `sample`, `greedy` and `needs_counts` serves (a wrapper that restricts the ids, say). Greedy decoding by a Sampler
+    that samples as Sampler does, without penalties, takes both from one pass over the logits on a GPU
+    (lmlab.kernels.argmax_peak_triton: one launch instead of four)."""
     from lmlab.inference.samplers import Sampler
 
     plain_greedy = (isinstance(sampler, Sampler) and type(sampler).sample is Sampler.sample and sampler.greedy
@@ -205,6 +208,7 @@ def generate(engine, prompts: Sequence[Sequence[int]], sampler=None, max_new_tok
     ttft = decode_began = None
     n = 0
     host_done = [False] * batch
+    look = None
     for n in range(max_new_tokens):
         # one launch each where a step's host-free bookkeeping can take it: at batch 1 every launch is ~3% of a step
         token = pick(sampler, logits, counts, generator, beyond, usable, peaks[n], finished, out[n])
@@ -218,7 +222,11 @@ def generate(engine, prompts: Sequence[Sequence[int]], sampler=None, max_new_tok
             ttft = time.perf_counter() - began
             decode_began = time.perf_counter()
         last = n == max_new_tokens - 1
-        if (n + 1) % step_every == 0 or last:
+        if step_every > 1 and not last and (n + 1) % step_every == 0:
+            if look is not None and look.all_finished(peaks):
+                break
+            look = DeviceLook(peaks, n, finished)
+        elif step_every == 1 or last:
             _check_finite(peaks, n)
             if stream is not None:
                 stream([None if done else t for done, t in zip(was_finished.tolist(), token.tolist())])
@@ -232,6 +240,30 @@ def generate(engine, prompts: Sequence[Sequence[int]], sampler=None, max_new_tok
     decode_s = time.perf_counter() - decode_began
     return build_generation(out[:n + 1].T.tolist(), stop_token_ids, stops, tokenizer, ttft, decode_s, n,
                    sum(map(len, prompts)), engine.kv_cache_bytes())
+
+
+class DeviceLook:
+    """Generation's look at the device after step n, read later: whether any logits so far turned non-finite and
+    whether every sequence has finished, copied to the host without waiting. Reading it waits only for the work queued
+    up to step n, not for the steps queued since, so the GPU keeps work while the host reads."""
+
+    def __init__(self, peaks: torch.Tensor, n: int, finished: torch.Tensor):
+        flags = torch.stack([(~torch.isfinite(peaks[:n + 1])).any(), finished.all()])
+        self.n = n
+        self.host = torch.empty(2, dtype=torch.bool, pin_memory=flags.is_cuda)
+        self.host.copy_(flags, non_blocking=True)
+        self.ready = torch.cuda.Event() if flags.is_cuda else None
+        if self.ready is not None:
+            self.ready.record()
+
+    def all_finished(self, peaks: torch.Tensor) -> bool:
+        """Whether every sequence had finished at the look; non-finite logits by then raise, naming the step."""
+        if self.ready is not None:
+            self.ready.synchronize()
+        non_finite, done = self.host.tolist()
+        if non_finite:
+            _check_finite(peaks, self.n)
+        return done
 
 
 def _check_finite(peaks: torch.Tensor, n: int) -> None:

@@ -163,9 +163,9 @@ def _decode_layers_op(x: torch.Tensor, qkv: torch.Tensor, o: torch.Tensor, gate_
 
 @dataclass
 class LaunchPlan:
-    """What `layers_kernel` is launched with: its tensors (the float32 residual stream first, the output in the
-    weights' dtype, then the weights, caches and scratch), its scalars after (layer_lo, layer_hi), its compile-time settings, and the programs per SM
-    wanted (fewer where fewer fit)."""
+    """What `layers_kernel` is launched with: its tensors (the float32 residual stream first, the output in the weights'
+    dtype, then the weights, caches and scratch), its scalars after (layer_lo, layer_hi), its compile-time settings, and
+    the programs per SM wanted (fewer where fewer fit)."""
 
     args: tuple
     shape: tuple

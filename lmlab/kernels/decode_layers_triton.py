@@ -477,8 +477,9 @@ def _residual_matmul(X, Out, last, OAcc, W, In, Sync, target, rows, row_ok, pid,
                      KC: tl.constexpr, BB: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr,
                      ARRIVE_FIRST: tl.constexpr, PREFETCH: tl.constexpr, TIMELINE: tl.constexpr):
     """X += In @ W.T (down; o_proj where its items do not wait on counters), the matrix-vector path also folding in
-    OAcc, and where `last` also written to Out; opened by a grid barrier (Sync[0] reaching `target`) when BARRIER, and stamped at Stamp once open; the first
-    matrix-vector tile's loads are issued before the wait (and, with ARRIVE_FIRST, after the arrival)."""
+    OAcc, and where `last` also written to Out; opened by a grid barrier (Sync[0] reaching `target`) when BARRIER, and
+    stamped at Stamp once open; the first matrix-vector tile's loads are issued before the wait (and, with ARRIVE_FIRST,
+    after the arrival)."""
     if BARRIER and ARRIVE_FIRST:
         _arrive(Sync)
     if GEMV:

@@ -1,15 +1,16 @@
 """The final RMSNorm and the output head of a decode step in one pass over the head's weight.
 
-`normed_head(x, gain, eps, head)` gives float32 logits multiplier * rms_norm(x) @ head.weight.T for a few rows
+`normed_head(x, gain, eps, head)` gives float32 logits multiplier * rms_norm(x) @ head.weight.T for MAX_ROWS rows
 x (rows, d_model), rounded where the reference rounds (the norm's output, the matmul's and the multiplier's product in
 the weights' dtype), so it stands in for `model._head(model.norm(x)).float()` (a soft-capped head takes that path).
 
 Why a kernel: at batch 1 the head reads 103 MB (llama400m's 50,304 x 1,024 bf16) and is the largest read of a decode
-step after the layer stack. Inductor's fused norm + matrix-vector product took 32.7 us of GPU time on an H200
-(3.1 TB/s), plus a launch of its own for the norm's mean of squares (experiments/inference/h200-2026-12-04d/). Here
-each program takes ROWS vocabulary rows, computes the few input rows' norm itself (d_model values, from L2), and reads
-its weight tile once for all of them; a tile is cut into 256-column chunks, one warp's 16-byte loads across each, so
-every dot product is summed inside one warp (as lmlab.kernels.decode_layers_triton's tiles).
+step after the layer stack. Inductor's fused norm + matrix-vector product took 32.7 us of GPU time on an H200 (3.1
+TB/s), plus a launch of its own for the norm's mean of squares; this kernel took 25.5 us in the same step
+(experiments/inference/h200-2026-12-04d/). Here each program takes ROWS vocabulary rows, computes the input row's norm
+itself (d_model values, from L2), and reads its weight tile once; a tile is cut into 256-column chunks, one warp's
+16-byte loads across each, so every dot product is summed inside one warp (as lmlab.kernels.decode_layers_triton's
+tiles).
 """
 
 from __future__ import annotations
@@ -26,7 +27,9 @@ if TYPE_CHECKING:
     from lmlab.nn.transformer import OutputHead
 
 ROWS, CHUNK, NUM_WARPS = 16, 256, 4
-MAX_ROWS = 4  # input rows it takes (decode steps of a few sequences); more amortise the weight over a matmul
+# Input rows it takes: one (a batch-1 decode step). On an H200 at llama400m it took 29.4 us against Inductor's 32.0 at
+# one row, but 40.2 and 57.5 us against 38.3 and 38.1 at two and four (experiments/inference/h200-2026-12-04d/).
+MAX_ROWS = 1
 
 
 @triton.jit

@@ -104,7 +104,8 @@ def test_stats_are_filled():
     assert s.ttft_s > 0 and s.tpot_s > 0 and s.decode_tokens_per_s > 0 and s.kv_cache_bytes > 0
 
 
-def test_non_finite_logits_stop_generation_naming_the_step():
+@pytest.mark.parametrize("sync_every", [1, 2, 16])  # each step; looks read a look late; only the last step's check
+def test_non_finite_logits_stop_generation_naming_the_step(sync_every):
     model = _model()
     engine = Engine(model)
     calls = []
@@ -115,7 +116,16 @@ def test_non_finite_logits_stop_generation_naming_the_step():
 
     model.lm_head.register_forward_hook(poison_after_two)
     with pytest.raises(GenerationError, match="step 2"):
-        engine.generate([PROMPTS[0]], max_new_tokens=8)
+        engine.generate([PROMPTS[0]], max_new_tokens=12, sync_every=sync_every)
+
+
+def test_a_stop_token_seen_by_a_late_look_ends_generation_with_the_same_tokens():
+    engine = Engine(_model())
+    free = engine.generate([PROMPTS[1]], max_new_tokens=30).tokens[0]
+    stop = free[3]
+    out = engine.generate([PROMPTS[1]], max_new_tokens=30, stop_token_ids=[stop], sync_every=2)
+    assert out.tokens[0] == free[:free.index(stop)] and out.finish_reasons == ["stop"]
+    assert out.stats.steps < 29  # it ended early, a few steps past the stop at most
 
 
 @pytest.mark.parametrize("prompts, kwargs, message", [
