@@ -81,6 +81,9 @@ class GenerateConfig:
     # Each token computed to the same bits whatever the step's shape (CUDA; eager steps in CUDA graphs): greedy
     # speculative decoding then gives exactly the target's tokens in bf16 too (lmlab.inference.batch_invariant).
     batch_invariant: bool = False
+    # Batch-1 steps take the final RMSNorm and the head in one Triton kernel (lmlab.kernels.normed_head_triton);
+    # None: on CUDA where the model allows it (an RMSNorm before a plain head without soft-capping).
+    head_kernel: bool | None = None
     plugins: list[str] = field(default_factory=list)  # modules imported before the config is composed
 
     def __post_init__(self) -> None:
@@ -315,7 +318,7 @@ def generate(cfg: GenerateConfig, out=None, err=None) -> None:
     out, err = out or sys.stdout, err or sys.stderr
     sampler = SAMPLERS.build(cfg.sampler)  # checks temperature, p, ...
     device, dtype = device_and_dtype(cfg)
-    for flag in CUDA_KERNEL_FLAGS:
+    for flag in (*CUDA_KERNEL_FLAGS, "head_kernel"):
         if getattr(cfg, flag) and device.type != "cuda":
             raise ConfigError(f"{flag}=true needs a CUDA device (device={cfg.device} is {device.type})")
     texts = read_prompts(cfg)
@@ -337,9 +340,9 @@ def generate(cfg: GenerateConfig, out=None, err=None) -> None:
               f"{report['bytes_before'] / 2**20:,.2f} -> {report['bytes_after'] / 2**20:,.2f} MiB", file=err)
     graphs = cfg.cuda_graphs is not False  # Engine replays graphs on CUDA only
     engine = Engine(model, compile=cfg.compile, cuda_graphs=graphs, megakernel=cfg.megakernel,
-                    folded_norms=cfg.folded_norms, batch_invariant=cfg.batch_invariant)
+                    folded_norms=cfg.folded_norms, batch_invariant=cfg.batch_invariant, head_kernel=cfg.head_kernel)
     draft_engine = (Engine(draft.load().to(device, dtype), compile=cfg.compile, cuda_graphs=graphs,
-                           megakernel=cfg.megakernel) if draft is not None else None)
+                           megakernel=cfg.megakernel, head_kernel=cfg.head_kernel) if draft is not None else None)
     options = dict(max_new_tokens=cfg.max_new_tokens, stop_token_ids=target.stop_ids, stop_strings=cfg.stop,
                    tokenizer=target.tokenizer)
 

@@ -183,6 +183,8 @@ BAD = {  # case -> (extra arguments, the error)
                                "folded_norms=true reads unquantized weights"),
     "batch-invariant on cpu": (["ckpt={ckpt}", "prompt=a", "device=cpu", "batch_invariant=true"],
                                r"batch_invariant=true needs a CUDA device \(device=cpu is cpu\)"),
+    "head kernel on cpu": (["ckpt={ckpt}", "prompt=a", "device=cpu", "head_kernel=true"],
+                           r"head_kernel=true needs a CUDA device \(device=cpu is cpu\)"),
     "batch-invariant compiled": (["ckpt={ckpt}", "prompt=a", "batch_invariant=true", "compile=true"],
                                  "batch_invariant=true runs its own kernels in eager steps"),
 }
