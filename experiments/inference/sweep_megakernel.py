@@ -6,13 +6,13 @@ llama400m (vocab 50304, random weights, bf16), one token per sequence at slot 25
 others, the mean of their times ranking the settings): the layer stack (`decode_layers`) replayed from a CUDA graph,
 medians of the last 40 of 50 replays, launched stage by stage and persistent for each setting of programs per SM, tile
 size (GEMV_TILE_ELEMS and GEMV_GATE_UP_TILE_ELEMS at batch 1, BLOCK_K above), warps and, at batch 1, how o_proj waits
-(GEMV_O_PROJ_ON_COUNTERS), when programs arrive at a barrier, whether they prefetch their later items to L2 and which
-tiles are cut into chunks; with it, each stage's GPU time from the stage-by-stage launches (torch.profiler). Then `lmlab
-bench generate`'s rows (128-token prompts, 256 new tokens) for the megakernel, each batch with its fastest setting, and
-for the compiled engine, in the same process, and the GPU time per generated token of each engine's kernels
-(torch.profiler over one more generation): what the layer stack leaves to the head, sampling and the generation loop.
-`--only SETTING...` sweeps those settings alone (the others at the module's values); a bare `--only` times the module's
-settings.
+(GEMV_O_PROJ_ON_COUNTERS), when programs arrive at a barrier and issue gate/up's first loads, whether they prefetch
+their later items to L2 and which tiles are cut into chunks; with it, each stage's GPU time from the stage-by-stage
+launches (torch.profiler). Then `lmlab bench generate`'s rows (128-token prompts, 256 new tokens) for the megakernel,
+each batch with its fastest setting, and for the compiled engine, in the same process, and the GPU time per generated
+token of each engine's kernels (torch.profiler over one more generation): what the layer stack leaves to the head,
+sampling and the generation loop. `--only SETTING...` sweeps those settings alone (the others at the module's values); a
+bare `--only` times the module's settings.
 """
 
 from __future__ import annotations
@@ -32,7 +32,8 @@ from lmlab.timing import graph_replay_us
 # Batch 1 takes the matrix-vector path, larger batches the tensor-core tiles: each has its own settings.
 # (2026-12-03, experiments/inference/h200-2026-12-03/: 16384-weight tiles spill registers with 4 warps.)
 SETTINGS = {True: {"GEMV_O_PROJ_ON_COUNTERS": (False, True), "GEMV_PROGRAMS_PER_SM": (1, 2),
-                   "GEMV_TILE_ELEMS": (4096, 8192), "GEMV_GATE_UP_TILE_ELEMS": (4096, 8192), "GEMV_NUM_WARPS": (4, 8),
+                   "GEMV_TILE_ELEMS": (4096, 8192), "GEMV_GATE_UP_TILE_ELEMS": (4096, 8192),
+                   "GEMV_GATE_UP_EARLY": (False, True), "GEMV_NUM_WARPS": (4, 8),
                    "GEMV_ARRIVE_BEFORE_LOADS": (False, True), "GEMV_PREFETCH_LATER": (False, True),
                    "GEMV_CHUNK_MIN_ROWS": (1, 4)},
             False: {"PROGRAMS_PER_SM": (2, 3), "BLOCK_K": (256, 512), "NUM_WARPS": (4, 8)}}

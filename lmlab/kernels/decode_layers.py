@@ -39,6 +39,11 @@ GEMV_TILE_ELEMS, GEMV_NUM_WARPS, GEMV_PROGRAMS_PER_SM = 8192, 4, 2
 # other stages' items: its own size, for the sweep. At 4096, llama400m's 704 items spread over 264 programs, and the
 # layer stack took 547 us against 599 us at 8192 (same process; experiments/inference/h200-2026-12-03c/)
 GEMV_GATE_UP_TILE_ELEMS = 4096
+# gate/up's first tiles issued before o_proj (whose items wait on attention) rather than as the program arrives at
+# gate/up's barrier: the layer stack took 478.1 against 482.2 us (mean of slots 255 and 383, one process; issuing
+# down's first tile before gate/up's barrier too was slower, 505.5 alone and 480.8 with this;
+# experiments/inference/h200-2026-12-04d/5-*)
+GEMV_GATE_UP_EARLY = True
 # o_proj without a grid barrier: items of (head, output rows) wait on their kv head's attention splits and add into a
 # float32 sum with atomics (else a barrier, then whole-row tiles as in down)
 GEMV_O_PROJ_ON_COUNTERS = True
@@ -219,7 +224,8 @@ def launch_plan(x, qkv, o, gate_up, down, norm_attn, norm_ffn, k_cache, v_cache,
                 C_MODEL=_chunk(kp_model, min(tiles["T_QKV"], tiles["T_GU"])), C_ATTN=_chunk(kp_attn, tiles["T_O"]),
                 C_FF=_chunk(kp_ff, tiles["T_D"]), **tiles, SPLIT_O=split_o,
                 PREFETCH=gemv and GEMV_PREFETCH_LATER and _bulk_prefetch(x.device),
-                ARRIVE_FIRST=gemv and GEMV_ARRIVE_BEFORE_LOADS, TIMELINE=False)
+                ARRIVE_FIRST=gemv and GEMV_ARRIVE_BEFORE_LOADS, GATE_UP_EARLY=gemv and GEMV_GATE_UP_EARLY,
+                TIMELINE=False)
     shape = (batch, d_model, d_ff, n_heads, n_kv_heads, split, eps, scale * LOG2E,
              k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), k_cache.stride(3))
     return LaunchPlan(args, shape, meta, per_sm)

@@ -505,12 +505,13 @@ def layers_kernel(X, Out, Wqkv, Wo, Wgu, Wd, Norm1, Norm2, Kc, Vc, Q, PartO, Par
                    KP_ATTN: tl.constexpr, KP_FF: tl.constexpr, C_MODEL: tl.constexpr, C_ATTN: tl.constexpr,
                    C_FF: tl.constexpr, PREFETCH: tl.constexpr, T_QKV: tl.constexpr, T_O: tl.constexpr,
                    T_GU: tl.constexpr, T_D: tl.constexpr, SPLIT_O: tl.constexpr, ARRIVE_FIRST: tl.constexpr,
-                   TIMELINE: tl.constexpr):
+                   GATE_UP_EARLY: tl.constexpr, TIMELINE: tl.constexpr):
     """X: the float32 residual stream, updated in place; the launch's last layer also writes it to Out in Out's dtype.
     STAGE -1: every stage of layers [layer_lo, layer_hi) with a grid barrier before each stage but the first (and
     on the GEMV path but o_proj, whose items wait on counters); else that stage only. GEMV: batch 1, matrix-vector
     tiles whose first loads are issued before the barrier's wait (with ARRIVE_FIRST after the program arrives, so its
-    arrival does not wait on them); o_proj adds into OAcc[layer], not X. PREFETCH (with GEMV and barriers):
+    arrival does not wait on them; with GATE_UP_EARLY, gate/up's are issued before o_proj, while its items wait on
+    attention); o_proj adds into OAcc[layer], not X. PREFETCH (with GEMV and barriers):
     the programs also ask L2 for the later items of gate/up and down as they arrive. TIMELINE: each
     program stamps eight moments a layer into Times (layer - layer_lo, moment, program), int64 ns: qkv open, qkv
     done, attention done, o_proj done, gate/up open, gate/up done, down open, down done."""
@@ -522,6 +523,7 @@ def layers_kernel(X, Out, Wqkv, Wo, Wgu, Wd, Norm1, Norm2, Kc, Vc, Q, PartO, Par
     n_qkv_items = (n_heads + 2 * n_kv_heads) * (HEAD_DIM // 2 // T_QKV)
     width = n_heads * HEAD_DIM
     BARRIERS: tl.constexpr = 3 if SPLIT_O else 4  # per layer
+    EARLY_GU: tl.constexpr = GATE_UP_EARLY and GEMV and STAGE < 0
     if GEMV:  # the same every layer: the position, and the RoPE tables of the program's first q/k/v item
         slot = tl.load(Slots)
         pos = tl.maximum(slot - tl.load(Start + rows), 0)
@@ -557,6 +559,8 @@ def layers_kernel(X, Out, Wqkv, Wo, Wgu, Wd, Norm1, Norm2, Kc, Vc, Q, PartO, Par
                              GROUP, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_SPLIT, T_QKV, PREC, not SPLIT_O)
             _stamp(stamps + 2 * n_programs, TIMELINE)
         if STAGE < 0 or STAGE == 2:
+            if EARLY_GU:  # while o_proj's items wait on attention
+                gate_w, up_w = _gate_up_tiles(wgu, pid, d_model, d_ff, T_GU, KP_MODEL, C_MODEL)
             if SPLIT_O:
                 _o_proj_gemv(wo, PartO, PartL, Arrived, o_acc, layer, pid, n_programs, d_model, n_heads, n_split,
                              GROUP, HEAD_DIM, BLOCK_SPLIT, T_O)
@@ -569,7 +573,8 @@ def layers_kernel(X, Out, Wqkv, Wo, Wgu, Wd, Norm1, Norm2, Kc, Vc, Q, PartO, Par
             if ARRIVE_FIRST and STAGE < 0:
                 _arrive(Sync)
             if GEMV:
-                gate_w, up_w = _gate_up_tiles(wgu, pid, d_model, d_ff, T_GU, KP_MODEL, C_MODEL)
+                if not EARLY_GU:
+                    gate_w, up_w = _gate_up_tiles(wgu, pid, d_model, d_ff, T_GU, KP_MODEL, C_MODEL)
                 if PREFETCH and STAGE < 0:
                     _prefetch_rows(wgu, 0, d_ff, d_model, pid, n_programs, T_GU)
                     _prefetch_rows(wgu, d_ff, d_ff, d_model, pid, n_programs, T_GU)
