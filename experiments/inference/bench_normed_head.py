@@ -17,6 +17,7 @@ import json
 import torch
 
 from lmlab.inference.bench import DEFAULT_OVERRIDES, build_model
+from lmlab.inference.engine import COMPILE_OPTIONS
 from lmlab.kernels import normed_head_triton as nh
 from lmlab.timing import graph_replay_us
 
@@ -32,8 +33,7 @@ def main() -> None:
     copy_us = graph_replay_us(lambda: copy.copy_(head.weight), replays=200, skip=20)
     copy_tbs = 2 * weight_bytes / copy_us / 1e6  # read and written
     print(f"device copy of the head's weight: {copy_us:.1f} us, {copy_tbs:.2f} TB/s", flush=True)
-    reference = torch.compile(lambda x: model._head(model.norm(x)).float(), dynamic=False,
-                              options={"coordinate_descent_tuning": True})
+    reference = torch.compile(lambda x: model._head(model.norm(x)).float(), dynamic=False, options=COMPILE_OPTIONS)
     rows = []
     for n in (1, 2, 4):
         x = torch.randn(n, head.weight.shape[1], device="cuda", dtype=torch.bfloat16)

@@ -242,10 +242,12 @@ class Engine:
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits of final hidden states (..., d_model)."""
-        rows = hidden.reshape(-1, hidden.shape[-1])
-        if self.head_kernel is not None and self._head_problem(rows) is None:
-            norm = self.model.norm
-            return self.head_kernel(rows, norm.weight, norm.eps, self.model.output_head()).view(*hidden.shape[:-1], -1)
+        if self.head_kernel is not None:
+            rows = hidden.reshape(-1, hidden.shape[-1])
+            if self._head_problem(rows) is None:
+                norm = self.model.norm
+                logits = self.head_kernel(rows, norm.weight, norm.eps, self.model.output_head())
+                return logits.view(*hidden.shape[:-1], -1)
         return self.model._head(self.model.norm(hidden)).float()
 
     @torch.inference_mode()

@@ -194,7 +194,6 @@ def launch_plan(x, qkv, o, gate_up, down, norm_attn, norm_ffn, k_cache, v_cache,
     d_ff = down.shape[2]
     kp_model, kp_attn, kp_ff = (triton.next_power_of_2(w) for w in (d_model, n_heads * head_dim, d_ff))
     gemv = batch == 1 and max(kp_model, kp_attn, kp_ff) <= GEMV_MAX_WIDTH
-    per_sm = GEMV_PROGRAMS_PER_SM if gemv else PROGRAMS_PER_SM
     split = n_splits(batch, n_kv_heads, cache_len, programs)
     f32 = dict(dtype=torch.float32, device=x.device)
     dtype = qkv.dtype
@@ -228,7 +227,7 @@ def launch_plan(x, qkv, o, gate_up, down, norm_attn, norm_ffn, k_cache, v_cache,
                 TIMELINE=False)
     shape = (batch, d_model, d_ff, n_heads, n_kv_heads, split, eps, scale * LOG2E,
              k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), k_cache.stride(3))
-    return LaunchPlan(args, shape, meta, per_sm)
+    return LaunchPlan(args, shape, meta, GEMV_PROGRAMS_PER_SM if gemv else PROGRAMS_PER_SM)
 
 
 @_decode_layers_op.register_fake
