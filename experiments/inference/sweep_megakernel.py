@@ -1,6 +1,7 @@
 """Time the decode megakernel's layer stack alone over its launch settings, then generation with the best.
 
     python experiments/inference/sweep_megakernel.py --batch 1 32 --out sweep-megakernel.json [--only [SETTING ...]]
+        [--single-steps]
 
 llama400m (vocab 50304, random weights, bf16), one token per sequence at slot 255 of a 384-slot cache (`--slots`:
 others, the mean of their times ranking the settings): the layer stack (`decode_layers`) replayed from a CUDA graph,
@@ -12,7 +13,8 @@ launches (torch.profiler). Then `lmlab bench generate`'s rows (128-token prompts
 each batch with its fastest setting, and for the compiled engine, in the same process, and the GPU time per generated
 token of each engine's kernels (torch.profiler over one more generation): what the layer stack leaves to the head,
 sampling and the generation loop. `--only SETTING...` sweeps those settings alone (the others at the module's values); a
-bare `--only` times the module's settings.
+bare `--only` times the module's settings. `--single-steps` adds the rows of generation with each greedy decode step
+launched from the host instead of in blocks replayed as one graph (lmlab.inference.greedy_steps).
 """
 
 from __future__ import annotations
@@ -21,10 +23,12 @@ import argparse
 import itertools
 import json
 import statistics
+import unittest.mock
 
 import torch
 
 from lmlab.inference.bench import DEFAULT_OVERRIDES, build_model, contender, run_benchmark
+from lmlab.inference.greedy_steps import GreedySteps
 from lmlab.inference.megakernel import Megakernel
 from lmlab.kernels import decode_layers as dl
 from lmlab.timing import graph_replay_us
@@ -119,6 +123,9 @@ def main() -> None:
     parser.add_argument("--slots", type=int, nargs="+", default=[255],
                         help="cache slots (of 384) the persistent stack is timed at; a setting's time is their mean "
                              "(generation with 128-token prompts and 256 new tokens runs slots 128-383)")
+    parser.add_argument("--single-steps", action="store_true",
+                        help="also time generation with each decode step launched from the host, not in blocks "
+                             "replayed as one CUDA graph (lmlab.inference.greedy_steps)")
     args = parser.parse_args()
     model, _ = build_model(DEFAULT_OVERRIDES, None, torch.device("cuda"), torch.bfloat16)
     kernel = Megakernel(model)
@@ -145,6 +152,10 @@ def main() -> None:
             setattr(dl, name, best[batch][name])
         print("best at batch", batch, best[batch], flush=True)
     bench = run_benchmark(model, ["megakernel", "compiled"], args.batch, [128], 256, repeats=3)
+    if args.single_steps:  # the reference: each decode step and its pick launched from the host
+        with unittest.mock.patch.object(GreedySteps, "applies", staticmethod(lambda *_: False)):
+            bench["rows"] += run_benchmark(model, ["megakernel", "compiled"], args.batch, [128], 256, repeats=3,
+                                           label=" 1by1")["rows"]
     profiles = {}
     for batch, engine in itertools.product(args.batch, ("megakernel", "compiled")):
         rows, sequence = generation_profile(model, engine, batch)

@@ -102,6 +102,7 @@ class Engine:
         self._prompt_step: _StaticStep | None = None  # a batch-invariant engine's prompt chunk, from a CUDA graph
         self.last_hidden: torch.Tensor | None = None  # the last extend's final hidden states (before the norm)
         self.drafted_rounds: Any = None  # speculative decoding's round as this engine drafts it (greedy_rounds)
+        self.greedy_steps: Any = None  # generation's blocks of greedy decode steps (greedy_steps)
 
     def _batch_invariant(self, model: Transformer, compile: bool, megakernel: bool, folded_norms: bool | None):
         if compile or megakernel or folded_norms:

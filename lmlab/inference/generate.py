@@ -144,26 +144,34 @@ def without_padding(logits: torch.Tensor, beyond: torch.Tensor | None) -> torch.
     return logits if beyond is None else logits.masked_fill(beyond, -torch.inf)
 
 
+def plain_greedy(sampler) -> bool:
+    """Whether `sampler` picks each row's argmax as Sampler does, without penalties (nor their token counts)."""
+    from lmlab.inference.samplers import Sampler
+
+    return (isinstance(sampler, Sampler) and type(sampler).sample is Sampler.sample and sampler.greedy
+            and not sampler.needs_counts)
+
+
 def pick(sampler, logits: torch.Tensor, counts: torch.Tensor | None, generator: torch.Generator | None,
          beyond: torch.Tensor | None, usable: int, peaks: torch.Tensor, finished: torch.Tensor | None = None,
-         out: torch.Tensor | None = None) -> torch.Tensor:
+         out: torch.Tensor | None = None, next_step: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """`sampler.sample` over the ids that are not padding (`padding_ids`' mask `beyond`, the ids from `usable` on),
     writing each row's largest |logit| over all ids into peaks [B] (NaN or inf where one is not finite: generation's
-    check). Rows that `finished` [B] marks take token 0; `out` [B]: where the tokens go. Any object with a Sampler's
+    check). Rows that `finished` [B] marks take token 0; `out` [B]: where the tokens go; `next_step` (ids [B], slot [1]):
+    the next decode step's input, which gets the tokens too, and its slot, advanced by one. Any object with a Sampler's
     `sample`, `greedy` and `needs_counts` serves (a wrapper that restricts the ids, say). Greedy decoding by a Sampler
     that samples as Sampler does, without penalties, takes both from one pass over the logits on a GPU
     (lmlab.kernels.argmax_peak_triton: one launch instead of four)."""
-    from lmlab.inference.samplers import Sampler
-
-    plain_greedy = (isinstance(sampler, Sampler) and type(sampler).sample is Sampler.sample and sampler.greedy
-                    and not sampler.needs_counts)
     fused = optional_triton_kernel(logits.device, None, "lmlab.kernels.argmax_peak_triton", "argmax_peak")
-    if plain_greedy and fused is not None:
-        return fused(logits, usable, peaks, finished, out)
+    if fused is not None and plain_greedy(sampler):
+        return fused(logits, usable, peaks, finished, out, next_step)
     torch.linalg.vector_norm(logits, float("inf"), dim=-1, out=peaks)
     token = sampler.sample(without_padding(logits, beyond), counts, generator)
     if finished is not None:
         token = token.masked_fill(finished, 0)
+    if next_step is not None:
+        next_step[0].copy_(token)
+        next_step[1].add_(1)
     return token if out is None else out.copy_(token)
 
 
@@ -183,6 +191,7 @@ def generate(engine, prompts: Sequence[Sequence[int]], sampler=None, max_new_tok
     end before the stop string that ended them, or after it with `include_stop_str_in_output`. `embed` maps
     the left-padded prompt ids (B, P) to the embeddings the prefill runs on instead (B, P, d_model): a VLM's,
     with image features at its marker positions; the generated tokens are embedded as usual."""
+    from lmlab.inference.greedy_steps import GreedySteps  # here: it builds on this module's pick
     from lmlab.inference.samplers import SAMPLERS  # registry entries load with the engine's users
 
     model, device = engine.model, engine.device
@@ -194,48 +203,67 @@ def generate(engine, prompts: Sequence[Sequence[int]], sampler=None, max_new_tok
     batch = len(prompts)
     stop_ids = torch.tensor(sorted(set(stop_token_ids)), dtype=torch.long, device=device)
     out = torch.zeros(max_new_tokens, batch, dtype=torch.long, device=device)  # step-major: each step's row contiguous
-    finished = torch.zeros(batch, dtype=torch.bool, device=device)
     peaks = torch.zeros(max_new_tokens, batch, device=device)  # each step's and row's largest |logit|: NaN or inf
     # where one is not finite
     counts = token_counts(ids, start, model.vocab_size) if sampler.needs_counts else None
     beyond, usable = padding_ids(model.vocab_size, tokenizer, device), usable_vocab_size(model.vocab_size, tokenizer)
     step_every = 1 if stream is not None or stops.stops else sync_every
+    block = min(step_every, max_new_tokens - 1)  # decode steps per block of static steps, where they apply
 
     sync()
     began = time.perf_counter()
     engine.begin(batch, ids.shape[1] + max_new_tokens, start)
+    blocks = None
+    if block > 0 and GreedySteps.applies(sampler, step_every == 1):
+        sizes = {block, (max_new_tokens - 1) % block} - {0}
+        blocks = GreedySteps.prepare(engine, sampler, sizes, stop_ids, beyond, usable)
+    finished = torch.zeros(batch, dtype=torch.bool, device=device) if blocks is None else blocks.finished
     logits = engine.extend(ids, embeds=None if embed is None else embed(ids))
-    ttft = decode_began = None
-    n = 0
     host_done = [False] * batch
-    look = None
-    for n in range(max_new_tokens):
+    look, looked = None, -1  # the last look at the device, and its step
+
+    def take(logits: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Step n's tokens from its logits, and (when streaming) which sequences had finished before them."""
         # one launch each where a step's host-free bookkeeping can take it: at batch 1 every launch is ~3% of a step
         token = pick(sampler, logits, counts, generator, beyond, usable, peaks[n], finished, out[n])
         if counts is not None:
             counts.scatter_add_(1, token[:, None], (~finished).float()[:, None])
         was_finished = finished.clone() if stream is not None else None
         if len(stop_ids):
-            finished |= torch.isin(token, stop_ids)
-        if n == 0:
-            sync()
-            ttft = time.perf_counter() - began
-            decode_began = time.perf_counter()
-        last = n == max_new_tokens - 1
-        if step_every > 1 and not last and (n + 1) % step_every == 0:
-            if look is not None and look.all_finished(peaks):
-                break
-            look = DeviceLook(peaks, n, finished)
-        elif step_every == 1 or last:
+            finished.logical_or_(torch.isin(token, stop_ids))
+        return token, was_finished
+
+    def ends_after(n: int, token: torch.Tensor, was_finished: torch.Tensor | None) -> bool:
+        """The host's look after step n: whether generation ends there."""
+        nonlocal look, looked
+        if n == max_new_tokens - 1 or step_every == 1:
             _check_finite(peaks, n)
             if stream is not None:
                 stream([None if done else t for done, t in zip(was_finished.tolist(), token.tolist())])
             if stops.stops:
                 _mark_stop_strings(out, n, finished, host_done, stops)
-            if bool(finished.all()):
-                break
-        if not last:
-            logits = engine.decode(token)
+            return n == max_new_tokens - 1 or bool(finished.all())
+        if n - looked < step_every:
+            return False
+        if look is not None and look.all_finished(peaks):
+            return True
+        look, looked = DeviceLook(peaks, n, finished), n
+        return False
+
+    n = 0
+    token, was_finished = take(logits, n)
+    sync()
+    ttft = time.perf_counter() - began
+    decode_began = time.perf_counter()
+    while not ends_after(n, token, was_finished):
+        if blocks is not None:
+            size = min(block, max_new_tokens - 1 - n)
+            blocks.run(token, out[n + 1:n + 1 + size], peaks[n + 1:n + 1 + size])
+            n += size
+            token = out[n]
+        else:
+            n += 1
+            token, was_finished = take(engine.decode(token), n)
     sync()
     decode_s = time.perf_counter() - decode_began
     return build_generation(out[:n + 1].T.tolist(), stop_token_ids, stops, tokenizer, ttft, decode_s, n,

@@ -3,7 +3,9 @@
 `argmax_peak(logits, usable, peaks)` returns each row's argmax over the ids below `usable` (a padded vocabulary's
 tail is never picked; the lowest id on a tie, as torch.argmax) and writes each row's largest |logit| over all ids
 into `peaks` (NaN or inf where any logit is not finite: generation's check that names the step). With `finished`,
-rows marked there take token 0 (generation's finished sequences), and `out` receives the tokens.
+rows marked there take token 0 (generation's finished sequences), and `out` receives the tokens. With `next_step`
+(ids, slot), the tokens are also written into ids, the next decode step's input, and slot is advanced by one: the
+bookkeeping of a CUDA graph of greedy steps (lmlab.inference.greedy_steps) in this launch instead of two more.
 
 Why a kernel: at batch 1 the step's two ATen reductions over 50,304 float32 logits (torch.argmax and
 torch.linalg.vector_norm) took ~11 us of GPU time each on an H200, ~4% of a megakernel decode step
@@ -24,8 +26,9 @@ _WORKSPACE: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
 
 @triton.jit
-def _argmax_peak_kernel(Logits, Tokens, Peaks, Finished, PartMax, PartArg, PartPeak, Done, vocab, usable, stride,
-                        n_chunks, CHUNK: tl.constexpr, CHUNKS: tl.constexpr, FINISHED: tl.constexpr):
+def _argmax_peak_kernel(Logits, Tokens, Peaks, Finished, NextIds, Slot, PartMax, PartArg, PartPeak, Done, vocab, usable,
+                        stride, next_stride, n_chunks, CHUNK: tl.constexpr, CHUNKS: tl.constexpr,
+                        FINISHED: tl.constexpr, NEXT_STEP: tl.constexpr):
     row, chunk = tl.program_id(0), tl.program_id(1)
     ids = chunk * CHUNK + tl.arange(0, CHUNK)
     x = tl.load(Logits + row * stride + ids, mask=ids < vocab, other=0.0).to(tl.float32)
@@ -50,6 +53,10 @@ def _argmax_peak_kernel(Logits, Tokens, Peaks, Finished, PartMax, PartArg, PartP
         if FINISHED:
             token = tl.where(tl.load(Finished + row) != 0, 0, token)
         tl.store(Tokens + row, token)
+        if NEXT_STEP:
+            tl.store(NextIds + row * next_stride, token)
+            if row == 0:  # one program: nothing else reads the slot in this launch
+                tl.store(Slot, tl.load(Slot) + 1)
         any_nan = tl.sum((peaks != peaks).to(tl.int32), 0) > 0
         tl.store(Peaks + row, tl.where(any_nan, float("nan"), tl.max(peaks, 0)))
         tl.store(Done + row, 0)  # ready for the next call
@@ -68,9 +75,11 @@ def _workspace(rows: int, n_chunks: int, device: torch.device) -> tuple[torch.Te
 
 
 def argmax_peak(logits: torch.Tensor, usable: int, peaks: torch.Tensor, finished: torch.Tensor | None = None,
-                out: torch.Tensor | None = None) -> torch.Tensor:
+                out: torch.Tensor | None = None,
+                next_step: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """logits (B, V) -> the argmax of each row over ids < usable, (B,) int64 (in `out` where given; 0 in the rows
-    that `finished` (B,) bool marks); peaks (B,) float32 gets each row's largest |logit| over all V ids."""
+    that `finished` (B,) bool marks); peaks (B,) float32 gets each row's largest |logit| over all V ids. next_step:
+    (ids (B,) int64, any stride, slot (1,) int64) that also get the tokens and one more."""
     rows, vocab = logits.shape
     if not 0 < usable <= vocab:
         raise ValueError(f"argmax_peak: usable={usable} must be in [1, {vocab}] (the logits' vocabulary)")
@@ -81,9 +90,15 @@ def argmax_peak(logits: torch.Tensor, usable: int, peaks: torch.Tensor, finished
     for name, given, dtype in (("finished", finished, torch.bool), ("out", out, torch.long)):
         if given is not None and (given.shape != (rows,) or given.dtype != dtype or not given.is_contiguous()):
             raise ValueError(f"argmax_peak: {name} must be a contiguous (rows,) {dtype} tensor")
+    if next_step is not None:
+        ids, slot = next_step
+        if ids.shape != (rows,) or ids.dtype != torch.long or slot.shape != (1,) or slot.dtype != torch.long:
+            raise ValueError("argmax_peak: next_step must be (ids, slot): a (rows,) and a (1,) int64 tensor")
     tokens = torch.empty(rows, dtype=torch.long, device=logits.device) if out is None else out
-    _argmax_peak_kernel[(rows, n_chunks)](logits, tokens, peaks, tokens if finished is None else finished, parts[0],
-                                          args, parts[1], done, vocab, usable, logits.stride(0), n_chunks,
-                                          CHUNK=CHUNK, CHUNKS=triton.next_power_of_2(n_chunks),
-                                          FINISHED=finished is not None, num_warps=NUM_WARPS)
+    ids, slot = (tokens, tokens) if next_step is None else next_step
+    _argmax_peak_kernel[(rows, n_chunks)](logits, tokens, peaks, tokens if finished is None else finished, ids, slot,
+                                          parts[0], args, parts[1], done, vocab, usable, logits.stride(0),
+                                          ids.stride(0), n_chunks, CHUNK=CHUNK, CHUNKS=triton.next_power_of_2(n_chunks),
+                                          FINISHED=finished is not None, NEXT_STEP=next_step is not None,
+                                          num_warps=NUM_WARPS)
     return tokens

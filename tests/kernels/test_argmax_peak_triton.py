@@ -83,3 +83,16 @@ def test_finished_rows_take_token_zero_written_into_out():
     assert tokens.data_ptr() == out.data_ptr() and out.tolist() == want.tolist()
     with pytest.raises(ValueError, match="finished"):
         argmax_peak(logits, 3000, torch.zeros(3, device=DEVICE), finished.long())
+
+
+def test_next_step_gets_the_tokens_and_its_slot_advances():
+    from lmlab.kernels.argmax_peak_triton import argmax_peak
+
+    logits = torch.randn(3, 5000, generator=torch.Generator().manual_seed(4)).to(DEVICE)
+    ids = torch.full((3, 2), -1, dtype=torch.long, device=DEVICE)  # a column: a strided view, as a step's input
+    slot = torch.tensor([7], device=DEVICE)
+    tokens = argmax_peak(logits, 5000, torch.zeros(3, device=DEVICE), next_step=(ids[:, 0], slot))
+    assert ids[:, 0].tolist() == tokens.tolist() == logits.argmax(-1).tolist() and ids[:, 1].eq(-1).all()
+    assert slot.item() == 8
+    with pytest.raises(ValueError, match="next_step"):
+        argmax_peak(logits, 5000, torch.zeros(3, device=DEVICE), next_step=(ids[:, 0], slot.int()))
