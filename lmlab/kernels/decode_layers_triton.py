@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents
 
 from lmlab.kernels.decode_attention_triton import (attend_block, attend_key_range, combined_output, empty_state,
                                                    key_split)
@@ -506,7 +505,7 @@ def layers_kernel(X, Out, Wqkv, Wo, Wgu, Wd, Norm1, Norm2, Kc, Vc, Q, PartO, Par
                    KP_ATTN: tl.constexpr, KP_FF: tl.constexpr, C_MODEL: tl.constexpr, C_ATTN: tl.constexpr,
                    C_FF: tl.constexpr, PREFETCH: tl.constexpr, T_QKV: tl.constexpr, T_O: tl.constexpr,
                    T_GU: tl.constexpr, T_D: tl.constexpr, SPLIT_O: tl.constexpr, ARRIVE_FIRST: tl.constexpr,
-                   GATE_UP_EARLY: tl.constexpr, TIMELINE: tl.constexpr, LAUNCH_DEPENDENTS: tl.constexpr):
+                   GATE_UP_EARLY: tl.constexpr, TIMELINE: tl.constexpr):
     """X: the float32 residual stream, updated in place; the launch's last layer also writes it to Out in Out's dtype.
     STAGE -1: every stage of layers [layer_lo, layer_hi) with a grid barrier before each stage but the first (and
     on the GEMV path but o_proj, whose items wait on counters); else that stage only. GEMV: batch 1, matrix-vector
@@ -515,11 +514,7 @@ def layers_kernel(X, Out, Wqkv, Wo, Wgu, Wd, Norm1, Norm2, Kc, Vc, Q, PartO, Par
     attention); o_proj adds into OAcc[layer], not X. PREFETCH (with GEMV and barriers):
     the programs also ask L2 for the later items of gate/up and down as they arrive. TIMELINE: each
     program stamps eight moments a layer into Times (layer - layer_lo, moment, program), int64 ns: qkv open, qkv
-    done, attention done, o_proj done, gate/up open, gate/up done, down open, down done. LAUNCH_DEPENDENTS: the next
-    kernel, where launched as a programmatic dependent (the fused norm + head), may start as programs exit: it waits
-    for this one's writes itself."""
-    if LAUNCH_DEPENDENTS:
-        gdc_launch_dependents()
+    done, attention done, o_proj done, gate/up open, gate/up done, down open, down done."""
     pid = tl.program_id(0)
     n_programs = tl.num_programs(0)
     rows = tl.arange(0, BB)

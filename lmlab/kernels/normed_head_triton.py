@@ -10,9 +10,7 @@ TB/s), plus a launch of its own for the norm's mean of squares; this kernel took
 (experiments/inference/h200-2026-12-04d/). Here each program takes ROWS vocabulary rows, computes the input row's norm
 itself (d_model values, from L2), and reads its weight tile once; a tile is cut into 256-column chunks, one warp's
 16-byte loads across each, so every dot product is summed inside one warp (as lmlab.kernels.decode_layers_triton's
-tiles). On a GPU it is launched as a programmatic dependent (PDL): its programs may start as the kernel before it (the
-decode megakernel, which lets them) frees SMs, and they load their weight tile and the norm's gain before they wait
-for that kernel's writes; launched after a kernel that does not allow it, it waits as any launch.
+tiles).
 """
 
 from __future__ import annotations
@@ -22,7 +20,6 @@ from typing import TYPE_CHECKING
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_wait
 
 from lmlab.kernels.decode_attention_triton import INTERPRET
 
@@ -33,7 +30,6 @@ ROWS, CHUNK, NUM_WARPS = 16, 256, 4
 # Input rows it takes: one (a batch-1 decode step). On an H200 at llama400m it took 29.4 us against Inductor's 32.0 at
 # one row, but 40.2 and 57.5 us against 38.3 and 38.1 at two and four (experiments/inference/h200-2026-12-04d/).
 MAX_ROWS = 1
-PDL = not INTERPRET  # the interpreter runs no inline PTX
 
 
 @triton.jit
@@ -43,8 +39,7 @@ def _round(x, dt: tl.constexpr):
 
 @triton.jit
 def _normed_head_kernel(X, Gain, W, Out, n_rows, vocab, d_model, eps, multiplier,
-                        ROWS: tl.constexpr, KP: tl.constexpr, KC: tl.constexpr, SCALED: tl.constexpr,
-                        PDL: tl.constexpr):
+                        ROWS: tl.constexpr, KP: tl.constexpr, KC: tl.constexpr, SCALED: tl.constexpr):
     dt: tl.constexpr = W.dtype.element_ty
     ids = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     ks = tl.arange(0, KP // KC)[:, None] * KC + tl.arange(0, KC)[None, :]  # (chunk, column in the chunk)
@@ -52,8 +47,6 @@ def _normed_head_kernel(X, Gain, W, Out, n_rows, vocab, d_model, eps, multiplier
     w = tl.load(W + ids[:, None, None] * d_model + ks[None, :, :], mask=(ids < vocab)[:, None, None] & k_ok[None],
                 other=0.0, eviction_policy="evict_first")
     gain = tl.load(Gain + ks, mask=k_ok, other=0.0).to(tl.float32)
-    if PDL:  # the loads above read nothing the kernel before writes; x is its output
-        gdc_wait()
     for r in range(n_rows):
         x = tl.load(X + r * d_model + ks, mask=k_ok, other=0.0).to(tl.float32)
         inv_rms = tl.math.rsqrt(tl.sum(tl.sum(x * x, 1), 0) / d_model + eps)
@@ -95,7 +88,7 @@ def _normed_head_op(x: torch.Tensor, gain: torch.Tensor, eps: float, weight: tor
     kp = triton.next_power_of_2(d_model)
     _normed_head_kernel[(triton.cdiv(vocab, ROWS),)](x, gain, weight, out, x.shape[0], vocab, d_model, eps, multiplier,
                                                       ROWS=ROWS, KP=kp, KC=min(CHUNK, kp), SCALED=multiplier != 1.0,
-                                                      PDL=PDL, num_warps=NUM_WARPS, launch_pdl=PDL)
+                                                      num_warps=NUM_WARPS)
     return out
 
 
