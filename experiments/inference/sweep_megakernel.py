@@ -88,11 +88,13 @@ def stage_profile(kernel: Megakernel, batch: int) -> dict[str, float]:
 
 def generation_profile(model, engine: str, batch: int, prompt: int = 128, new: int = 256,
                        top: int = 12) -> tuple[list, list]:
-    """(kernel, launches per token, GPU microseconds per token) of one more greedy generation by `engine` (already
-    warm), the `top` kernels by time, then every kernel's total; and, where a step has one megakernel launch, one
-    middle step's kernels in launch order: (name, GPU us, us idle since the previous kernel ended)."""
+    """(kernel, launches per token, GPU microseconds per token) of one greedy generation by `engine` (after an
+    unprofiled one at this batch), the `top` kernels by time, then every kernel's total; and, where a step has one
+    megakernel launch, one middle step's kernels in launch order: (name, GPU us, us idle since the previous kernel
+    ended)."""
     ids = torch.randint(0, model.vocab_size, (batch, prompt), device="cuda")
     run = contender(engine, model)
+    run(ids, new)  # a warm-up at this batch: the engine's graphs for it captured before the profiled run
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         run(ids, new)
         torch.cuda.synchronize()
@@ -106,8 +108,8 @@ def generation_profile(model, engine: str, batch: int, prompt: int = 128, new: i
     rows = sorted(([name, n / new, us / new] for name, (n, us) in totals.items()), key=lambda r: -r[2])
     steps = [i for i, e in enumerate(kernels) if "layers_kernel" in e.name]
     sequence = []
-    if len(steps) > 2:
-        middle = len(steps) // 2
+    if len(steps) > 2:  # of the middle half, the step with the fewest kernels: not one with the host's look
+        middle = min(range(len(steps) // 4, 3 * len(steps) // 4), key=lambda s: steps[s + 1] - steps[s])
         for i in range(steps[middle], steps[middle + 1]):
             idle = kernels[i].time_range.start - kernels[i - 1].time_range.end
             sequence.append([kernels[i].name[:90], kernels[i].device_time, idle])
@@ -167,6 +169,7 @@ def main() -> None:
             print(f"{engine}, batch {batch}: one step's kernels in launch order (GPU us, idle us before)")
             for name, us, idle in sequence:
                 print(f"  {us:8.1f} {idle:8.1f}  {name}")
+            print(f"  {sum(r[1] + r[2] for r in sequence):8.1f} us from one launch of the layer stack to the next")
     with open(args.out, "w") as f:
         json.dump({"sweep": rows, "best": best, "bench": bench["rows"], "generation_profile": profiles}, f,
                   indent=1, default=str)
