@@ -157,10 +157,10 @@ def pick(sampler, logits: torch.Tensor, counts: torch.Tensor | None, generator: 
          out: torch.Tensor | None = None, next_step: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """`sampler.sample` over the ids that are not padding (`padding_ids`' mask `beyond`, the ids from `usable` on),
     writing each row's largest |logit| over all ids into peaks [B] (NaN or inf where one is not finite: generation's
-    check). Rows that `finished` [B] marks take token 0; `out` [B]: where the tokens go; `next_step` (ids [B], slot [1]):
-    the next decode step's input, which gets the tokens too, and its slot, advanced by one. Any object with a Sampler's
-    `sample`, `greedy` and `needs_counts` serves (a wrapper that restricts the ids, say). Greedy decoding by a Sampler
-    that samples as Sampler does, without penalties, takes both from one pass over the logits on a GPU
+    check). Rows that `finished` [B] marks take token 0; `out` [B]: where the tokens go; `next_step` (ids [B], slot
+    [1]): the next decode step's input, which gets the tokens too, and its slot, advanced by one. Any object with a
+    Sampler's `sample`, `greedy` and `needs_counts` serves (a wrapper that restricts the ids, say). Greedy decoding by
+    a Sampler that samples as Sampler does, without penalties, takes both from one pass over the logits on a GPU
     (lmlab.kernels.argmax_peak_triton: one launch instead of four)."""
     fused = optional_triton_kernel(logits.device, None, "lmlab.kernels.argmax_peak_triton", "argmax_peak")
     if fused is not None and plain_greedy(sampler):
@@ -214,7 +214,7 @@ def generate(engine, prompts: Sequence[Sequence[int]], sampler=None, max_new_tok
     began = time.perf_counter()
     engine.begin(batch, ids.shape[1] + max_new_tokens, start)
     blocks = None
-    if block > 0 and GreedySteps.applies(sampler, step_every == 1):
+    if block > 0 and GreedySteps.applies(sampler, step_every == 1, batch):
         sizes = {block, (max_new_tokens - 1) % block} - {0}
         blocks = GreedySteps.prepare(engine, sampler, sizes, stop_ids, beyond, usable)
     finished = torch.zeros(batch, dtype=torch.bool, device=device) if blocks is None else blocks.finished

@@ -4,10 +4,10 @@ With a greedy sampler without penalties, and no host in the loop (no streaming, 
 and its bookkeeping are static: the one-token step on the pending token, the argmax with its finite check and the
 finished mask, the stop-token check, and the next step's input and slot (on a GPU the argmax's launch writes those
 too: `pick`'s next_step). `generate` then runs a block of steps per replay of one graph and copies the block's
-tokens and peaks out once. Launched from the host one step at a time, a
-step's few small launches each wait on the host and leave the GPU idle between them, ~10 us of a ~0.5 ms batch-1
-step on an H200 (experiments/inference/h200-2026-12-04d/5-log.txt); within a graph they follow each other at once.
-Without CUDA graphs (the CPU, eager engines) the same block runs op by op.
+tokens and peaks out once. Launched from the host one step at a time, a step's few small launches each wait on the
+host and leave the GPU idle between them, ~10 us of a ~0.5 ms batch-1 step on an H200
+(experiments/inference/h200-2026-12-04d/5-log.txt); within a graph they follow each other at once. Without CUDA
+graphs (the CPU, eager engines) the same block runs op by op.
 """
 
 from __future__ import annotations
@@ -22,6 +22,13 @@ from lmlab.inference.generate import pick, plain_greedy
 
 log = logging.getLogger(__name__)
 
+# Blocks pay where the host's launches are a visible share of a step. On an H200 at llama400m, 128-token prompts and
+# 256 new tokens (experiments/inference/h200-2026-12-04e/, blocks of 64 against one step at a time, same process): the
+# megakernel at batch 1 gained 1.8-2.4% (1,975-1,997 against 1,940-1,955 tokens/s), the compiled engine at batch 1
+# moved within +-1%, and at batch 32 it lost 3% in two runs (30,685 and 30,777 against 31,582 and 31,744 tokens/s),
+# its ~180 kernels a step replayed 64 steps to a graph with more idle time between them than its own step's graph.
+MAX_BATCH = 1
+
 
 class GreedySteps:
     """Blocks of greedy decode steps for one engine (its one-token step), stop tokens and usable vocabulary, one CUDA
@@ -29,9 +36,10 @@ class GreedySteps:
     blocks read and update; each `run` writes its block's tokens and peaks into the rows given."""
 
     @staticmethod
-    def applies(sampler, host_every_step: bool) -> bool:
-        """Whether decode steps are static: plain greedy decoding (`plain_greedy`) with no host look each step."""
-        return plain_greedy(sampler) and not host_every_step
+    def applies(sampler, host_every_step: bool, batch: int) -> bool:
+        """Whether decode steps are static, plain greedy decoding (`plain_greedy`) with no host look each step, and
+        blocks pay: batches of up to MAX_BATCH sequences."""
+        return plain_greedy(sampler) and not host_every_step and batch <= MAX_BATCH
 
     @classmethod
     def prepare(cls, engine: Engine, sampler, sizes: set[int], stop_ids: Tensor, beyond: Tensor | None,

@@ -38,8 +38,11 @@ def test_graph_replayed_decode_matches_eager(attention, compile):
         token = torch.tensor([step, 2 * step, 3 * step], device="cuda")
         torch.testing.assert_close(replayed.decode(token), eager.decode(token), atol=1e-4, rtol=1e-4)
     assert eager.generate(PROMPTS, max_new_tokens=30).tokens == replayed.generate(PROMPTS, max_new_tokens=30).tokens
-    assert replayed.greedy_steps.graphs.keys() == {16, 13}  # 29 decode steps in blocks of sync_every
-    assert all(graph is not None for graph in replayed.greedy_steps.graphs.values())  # replayed as graphs
+    for prompt in PROMPTS:  # one sequence: greedy steps in blocks of sync_every (greedy_steps)
+        alone = [engine.generate([prompt], max_new_tokens=30).tokens for engine in (eager, replayed)]
+        assert alone[0] == alone[1]
+        assert replayed.greedy_steps.graphs.keys() == {16, 13}  # 29 decode steps: a block of 16, then one of 13
+        assert all(graph is not None for graph in replayed.greedy_steps.graphs.values())  # replayed as graphs
 
 
 def test_moe_model_generates_with_graphs_requested():

@@ -131,17 +131,22 @@ def test_a_stop_token_seen_by_a_late_look_ends_generation_with_the_same_tokens()
 @pytest.mark.parametrize("attention", [{"name": "mha", "n_heads": 4, "n_kv_heads": 2}, "linear"])
 def test_greedy_blocks_of_steps_give_the_tokens_of_single_steps(attention):
     engine = Engine(_model(attention=attention))
-    free = engine.generate(PROMPTS, max_new_tokens=14, sync_every=1)  # a host look each step: no blocks
-    assert engine.greedy_steps is None
-    stop = free.tokens[1][5]
-    single = engine.generate(PROMPTS, max_new_tokens=14, stop_token_ids=[stop], sync_every=1)
-    blocked = engine.generate(PROMPTS, max_new_tokens=14, stop_token_ids=[stop], sync_every=4)
-    assert engine.greedy_steps.graphs.keys() == {4, 1}  # 13 decode steps: blocks of 4, then one of 1
-    assert blocked.tokens == single.tokens and blocked.finish_reasons == single.finish_reasons
-    assert engine.generate(PROMPTS, max_new_tokens=14, sync_every=4).tokens == free.tokens
+    for prompt in PROMPTS:  # blocks run batches of one sequence (greedy_steps.MAX_BATCH)
+        engine.greedy_steps = None
+        free = engine.generate([prompt], max_new_tokens=14, sync_every=1)  # a host look each step: no blocks
+        assert engine.greedy_steps is None
+        stop = free.tokens[0][5]
+        single = engine.generate([prompt], max_new_tokens=14, stop_token_ids=[stop], sync_every=1)
+        blocked = engine.generate([prompt], max_new_tokens=14, stop_token_ids=[stop], sync_every=4)
+        assert engine.greedy_steps.graphs.keys() == {4, 1}  # 13 decode steps: blocks of 4, then one of 1
+        assert blocked.tokens == single.tokens and blocked.finish_reasons == single.finish_reasons == ["stop"]
+        assert engine.generate([prompt], max_new_tokens=14, sync_every=4).tokens == free.tokens
+    engine.greedy_steps = None
     sampled = SAMPLERS.build({"name": "top_p", "p": 0.9, "seed": 3})
-    assert engine.generate(PROMPTS, sampled, max_new_tokens=6).tokens == Engine(engine.model).generate(
-        PROMPTS, sampled, max_new_tokens=6, sync_every=1).tokens  # sampling runs step by step, as before
+    assert engine.generate([PROMPTS[0]], sampled, max_new_tokens=6).tokens == engine.generate(
+        [PROMPTS[0]], sampled, max_new_tokens=6, sync_every=1).tokens
+    engine.generate(PROMPTS, max_new_tokens=6)
+    assert engine.greedy_steps is None  # sampled decoding and batches of several sequences run step by step
 
 
 @pytest.mark.parametrize("prompts, kwargs, message", [
