@@ -6,7 +6,8 @@ step while keeping its own positions. The loop keeps tokens, finished flags and 
 on the device. It syncs with the host each step when streaming or when stop strings need the text;
 otherwise it looks every `sync_every` steps and reads each look at the next one (`DeviceLook`), so
 the host never waits for the GPU to drain; up to 2 * sync_every - 1 steps may then run past the
-last sequence's stop, their tokens dropped.
+last sequence's stop, their tokens dropped. Greedy decoding of one sequence runs the steps between
+looks as blocks replayed from one CUDA graph each (lmlab.inference.greedy_steps).
 """
 
 from __future__ import annotations
