@@ -176,6 +176,12 @@ def pick(sampler, logits: torch.Tensor, counts: torch.Tensor | None, generator: 
     return token if out is None else out.copy_(token)
 
 
+def mark_stop_tokens(finished: torch.Tensor, token: torch.Tensor, stop_ids: torch.Tensor) -> None:
+    """finished [B] |= whether each row's token [B] is one of stop_ids (none: no launch), in place."""
+    if len(stop_ids):
+        finished.logical_or_(torch.isin(token, stop_ids))
+
+
 def tokenizer_vocab_size(tokenizer) -> int | None:
     """How many ids `tokenizer` can decode (a Hugging Face tokenizer's length, or lmlab's `vocab_size`);
     None when it does not say."""
@@ -230,8 +236,7 @@ def generate(engine, prompts: Sequence[Sequence[int]], sampler=None, max_new_tok
         if counts is not None:
             counts.scatter_add_(1, token[:, None], (~finished).float()[:, None])
         was_finished = finished.clone() if stream is not None else None
-        if len(stop_ids):
-            finished.logical_or_(torch.isin(token, stop_ids))
+        mark_stop_tokens(finished, token, stop_ids)
         return token, was_finished
 
     def ends_after(n: int, token: torch.Tensor, was_finished: torch.Tensor | None) -> bool:

@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from lmlab.inference.engine import Engine, capture_cuda_graph
-from lmlab.inference.generate import pick, plain_greedy
+from lmlab.inference.generate import mark_stop_tokens, pick, plain_greedy
 
 log = logging.getLogger(__name__)
 
@@ -98,8 +98,7 @@ class GreedySteps:
             logits = step.run()[0][:, 0]
             token = pick(self.sampler, logits, None, None, self.beyond, self.usable, self.peaks[i], self.finished,
                          self.tokens[i], next_step=(step.ids[:, 0], step.slots))
-            if len(self.stop_ids):
-                self.finished |= torch.isin(token, self.stop_ids)
+            mark_stop_tokens(self.finished, token, self.stop_ids)
 
     def run(self, token: Tensor, tokens: Tensor, peaks: Tensor) -> None:
         """Decode len(tokens) steps from the pending `token` (B,) at the engine's next slot: each step's tokens into
