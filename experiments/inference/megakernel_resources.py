@@ -43,8 +43,10 @@ def plan_for(batch, layers, d_model, heads, kv_heads, head_dim, d_ff, cache_len,
     rope = [torch.empty(cache_len, head_dim // 2, device="meta") for _ in range(2)]
     slots, start = torch.empty(1, dtype=torch.long, device="meta"), torch.empty(batch, dtype=torch.long, device="meta")
     residual = torch.empty(batch, d_model, device="meta")
+    # as the engine steps: from the tokens, whose embeddings the matrix-vector path reads itself
+    tokens, embedding = torch.empty(batch, dtype=torch.long, device="meta"), torch.empty(50304, d_model, **meta)
     return dl.launch_plan(residual, *w, *norms, k, v, slots, start, *rope, heads, kv_heads,
-                          False, 1e-5, head_dim ** -0.5, programs)
+                          False, 1e-5, head_dim ** -0.5, programs, tokens=tokens, embedding=embedding)
 
 
 def compile_sm90(plan: dl.LaunchPlan, layers: int):

@@ -70,7 +70,8 @@ def test_stacked_weights_are_views_of_the_parameters():
 
 
 def _decode_both(model, batch, persistent=True, compile=False, steps=6):
-    """Logits of the layer-by-layer engine and of the megakernel engine over a prefill and `steps` decode steps."""
+    """Logits of the layer-by-layer engine and of the megakernel engine over a prefill and `steps` decode steps; the
+    kernel's counters are zeros after each step (the next step starts from them without a fill)."""
     reference = Engine(model, cuda_graphs=False)
     fused = Engine(model, compile=compile, cuda_graphs=True, megakernel=True)
     fused.megakernel.persistent = persistent
@@ -83,6 +84,7 @@ def _decode_both(model, batch, persistent=True, compile=False, steps=6):
         logits = [engine.extend(prompt)]
         for t in range(steps):
             logits.append(engine.decode(torch.full((batch,), 3 * t + 1, device="cuda")).clone())
+            assert engine is reference or not engine.megakernel.sync.any()
         got.append(torch.stack(logits, 1))
     return got
 
@@ -155,4 +157,30 @@ def test_matches_the_layer_by_layer_step_under_the_interpreter(batch, attention,
         for t in range(4):
             logits.append(engine.decode(torch.full((batch,), 2 * t + 1)).clone())
         got.append(torch.stack(logits, 1))
+    assert not engine.megakernel.sync.any()
     torch.testing.assert_close(got[1], got[0], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("batch", [1, 4])  # the kernel reads the embeddings itself at batch 1; at 4 they are copied in
+def test_a_step_from_tokens_equals_the_step_from_their_embeddings(batch):
+    torch.backends.cuda.matmul.allow_tf32 = False
+    model = _model("cuda")
+    engine = Engine(model, cuda_graphs=False, megakernel=True)
+    engine.begin(batch, 12, torch.zeros(batch, dtype=torch.long, device="cuda"))
+    ids = torch.randint(0, VOCAB, (batch, 8), device="cuda")
+    engine.extend(ids)
+    token = ids[:, -1:]
+    kernel, state = engine.megakernel, engine.state
+    from_tokens = kernel.step_tokens(token, state).clone()  # both write the same key and value at the same slot
+    assert not kernel.sync.any()
+    from_embeddings = kernel.step(model.embed_tokens(token), state)
+    torch.testing.assert_close(from_tokens, from_embeddings, atol=1e-5, rtol=1e-5)
+    from lmlab.kernels.decode_layers import decode_layers
+
+    x = torch.zeros(batch, from_tokens.shape[-1], device="cuda")
+    rope = model.position
+    with pytest.raises(ValueError, match="tokens and embedding come together"):
+        decode_layers(x, kernel.weights, kernel.k_cache, kernel.v_cache, state.slots, state.start, rope.cos, rope.sin,
+                      1e-5, tokens=token[:, 0])
