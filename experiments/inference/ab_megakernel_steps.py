@@ -1,23 +1,20 @@
-"""Batch-1 megakernel generation in variants, compared in one process, in turns.
+"""Batch-1 megakernel generation under variants of its launch settings, compared in one process, in turns.
 
-    python experiments/inference/ab_megakernel_steps.py [--rounds 9] [--out ab.json]
+    python experiments/inference/ab_megakernel_steps.py [O_ACC_ALIGN=1 O_ACC_ALIGN=4 ...] [--rounds 9] [--out F]
 
-A machine or a process moves the layer stack's time by 1-2% (experiments/inference/README.md), more than the
-changes compared here, so every variant runs in the same process, on its own copy of the same weights, and the
-variants take turns. Each variant's engine captures its CUDA graphs with the variant's settings, which then hold
-for every replay:
-  fill      before each step a fill zeroes the kernel's counters, and the embedding is a kernel of its own (what the
-            thirteenth session measured)
-  reset     the kernel leaves its counters zeroed for the next step (no fill); the embedding is still a kernel
-  gather    as reset, and the kernel reads the token's embedding row itself (the default code)
-  +aligned  o_proj's float32 sums 16-byte aligned (decode_layers.O_ACC_ALIGN = 4, against 1)
-Per variant: decode tokens/s of a greedy generation (llama400m, random weights, bf16, 128-token prompt, 256 new
-tokens, blocks of 64 steps), the median of the rounds, and one middle step's kernels from a profiled generation.
+A variant is `NAME=VALUE[,NAME=VALUE...]` of `lmlab.kernels.decode_layers`' module settings (those that
+sweep_megakernel.py sweeps, and O_ACC_ALIGN). A machine or a process moves the layer stack's time by 1-2%
+(experiments/inference/README.md), as much as the changes compared, so every variant runs in the same process, on
+its own copy of the same weights, and the variants take turns. Each variant's engine captures its CUDA graphs under
+the variant's settings (a launch reads them as it is captured), which then hold for every replay. Per variant:
+decode tokens/s of a greedy generation (llama400m, random weights, bf16, 128-token prompt, 256 new tokens, blocks of
+64 steps), the median of the rounds, and one middle step's kernels from a profiled generation.
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
 import copy
 import json
 import statistics
@@ -26,22 +23,15 @@ import torch
 
 from lmlab.inference.bench import DEFAULT_OVERRIDES, build_model
 from lmlab.inference.engine import Engine
-from lmlab.inference.megakernel import Megakernel
 from lmlab.kernels import decode_layers as dl
 
-# name: (the kernel leaves its counters zeroed, the kernel reads the embedding, O_ACC_ALIGN)
-VARIANTS = {"fill": (False, False, 1), "reset": (True, False, 1), "gather": (True, True, 1),
-            "gather+aligned": (True, True, 4)}
 
-
-def variant_engine(model, reset: bool, gather: bool) -> Engine:
-    engine = Engine(model, True, megakernel=True)
-    kernel = engine.megakernel
-    if not reset:  # no buffer kept between steps: decode_layers fills a fresh one
-        kernel.bind = lambda caches: (Megakernel.bind(kernel, caches), setattr(kernel, "sync", None))
-    if not gather:
-        kernel.step_tokens = lambda ids, state: kernel.step(model.embed_tokens(ids), state)
-    return engine
+def parse_variant(text: str) -> dict:
+    settings = dict(item.split("=", 1) for item in text.split(","))
+    unknown = [name for name in settings if not hasattr(dl, name)]
+    if unknown:
+        raise SystemExit(f"ab_megakernel_steps: {', '.join(unknown)} is no setting of lmlab.kernels.decode_layers")
+    return {name: ast.literal_eval(value) for name, value in settings.items()}
 
 
 def generate(engine: Engine, ids: torch.Tensor, new: int) -> float:
@@ -63,18 +53,21 @@ def one_step(engine: Engine, ids: torch.Tensor, new: int) -> list:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("variants", nargs="*", default=["O_ACC_ALIGN=1", "O_ACC_ALIGN=4"])
     parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--new", type=int, default=256)
     parser.add_argument("--out", default="ab-megakernel-steps.json")
     args = parser.parse_args()
+    variants = {text: parse_variant(text) for text in args.variants}
     model, _ = build_model(DEFAULT_OVERRIDES, None, torch.device("cuda"), torch.bfloat16)
     ids = torch.randint(0, model.vocab_size, (1, 128), device="cuda")
+    defaults = {name: getattr(dl, name) for settings in variants.values() for name in settings}
     engines = {}
-    for name, (reset, gather, align) in VARIANTS.items():
-        dl.O_ACC_ALIGN = align  # read as the step's graphs are captured, by the first generation
-        engines[name] = variant_engine(copy.deepcopy(model), reset, gather)
-        first = generate(engines[name], ids, args.new)
-        print(f"{name}: warmed up ({first:,.0f} tokens/s)", flush=True)
+    for name, settings in variants.items():
+        for setting, value in {**defaults, **settings}.items():
+            setattr(dl, setting, value)
+        engines[name] = Engine(copy.deepcopy(model), True, megakernel=True)
+        print(f"{name}: warmed up ({generate(engines[name], ids, args.new):,.0f} tokens/s)", flush=True)
     runs = {name: [] for name in engines}
     for _ in range(args.rounds):
         for name, engine in engines.items():
@@ -83,8 +76,8 @@ def main() -> None:
     for name, engine in engines.items():
         steps = one_step(engine, ids, args.new)
         result[name] = {"tokens_per_s": statistics.median(runs[name]), "runs": runs[name], "one_step": steps}
-        print(f"{name:<16} {result[name]['tokens_per_s']:8,.0f} tokens/s (runs {min(runs[name]):,.0f}-"
-              f"{max(runs[name]):,.0f}); one step:", flush=True)
+        print(f"{name:<24} {result[name]['tokens_per_s']:8,.0f} tokens/s (runs {min(runs[name]):,.0f}-"
+              f"{max(runs[name]):,.0f}); one step (GPU us, idle us before):", flush=True)
         for kernel, us, idle in steps:
             print(f"  {us:8.1f} {idle:6.1f}  {kernel}")
         print(f"  {sum(r[1] + r[2] for r in steps):8.1f} us from one launch of the layer stack to the next")

@@ -43,15 +43,14 @@ def plan_for(batch, layers, d_model, heads, kv_heads, head_dim, d_ff, cache_len,
     rope = [torch.empty(cache_len, head_dim // 2, device="meta") for _ in range(2)]
     slots, start = torch.empty(1, dtype=torch.long, device="meta"), torch.empty(batch, dtype=torch.long, device="meta")
     residual = torch.empty(batch, d_model, device="meta")
-    # as the engine steps: from the tokens, whose embeddings the matrix-vector path reads itself
-    tokens, embedding = torch.empty(batch, dtype=torch.long, device="meta"), torch.empty(50304, d_model, **meta)
     return dl.launch_plan(residual, *w, *norms, k, v, slots, start, *rope, heads, kv_heads,
-                          False, 1e-5, head_dim ** -0.5, programs, tokens=tokens, embedding=embedding)
+                          False, 1e-5, head_dim ** -0.5, programs)
 
 
 def compile_sm90(plan: dl.LaunchPlan, layers: int):
     """The persistent kernel compiled as a launch would specialize it: pointers 16-byte aligned, integers equal to 1
-    made constants, integers divisible by 16 marked so."""
+    made constants, integers divisible by 16 marked so. A launch specializes on the real pointers: a view at an
+    unaligned offset compiles to narrower loads than shown here (o_proj's sums did until 2026-12-04)."""
     names = layers_kernel.arg_names
     values = dict(zip(names, (*plan.args, 0, layers, *plan.shape)))
     constants = {**{k: v for k, v in plan.meta.items() if k not in ("num_warps", "num_stages")}, "STAGE": -1}

@@ -234,11 +234,8 @@ class Engine:
     def _hidden(self, ids: torch.Tensor, embeds: torch.Tensor | None = None) -> torch.Tensor:
         model, positions = self.model, self.state.positions()
         model._route_by("layers.", ids)
-        megakernel = self.megakernel is not None and ids.shape[1] == 1 and ids.shape[0] <= self.megakernel.max_batch
-        if megakernel and embeds is None:  # its models take RoPE, which adds nothing to the embeddings
-            return self.megakernel.step_tokens(ids, self.state)
         x = model.position.embed(model.token_embeddings(ids, embeds), positions)
-        if megakernel:
+        if self.megakernel is not None and ids.shape[1] == 1 and ids.shape[0] <= self.megakernel.max_batch:
             return self.megakernel.step(x, self.state)
         if self.folded_norms is not None and self.folded_norms.takes(*ids.shape):
             return self.folded_norms.step(x, self.state, self.caches)

@@ -7,8 +7,7 @@ every layer's parameters views of their slices (as `lmlab.nn.fused` does within 
 weight is held twice and training, loading or quantizing the model still changes what the kernel
 reads; a parameter replaced since (a device move, quantization) is noticed and the stack rebuilt or
 refused. `bind(caches)` stacks the engine's KV caches the same way, and `step(x, state)` runs one
-token per sequence through every layer (`step_tokens(ids, state)` from the tokens themselves: at batch 1 the
-kernel reads their embeddings, so the step's embedding is no launch of its own).
+token per sequence through every layer.
 """
 
 from __future__ import annotations
@@ -90,7 +89,6 @@ class Megakernel:
         self.weights = self._stack()
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
-        self.sync: torch.Tensor | None = None  # the kernel's counters, zeros between steps (no fill before each)
         # One launch with grid barriers; else a launch per (layer, stage): the interpreter runs programs in turn
         self.persistent = os.environ.get("TRITON_INTERPRET") != "1"
 
@@ -139,10 +137,7 @@ class Megakernel:
             self.weights = self._stack()
 
     def bind(self, caches: list) -> None:
-        """Stack the engine's per-layer KV caches (their tensors become views of the stack), and make the kernel's
-        counters."""
-        from lmlab.kernels.decode_layers import sync_elems
-
+        """Stack the engine's per-layer KV caches (their tensors become views of the stack)."""
         if not all(type(c) is KVCache for c in caches):
             raise ValueError("the decode megakernel needs a full-length KV cache per layer")
         for name in ("k", "v"):
@@ -150,25 +145,15 @@ class Megakernel:
             for i, cache in enumerate(caches):
                 cache.tensors[name] = stacked[i]
             setattr(self, f"{name}_cache", stacked)
-        count = sync_elems(self.max_batch, self.weights.n_kv_heads, len(caches), self.weights.o.shape[1])
-        self.sync = torch.zeros(count, dtype=torch.int32, device=self.k_cache.device)
 
     def step(self, x: torch.Tensor, state: CacheState) -> torch.Tensor:
         """x (batch, 1, d_model), embedded tokens at slot state.slots[0] -> the last layer's output, same shape."""
-        return self._run(x[:, 0].to(torch.float32, copy=True), state)
-
-    def step_tokens(self, ids: torch.Tensor, state: CacheState) -> torch.Tensor:
-        """`step` of the tokens ids (batch, 1), embedded by the model's table (the kernel reads their rows)."""
-        residual = torch.empty(ids.shape[0], self.weights.o.shape[1], dtype=torch.float32, device=ids.device)
-        return self._run(residual, state, ids[:, 0], self.model.embed_tokens.weight)
-
-    def _run(self, residual: torch.Tensor, state: CacheState, tokens: torch.Tensor | None = None,
-             embedding: torch.Tensor | None = None) -> torch.Tensor:
         from lmlab.kernels.decode_layers import decode_layers
 
         block = self.model.layers[0]
         rope = self.model.position
+        residual = x[:, 0].to(torch.float32, copy=True)  # compiled: written so by the embedding's own kernel
         out = decode_layers(residual, self.weights, self.k_cache, self.v_cache, state.slots, state.start,
                             rope.cos, rope.sin, block.input_layernorm.eps, block.self_attn.score_scale,
-                            persistent=self.persistent, sync=self.sync, tokens=tokens, embedding=embedding)
+                            persistent=self.persistent)
         return out[:, None]

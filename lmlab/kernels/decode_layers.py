@@ -4,12 +4,10 @@
 through every layer of a stack whose weights are stacked per kind (`lmlab.inference.megakernel.StackedWeights`):
 x (batch, d_model), float32, is the residual stream, which it updates in place (the kernel's own buffer, so no cast
 in or out is a launch of its own). It writes each layer's new key and value at cache slot `slots[0]`, and returns
-the last layer's output (before the final norm) in the weights' dtype. Given `tokens` and their `embedding` table,
-the step starts from their rows instead of x's values: at batch 1 the kernel reads them itself. Given `sync`, a
-zeroed buffer of `sync_elems` that the step leaves zeroed, no fill of its counters precedes the launch.
-`persistent=False` launches each (layer, stage) as a kernel of its own (for Triton's CPU interpreter, and as the
-many-launch baseline). `launch_plan` gives the scratch buffers and settings of a step on any device; the module's
-settings below are what experiments/inference/sweep_megakernel.py sweeps.
+the last layer's output (before the final norm) in the weights' dtype. `persistent=False` launches each (layer,
+stage) as a kernel of its own (for Triton's CPU interpreter, and as the many-launch baseline). `launch_plan` gives
+the scratch buffers and settings of a step on any device; the module's settings below are what
+experiments/inference/sweep_megakernel.py sweeps.
 """
 
 from __future__ import annotations
@@ -60,7 +58,11 @@ GEMV_CHUNK, GEMV_CHUNK_MIN_ROWS = 256, 4
 # Programs ask L2 for their later gate/up and down items as they arrive at the stage's barrier (bulk prefetches):
 # the swept setting
 GEMV_PREFETCH_LATER = True
-# o_proj's float32 sums start at a multiple of this many int32 counters into the buffer
+# o_proj's float32 sums start at a multiple of this many int32s into the counters' buffer: at 4, 16-byte aligned, so
+# that Triton (which specializes each pointer on its alignment) loads them 16 bytes at a time. Every program reads the
+# whole row of sums, so unaligned the same few L2 lines take four times the requests (likely why it mattered): at 1
+# the layer stack took 468.2 against 430.0 us, 1,992 against 2,134 tokens/s (llama400m, batch 1, one process, in
+# turns; experiments/inference/ab_megakernel_steps.py, h200-2026-12-04f/)
 O_ACC_ALIGN = 4
 GEMV_MAX_WIDTH = 8192  # wider inputs take the tensor-core path (a whole row per tile would not fit in registers)
 NUM_STAGES = 3
@@ -134,61 +136,32 @@ def unsupported(x: torch.Tensor, weights: StackedWeights, k_cache: torch.Tensor)
     return None
 
 
-def _input_problem(x: torch.Tensor, weights: StackedWeights, sync: torch.Tensor | None, needed: int,
-                   tokens: torch.Tensor | None, embedding: torch.Tensor | None) -> str | None:
-    if sync is not None and (sync.dtype != torch.int32 or sync.numel() < needed or sync.device != x.device):
-        return f"sync must be {needed} or more int32 zeros on {x.device}"
-    if (tokens is None) != (embedding is None):
-        return "tokens and embedding come together"
-    if tokens is not None and (tuple(tokens.shape) != (x.shape[0],) or embedding.shape[1:] != x.shape[1:]
-                               or embedding.dtype != weights.qkv.dtype):
-        return (f"tokens {tuple(tokens.shape)} must be ({x.shape[0]},) and embedding (vocab, {x.shape[1]}) in the "
-                "weights' dtype")
-    return None
-
-
-def sync_elems(batch: int, n_kv_heads: int, n_layers: int, d_model: int) -> int:
-    """int32 elements of the zeroed buffer that steps of up to `batch` sequences count in (`decode_layers`' sync): the
-    grid barrier's count, each kv head's finished q/k/v items, each (sequence, kv head)'s finished attention splits,
-    the programs' exits, and each layer's o_proj sums (float32, on the matrix-vector path)."""
-    return 2 + n_kv_heads + batch * n_kv_heads + O_ACC_ALIGN + n_layers * d_model
-
-
 def decode_layers(x: torch.Tensor, weights: StackedWeights, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   slots: torch.Tensor, start: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, eps: float,
-                  scale: float | None = None, persistent: bool = True, sync: torch.Tensor | None = None,
-                  tokens: torch.Tensor | None = None, embedding: torch.Tensor | None = None) -> torch.Tensor:
+                  scale: float | None = None, persistent: bool = True) -> torch.Tensor:
     """x (batch, d_model), the float32 residual stream, updated in place -> the last layer's output (batch, d_model)
     in the weights' dtype; k_cache and v_cache
     (layers, batch, kv_heads, cache_len, head_dim) get each layer's new key and value at slots[0]. cos and sin:
-    RoPE's tables (positions, head_dim / 2). scale: of the attention scores (None: 1 / sqrt(head_dim)).
-    sync: int32 zeros, at least `sync_elems` of them, left zeros after the step (None: a fresh buffer, filled with
-    zeros by a launch of its own). tokens (batch,) with embedding (vocab, d_model): x's values are not read; the
-    step starts from embedding[tokens]."""
-    needed = sync_elems(x.shape[0], weights.n_kv_heads, k_cache.shape[0], x.shape[1])
-    problem = unsupported(x, weights, k_cache) or _input_problem(x, weights, sync, needed, tokens, embedding)
+    RoPE's tables (positions, head_dim / 2). scale: of the attention scores (None: 1 / sqrt(head_dim))."""
+    problem = unsupported(x, weights, k_cache)
     if problem:
         raise ValueError(f"decode_layers: {problem}")
     scale = 1.0 / math.sqrt(weights.head_dim) if scale is None else float(scale)
     return _decode_layers_op(x, weights.qkv, weights.o, weights.gate_up, weights.down, weights.norm_attn,
-                             weights.norm_ffn, k_cache, v_cache, slots, start, cos, sin, sync, tokens, embedding,
-                             weights.n_heads, weights.n_kv_heads, weights.rope_interleaved, eps, scale, persistent)
+                             weights.norm_ffn, k_cache, v_cache, slots, start, cos, sin, weights.n_heads,
+                             weights.n_kv_heads, weights.rope_interleaved, eps, scale, persistent)
 
 
 # A custom op, so torch.compile treats the launch as one opaque call (and a CUDA graph captures it). Inductor passes it
 # the buffer that its embedding kernel wrote x to, cast to float32 there: no copy of its own.
-@torch.library.custom_op("lmlab::decode_layers", mutates_args=("x", "k_cache", "v_cache", "sync"))
+@torch.library.custom_op("lmlab::decode_layers", mutates_args=("x", "k_cache", "v_cache"))
 def _decode_layers_op(x: torch.Tensor, qkv: torch.Tensor, o: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
                       norm_attn: torch.Tensor, norm_ffn: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                      slots: torch.Tensor, start: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                      sync: torch.Tensor | None, tokens: torch.Tensor | None, embedding: torch.Tensor | None,
-                      n_heads: int, n_kv_heads: int, interleaved: bool, eps: float, scale: float,
-                      persistent: bool) -> torch.Tensor:
+                      slots: torch.Tensor, start: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_heads: int,
+                      n_kv_heads: int, interleaved: bool, eps: float, scale: float, persistent: bool) -> torch.Tensor:
     programs = sm_count(x.device)
     plan = launch_plan(x, qkv, o, gate_up, down, norm_attn, norm_ffn, k_cache, v_cache, slots, start, cos, sin, n_heads,
-                       n_kv_heads, interleaved, eps, scale, programs, sync, tokens, embedding)
-    if tokens is not None and not plan.meta["EMBED"]:  # the tensor-core path reads x from its first stage on
-        x.copy_(embedding[tokens])
+                       n_kv_heads, interleaved, eps, scale, programs)
     if persistent:
         args = (*plan.args, 0, k_cache.shape[0], *plan.shape)
         layers_kernel[(persistent_programs(plan, args),)](*args, STAGE=-1, **plan.meta)
@@ -196,8 +169,6 @@ def _decode_layers_op(x: torch.Tensor, qkv: torch.Tensor, o: torch.Tensor, gate_
         for layer in range(k_cache.shape[0]):
             for stage in range(N_STAGES):
                 layers_kernel[(programs,)](*plan.args, layer, layer + 1, *plan.shape, STAGE=stage, **plan.meta)
-        if sync is not None:
-            sync.zero_()  # as a persistent launch leaves it
     return plan.args[1]  # written by the last layer
 
 
@@ -219,12 +190,9 @@ def persistent_programs(plan: LaunchPlan, args: tuple) -> int:
 
 
 def launch_plan(x, qkv, o, gate_up, down, norm_attn, norm_ffn, k_cache, v_cache, slots, start, cos, sin, n_heads: int,
-                n_kv_heads: int, interleaved: bool, eps: float, scale: float, programs: int,
-                sync: torch.Tensor | None = None, tokens: torch.Tensor | None = None,
-                embedding: torch.Tensor | None = None) -> LaunchPlan:
+                n_kv_heads: int, interleaved: bool, eps: float, scale: float, programs: int) -> LaunchPlan:
     """The scratch buffers and settings of one decode step on `programs` SMs, x being the float32 residual stream that
-    the launch updates in place, sync the zeroed counters (None: fresh zeros), tokens and embedding the step's inputs
-    where x's values are not (`decode_layers`; any device, "meta" included:
+    the launch updates in place (any device, "meta" included:
     experiments/inference/megakernel_resources.py compiles from it without a GPU)."""
     batch, d_model = x.shape
     n_layers, cache_len, head_dim = k_cache.shape[0], k_cache.shape[3], k_cache.shape[4]
@@ -242,19 +210,14 @@ def launch_plan(x, qkv, o, gate_up, down, norm_attn, norm_ffn, k_cache, v_cache,
     attn = torch.empty(batch, n_heads * head_dim, dtype=dtype, device=x.device)
     act = torch.empty(batch, d_ff, dtype=dtype, device=x.device)
     split_o = gemv and GEMV_O_PROJ_ON_COUNTERS
-    # sync_elems' counters (the grid barrier's, each kv head's finished q/k/v items, each (sequence, kv head)'s
-    # finished attention splits, the programs' exits) and each layer's o_proj sums (float32 zeros); a given buffer
-    # the launch leaves zeroed (RESET), a fresh one it need not
-    counters = 2 + n_kv_heads + batch * n_kv_heads
-    reset = sync is not None
-    if sync is None:
-        sync = torch.zeros(sync_elems(batch, n_kv_heads, n_layers, d_model), dtype=torch.int32, device=x.device)
+    # Zeroed in one fill: the counters (the grid barrier's, each kv head's finished q/k/v items, each (sequence, kv
+    # head)'s finished attention splits) and, on the matrix-vector path, each layer's o_proj sums (float32 zeros)
+    counters = 1 + n_kv_heads + batch * n_kv_heads
     sums = -(-counters // O_ACC_ALIGN) * O_ACC_ALIGN
-    arrived, o_acc = sync[1 + n_kv_heads:counters], sync[sums:sums + n_layers * d_model].view(torch.float32)
-    embed = gemv and tokens is not None
+    sync = torch.zeros(sums + (n_layers * d_model if gemv else 0), dtype=torch.int32, device=x.device)
+    arrived, o_acc = sync[1 + n_kv_heads:counters], sync[sums:].view(torch.float32)
     args = (x, out, qkv, o, gate_up, down, norm_attn, norm_ffn, k_cache, v_cache, q, part_out, part_lse, attn,
-            arrived, act, cos, sin, slots, start, sync, o_acc, sync,  # no timeline: its pointer unused
-            embedding if embed else qkv, tokens if embed else slots)  # unread without EMBED
+            arrived, act, cos, sin, slots, start, sync, o_acc, sync)  # no timeline: its pointer unused
     tiles = dict(T_QKV=_tile_rows(kp_model, head_dim // 2) if gemv else 16,
                  T_O=_tile_rows(head_dim if split_o else kp_attn),
                  T_GU=_tile_rows(kp_model, elems=GEMV_GATE_UP_TILE_ELEMS), T_D=_tile_rows(kp_ff))
@@ -268,13 +231,13 @@ def launch_plan(x, qkv, o, gate_up, down, norm_attn, norm_ffn, k_cache, v_cache,
                 C_FF=_chunk(kp_ff, tiles["T_D"]), **tiles, SPLIT_O=split_o,
                 PREFETCH=gemv and GEMV_PREFETCH_LATER and _bulk_prefetch(x.device),
                 ARRIVE_FIRST=gemv and GEMV_ARRIVE_BEFORE_LOADS, GATE_UP_EARLY=gemv and GEMV_GATE_UP_EARLY,
-                EMBED=embed, RESET=reset, TIMELINE=False)
+                TIMELINE=False)
     shape = (batch, d_model, d_ff, n_heads, n_kv_heads, split, eps, scale * LOG2E,
              k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), k_cache.stride(3))
     return LaunchPlan(args, shape, meta, GEMV_PROGRAMS_PER_SM if gemv else PROGRAMS_PER_SM)
 
 
 @_decode_layers_op.register_fake
-def _(x, qkv, o, gate_up, down, norm_attn, norm_ffn, k_cache, v_cache, slots, start, cos, sin, sync, tokens, embedding,
-      n_heads, n_kv_heads, interleaved, eps, scale, persistent):
+def _(x, qkv, o, gate_up, down, norm_attn, norm_ffn, k_cache, v_cache, slots, start, cos, sin, n_heads, n_kv_heads,
+      interleaved, eps, scale, persistent):
     return torch.empty_like(x, dtype=qkv.dtype)

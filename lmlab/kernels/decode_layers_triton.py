@@ -231,34 +231,6 @@ def _row(X, width, KP: tl.constexpr, KC: tl.constexpr):
 
 
 @triton.jit
-def _residual_row(X, Emb, Tokens, layer, pid, n_programs, d_model, EMBED: tl.constexpr, KP: tl.constexpr,
-                  KC: tl.constexpr):
-    """The one sequence's residual row entering `layer` (`_row` of X). With EMBED, layer 0 reads row Tokens[0] of the
-    embedding table Emb instead, and the last program writes it to X, where the layer's later stages read it (after
-    the barrier before gate/up): the embedding is no launch of its own. (Loads predicated on layer 0 instead of a
-    branch put the token's load on every layer's q/k/v stage: the stack took 27 us longer.)"""
-    if EMBED:
-        if layer == 0:
-            row = _row(Emb + tl.load(Tokens) * d_model, d_model, KP, KC)
-            if pid == n_programs - 1:
-                ks = _chunked(KP, KC)
-                tl.store(X + ks, row, mask=ks < d_model)
-        else:
-            row = _row(X, d_model, KP, KC)
-    else:
-        row = _row(X, d_model, KP, KC)
-    return row
-
-
-@triton.jit
-def _zero(P, n, BLOCK: tl.constexpr):
-    """P[:n] = 0."""
-    for i in range(0, n, BLOCK):
-        at = i + tl.arange(0, BLOCK)
-        tl.store(P + at, tl.zeros((BLOCK,), P.dtype.element_ty), mask=at < n)
-
-
-@triton.jit
 def _normed_row(x, NormW, d_model, eps, KP: tl.constexpr, KC: tl.constexpr):
     """x * gain, rounded as the tensor-core path rounds it, and the row's 1 / rms (applied after the matmul)."""
     ks = _chunked(KP, KC)
@@ -295,16 +267,15 @@ def _qkv_item_rope(Cos, Sin, pos, item, HEAD_DIM: tl.constexpr, PAIRS: tl.conste
 
 
 @triton.jit
-def _qkv_gemv(residual, NormW, W, Q, Kc, Vc, Cos, Sin, Sync, slot, pos, pid, n_programs, n_items, eps, sc_b, sc_h,
-              sc_l, d_model, n_heads, n_kv_heads, w1, w2, cos, sin,
+def _qkv_gemv(X, NormW, W, Q, Kc, Vc, Cos, Sin, Sync, slot, pos, pid, n_programs, n_items, eps, sc_b, sc_h, sc_l,
+              d_model, n_heads, n_kv_heads, w1, w2, cos, sin,
               HEAD_DIM: tl.constexpr, PAIRS: tl.constexpr, INTERLEAVED: tl.constexpr, KP: tl.constexpr,
               KC: tl.constexpr):
-    """_qkv_stage for one sequence (its residual row `_residual_row`, at position pos (1,), cache slot `slot`), as
-    matrix-vector products; w1, w2: the first item's tiles, already loading, and cos, sin its RoPE tables (loaded
-    before the barrier, not after the products: one round trip to memory off the chain that every attention item
-    waits on)."""
+    """_qkv_stage for one sequence (at position pos (1,), cache slot `slot`), as matrix-vector products; w1, w2: the
+    first item's tiles, already loading, and cos, sin its RoPE tables (loaded before the barrier, not after the
+    products: one round trip to memory off the chain that every attention item waits on)."""
     rows = tl.arange(0, 1)
-    x, inv_rms = _normed_row(residual, NormW, d_model, eps, KP, KC)
+    x, inv_rms = _normed_row(_row(X, d_model, KP, KC), NormW, d_model, eps, KP, KC)
     for item in range(pid, n_items, n_programs):
         next1, next2 = _qkv_tiles(W, item + n_programs, n_items, d_model, HEAD_DIM, PAIRS, INTERLEAVED, KP, KC)
         next_cos, next_sin = _qkv_item_rope(Cos, Sin, pos, item + n_programs, HEAD_DIM, PAIRS, INTERLEAVED)
@@ -526,15 +497,15 @@ def _residual_matmul(X, Out, last, OAcc, W, In, Sync, target, rows, row_ok, pid,
 
 @triton.jit
 def layers_kernel(X, Out, Wqkv, Wo, Wgu, Wd, Norm1, Norm2, Kc, Vc, Q, PartO, PartL, Attn, Arrived, Act, Cos, Sin, Slots,
-                   Start, Sync, OAcc, Times, Emb, Tokens, layer_lo, layer_hi, batch, d_model, d_ff, n_heads, n_kv_heads,
-                   n_split, eps, qk_scale, sc_layer, sc_b, sc_h, sc_l,
+                   Start, Sync, OAcc, Times, layer_lo, layer_hi, batch, d_model, d_ff, n_heads, n_kv_heads, n_split, eps,
+                   qk_scale, sc_layer, sc_b, sc_h, sc_l,
                    STAGE: tl.constexpr, BB: tl.constexpr, HEAD_DIM: tl.constexpr, GROUP: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SPLIT: tl.constexpr, BLOCK_K: tl.constexpr,
                    INTERLEAVED: tl.constexpr, PREC: tl.constexpr, GEMV: tl.constexpr, KP_MODEL: tl.constexpr,
                    KP_ATTN: tl.constexpr, KP_FF: tl.constexpr, C_MODEL: tl.constexpr, C_ATTN: tl.constexpr,
                    C_FF: tl.constexpr, PREFETCH: tl.constexpr, T_QKV: tl.constexpr, T_O: tl.constexpr,
                    T_GU: tl.constexpr, T_D: tl.constexpr, SPLIT_O: tl.constexpr, ARRIVE_FIRST: tl.constexpr,
-                   GATE_UP_EARLY: tl.constexpr, EMBED: tl.constexpr, RESET: tl.constexpr, TIMELINE: tl.constexpr):
+                   GATE_UP_EARLY: tl.constexpr, TIMELINE: tl.constexpr):
     """X: the float32 residual stream, updated in place; the launch's last layer also writes it to Out in Out's dtype.
     STAGE -1: every stage of layers [layer_lo, layer_hi) with a grid barrier before each stage but the first (and
     on the GEMV path but o_proj, whose items wait on counters); else that stage only. GEMV: batch 1, matrix-vector
@@ -543,13 +514,7 @@ def layers_kernel(X, Out, Wqkv, Wo, Wgu, Wd, Norm1, Norm2, Kc, Vc, Q, PartO, Par
     attention); o_proj adds into OAcc[layer], not X. PREFETCH (with GEMV and barriers):
     the programs also ask L2 for the later items of gate/up and down as they arrive. TIMELINE: each
     program stamps eight moments a layer into Times (layer - layer_lo, moment, program), int64 ns: qkv open, qkv
-    done, attention done, o_proj done, gate/up open, gate/up done, down open, down done. EMBED (with GEMV): X's
-    values are not read; the step starts from Emb's row Tokens[0] (`_residual_row`).
-
-    Sync, Arrived and OAcc must be zeros at the launch. With RESET, a persistent launch leaves them so (for the next
-    step, which then needs no fill): each layer's q/k/v stage zeroes the layer before's OAcc (read by then), and the
-    last program to finish (counted in Arrived after the (sequence, kv head) counts) zeroes the counters and the last
-    layer's OAcc."""
+    done, attention done, o_proj done, gate/up open, gate/up done, down open, down done."""
     pid = tl.program_id(0)
     n_programs = tl.num_programs(0)
     rows = tl.arange(0, BB)
@@ -579,11 +544,8 @@ def layers_kernel(X, Out, Wqkv, Wo, Wgu, Wd, Norm1, Norm2, Kc, Vc, Q, PartO, Par
             if STAGE < 0 and layer > layer_lo:
                 _grid_barrier(Sync, arrivals, ARRIVE_FIRST)
             _stamp(stamps, TIMELINE)
-            if RESET and SPLIT_O and layer > 0 and pid == n_programs - 1:
-                _zero(o_acc - d_model, d_model, KP_MODEL)
             if GEMV:
-                _qkv_gemv(_residual_row(X, Emb, Tokens, layer, pid, n_programs, d_model, EMBED, KP_MODEL, C_MODEL),
-                          Norm1 + at * d_model, wqkv, Q, kc, vc, Cos, Sin, Sync, slot, pos, pid, n_programs,
+                _qkv_gemv(X, Norm1 + at * d_model, wqkv, Q, kc, vc, Cos, Sin, Sync, slot, pos, pid, n_programs,
                           n_qkv_items, eps, sc_b, sc_h, sc_l, d_model, n_heads, n_kv_heads, w1, w2, cos, sin,
                           HEAD_DIM, T_QKV, INTERLEAVED, KP_MODEL, C_MODEL)
             else:
@@ -632,11 +594,3 @@ def layers_kernel(X, Out, Wqkv, Wo, Wgu, Wd, Norm1, Norm2, Kc, Vc, Q, PartO, Par
                              stamps + 6 * n_programs, STAGE < 0, GEMV, T_D, KP_FF, C_FF, BB, BLOCK_K, PREC,
                              ARRIVE_FIRST, PREFETCH and GEMV, TIMELINE)
             _stamp(stamps + 7 * n_programs, TIMELINE)
-    if RESET and STAGE < 0:
-        tl.debug_barrier()  # every thread's waits are done before the program counts itself out
-        exits = Arrived + batch * n_kv_heads
-        if tl.atomic_add(exits, 1, sem="acq_rel", scope="gpu") == n_programs - 1:
-            _zero(Sync, 1 + n_kv_heads, 128)
-            _zero(Arrived, batch * n_kv_heads + 1, 1024)
-            if SPLIT_O:
-                _zero(OAcc + (layer_hi - 1) * d_model, d_model, KP_MODEL)
