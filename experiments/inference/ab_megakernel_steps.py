@@ -20,6 +20,7 @@ import json
 import statistics
 
 import torch
+from sweep_megakernel import middle_step  # this folder's: the step its generation profile shows
 
 from lmlab.inference.bench import DEFAULT_OVERRIDES, build_model
 from lmlab.inference.engine import Engine
@@ -39,16 +40,12 @@ def generate(engine: Engine, ids: torch.Tensor, new: int) -> float:
 
 
 def one_step(engine: Engine, ids: torch.Tensor, new: int) -> list:
-    """A middle step's kernels of a profiled generation: (name, GPU us, us idle since the previous kernel ended)."""
+    """`middle_step` of a profiled generation."""
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         generate(engine, ids, new)
         torch.cuda.synchronize()
-    kernels = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
-                     key=lambda e: e.time_range.start)
-    steps = [i for i, e in enumerate(kernels) if "layers_kernel" in e.name]
-    middle = min(range(len(steps) // 4, 3 * len(steps) // 4), key=lambda s: steps[s + 1] - steps[s])
-    return [[kernels[i].name[:60], kernels[i].device_time, kernels[i].time_range.start - kernels[i - 1].time_range.end]
-            for i in range(steps[middle], steps[middle + 1])]
+    return middle_step(sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
+                              key=lambda e: e.time_range.start))
 
 
 def main() -> None:

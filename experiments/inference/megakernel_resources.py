@@ -33,20 +33,6 @@ CASES = {"llama400m bf16, batch 1": (1, 24, 1024, 16, 16, 64, 2816, 384, torch.b
          "the GPU test's fp32 GQA, batch 3": (3, 3, 128, 4, 2, 32, 384, 128, torch.float32)}
 
 
-def plan_for(batch, layers, d_model, heads, kv_heads, head_dim, d_ff, cache_len, dtype, programs=132):
-    meta = dict(device="meta", dtype=dtype)
-    w = [torch.empty(layers, rows, cols, **meta) for rows, cols in (((heads + 2 * kv_heads) * head_dim, d_model),
-                                                                    (d_model, heads * head_dim), (2 * d_ff, d_model),
-                                                                    (d_model, d_ff))]
-    norms = [torch.empty(layers, d_model, **meta) for _ in range(2)]
-    k, v = (torch.empty(layers, batch, kv_heads, cache_len, head_dim, **meta) for _ in range(2))
-    rope = [torch.empty(cache_len, head_dim // 2, device="meta") for _ in range(2)]
-    slots, start = torch.empty(1, dtype=torch.long, device="meta"), torch.empty(batch, dtype=torch.long, device="meta")
-    residual = torch.empty(batch, d_model, device="meta")
-    return dl.launch_plan(residual, *w, *norms, k, v, slots, start, *rope, heads, kv_heads,
-                          False, 1e-5, head_dim ** -0.5, programs)
-
-
 def compile_sm90(plan: dl.LaunchPlan, layers: int):
     """The persistent kernel compiled as a launch would specialize it: pointers 16-byte aligned, integers equal to 1
     made constants, integers divisible by 16 marked so. A launch specializes on the real pointers: a view at an
@@ -90,7 +76,7 @@ def ptxas_report(kernel) -> tuple[int, int]:
 def main() -> None:
     print(f"{'case':<34} {'warps':>5} {'regs':>5} {'spill B':>8} {'shared KiB':>10} {'fit/SM':>6} {'wanted':>6}")
     for name, case in CASES.items():
-        plan = plan_for(*case)
+        plan = dl.plan_on_meta(*case)
         kernel = compile_sm90(plan, case[1])
         regs, spills = ptxas_report(kernel)
         warps, shared = plan.meta["num_warps"], kernel.metadata.shared

@@ -106,14 +106,19 @@ def generation_profile(model, engine: str, batch: int, prompt: int = 128, new: i
         entry[0] += 1
         entry[1] += e.device_time
     rows = sorted(([name, n / new, us / new] for name, (n, us) in totals.items()), key=lambda r: -r[2])
+    return rows[:top] + [["all kernels", sum(r[1] for r in rows), sum(r[2] for r in rows)]], middle_step(kernels)
+
+
+def middle_step(kernels: list) -> list:
+    """Of a generation's GPU kernels in launch order, one step's (from a megakernel launch to the next) as (name, GPU
+    us, us idle since the previous kernel ended): of the middle half, the step with the fewest kernels, not one with
+    the host's look. Empty without several megakernel launches."""
     steps = [i for i, e in enumerate(kernels) if "layers_kernel" in e.name]
-    sequence = []
-    if len(steps) > 2:  # of the middle half, the step with the fewest kernels: not one with the host's look
-        middle = min(range(len(steps) // 4, 3 * len(steps) // 4), key=lambda s: steps[s + 1] - steps[s])
-        for i in range(steps[middle], steps[middle + 1]):
-            idle = kernels[i].time_range.start - kernels[i - 1].time_range.end
-            sequence.append([kernels[i].name[:90], kernels[i].device_time, idle])
-    return rows[:top] + [["all kernels", sum(r[1] for r in rows), sum(r[2] for r in rows)]], sequence
+    if len(steps) <= 2:
+        return []
+    middle = min(range(len(steps) // 4, 3 * len(steps) // 4), key=lambda s: steps[s + 1] - steps[s])
+    return [[kernels[i].name[:90], kernels[i].device_time, kernels[i].time_range.start - kernels[i - 1].time_range.end]
+            for i in range(steps[middle], steps[middle + 1])]
 
 
 def main() -> None:

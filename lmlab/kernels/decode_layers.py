@@ -237,6 +237,23 @@ def launch_plan(x, qkv, o, gate_up, down, norm_attn, norm_ffn, k_cache, v_cache,
     return LaunchPlan(args, shape, meta, GEMV_PROGRAMS_PER_SM if gemv else PROGRAMS_PER_SM)
 
 
+def plan_on_meta(batch: int, layers: int, d_model: int, heads: int, kv_heads: int, head_dim: int, d_ff: int,
+                 cache_len: int, dtype: torch.dtype, programs: int = 132) -> LaunchPlan:
+    """`launch_plan` of a stack of these sizes with every tensor on the "meta" device: what a launch would get, worked
+    out without a GPU or memory (experiments/inference/megakernel_resources.py compiles from it)."""
+    meta = dict(device="meta", dtype=dtype)
+    w = [torch.empty(layers, rows, cols, **meta) for rows, cols in (((heads + 2 * kv_heads) * head_dim, d_model),
+                                                                    (d_model, heads * head_dim), (2 * d_ff, d_model),
+                                                                    (d_model, d_ff))]
+    norms = [torch.empty(layers, d_model, **meta) for _ in range(2)]
+    k, v = (torch.empty(layers, batch, kv_heads, cache_len, head_dim, **meta) for _ in range(2))
+    rope = [torch.empty(cache_len, head_dim // 2, device="meta") for _ in range(2)]
+    slots, start = torch.empty(1, dtype=torch.long, device="meta"), torch.empty(batch, dtype=torch.long, device="meta")
+    residual = torch.empty(batch, d_model, device="meta")
+    return launch_plan(residual, *w, *norms, k, v, slots, start, *rope, heads, kv_heads, False, 1e-5,
+                       head_dim ** -0.5, programs)
+
+
 @_decode_layers_op.register_fake
 def _(x, qkv, o, gate_up, down, norm_attn, norm_ffn, k_cache, v_cache, slots, start, cos, sin, n_heads, n_kv_heads,
       interleaved, eps, scale, persistent):

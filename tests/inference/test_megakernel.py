@@ -163,18 +163,10 @@ def test_o_proj_sums_start_16_byte_aligned(kv_heads):
     """Triton loads the sums 16 bytes at a time only from a 16-byte aligned pointer: unaligned, the layer stack took
     9% longer (experiments/inference/h200-2026-12-04f/)."""
     pytest.importorskip("triton")
-    from lmlab.kernels.decode_layers import launch_plan
+    from lmlab.kernels.decode_layers import plan_on_meta
 
-    layers, d_model, heads, head_dim, d_ff, length = 2, 256, 16, 16, 512, 64
-    meta = dict(device="meta", dtype=torch.bfloat16)
-    weights = [torch.empty(layers, rows, cols, **meta) for rows, cols in (
-        ((heads + 2 * kv_heads) * head_dim, d_model), (d_model, heads * head_dim), (2 * d_ff, d_model), (d_model, d_ff))]
-    norms = [torch.empty(layers, d_model, **meta) for _ in range(2)]
-    caches = [torch.empty(layers, 1, kv_heads, length, head_dim, **meta) for _ in range(2)]
-    rope = [torch.empty(length, head_dim // 2, device="meta") for _ in range(2)]
-    slots, start = (torch.empty(1, dtype=torch.long, device="meta") for _ in range(2))
-    plan = launch_plan(torch.empty(1, d_model, device="meta"), *weights, *norms, *caches, slots, start, *rope, heads,
-                       kv_heads, False, 1e-5, 0.25, 132)
+    layers, d_model = 2, 256
+    plan = plan_on_meta(1, layers, d_model, 16, kv_heads, 16, 512, 64, torch.bfloat16)
     o_acc = plan.args[21]
     assert plan.meta["SPLIT_O"] and o_acc.dtype == torch.float32 and o_acc.numel() == layers * d_model
     assert o_acc.storage_offset() * o_acc.element_size() % 16 == 0
