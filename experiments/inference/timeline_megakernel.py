@@ -52,8 +52,9 @@ def measure(launches: int, settings: dict[str, int]) -> dict:
     n_layers = len(model.layers)
 
     def fresh_plan() -> dl.LaunchPlan:  # one a launch: its counters start at zero
-        return dl.launch_plan(x, w.qkv, w.o, w.gate_up, w.down, w.norm_attn, w.norm_ffn, k, v, slots, start, cos, sin,
-                              w.n_heads, w.n_kv_heads, w.rope_interleaved, eps, w.head_dim ** -0.5, sm_count(x.device))
+        return dl.launch_plan(x, w.qkv, w.o, w.gate_up, w.down, w.scales, w.norm_attn, w.norm_ffn, k, v, slots, start,
+                              cos, sin, w.n_heads, w.n_kv_heads, w.rope_interleaved, eps, w.head_dim ** -0.5,
+                              sm_count(x.device))
 
     def launch(plan: dl.LaunchPlan, times: torch.Tensor | None) -> None:
         tensors = plan.args if times is None else (*plan.args[:-1], times)

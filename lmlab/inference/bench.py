@@ -38,6 +38,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from lmlab.cli.overrides import CONF_DIR, prepare
+from lmlab.errors import ConfigError
 from lmlab.inference.engine import Engine
 from lmlab.inference.quant import quantize
 from lmlab.inference.quant.registry import GROUP_SIZES
@@ -47,6 +48,8 @@ from lmlab.tokenizers.base import expected_vocab_size
 
 ENGINES = ("eager", "graphs", "compiled", "compiled-sdpa", "compiled-unfolded", "compiled-folded", "megakernel",
            "megakernel-stages", "invariant", "hf", "hf-static")
+# The engines a quantized model's speed is measured on (--quant-engines), by name: their Engine arguments
+QUANT_ENGINES = {"eager": {}, "compiled": {"compile": True}, "megakernel": {"compile": True, "megakernel": True}}
 
 
 def int4_group_size(model: Transformer) -> dict:
@@ -211,19 +214,30 @@ def contender(name: str, model: Transformer):
     """The run function of one engine, built once per model (engines keep their compiled graphs)."""
     key = (name, id(model))
     if key not in _CONTENDERS:
-        builders = {"eager": lambda: _engine_run(Engine(model)),
+        builders = {**{name: (lambda kw=kw: _engine_run(Engine(model, **kw))) for name, kw in QUANT_ENGINES.items()},
                     "graphs": lambda: _engine_run(Engine(model, cuda_graphs=True)),
-                    "compiled": lambda: _engine_run(Engine(model, True)),
                     "compiled-sdpa": lambda: _engine_run(Engine(model, True, attention_kernel=False)),
                     "compiled-unfolded": lambda: _engine_run(Engine(model, True, folded_norms=False)),
                     "compiled-folded": lambda: _engine_run(Engine(model, True, folded_norms=True)),
-                    "megakernel": lambda: _engine_run(Engine(model, True, megakernel=True)),
                     "megakernel-stages": lambda: _engine_run(_per_stage(Engine(model, True, megakernel=True))),
                     "invariant": lambda: _engine_run(Engine(model, batch_invariant=True)),
                     "hf": lambda: HFContender(model, static=False).run,
                     "hf-static": lambda: HFContender(model, static=True).run}
         _CONTENDERS[key] = builders[name]()
     return _CONTENDERS[key]
+
+
+def _runnable(engines: list[str], model: Transformer) -> list[str]:
+    """Those of `engines` that can run `model` (built here, kept for the run); each other is named with its reason."""
+    runnable = []
+    for name in engines:
+        try:
+            contender(name, model)
+        except ConfigError as error:
+            print(f"{name}: not run: {error}", flush=True)
+            continue
+        runnable.append(name)
+    return runnable
 
 
 def _per_stage(engine: Engine) -> Engine:
@@ -293,11 +307,14 @@ def checkpoint_quant(model: Transformer, data, args) -> list[dict]:
     from lmlab.inference.bench_checkpoint import quant_quality
 
     quants = [_quant_config(name, model) for name in args.quant]
-    rows = quant_quality(model, data, quants, args.new)
+    rows = quant_quality(model, data, quants, args.new, tuple(args.quant_engines))
     for row in rows:
-        change = f"{row['ppl_change']:+.2%}, {row['speedup']:.2f}x" if "speedup" in row else "reference"
-        print(f"quant {row['quant']:<5} validation perplexity {row['ppl']:.3f} ({change}), batch-1 compiled decode "
-              f"{row['decode_tokens_per_s']:,.0f} tokens/s", flush=True)
+        change = f"{row['ppl_change']:+.2%}" if "ppl_change" in row else "reference"
+        speeds = [f"{name} {speed:,.0f} tokens/s" + (f" ({row['speedup'][name]:.2f}x)" if name in row.get("speedup", {})
+                                                     else "") for name, speed in row["decode_tokens_per_s"].items()]
+        speeds += [f"{name} not run: {why}" for name, why in row["not_run"].items()]
+        print(f"quant {row['quant']:<5} validation perplexity {row['ppl']:.3f} ({change}), batch-1 decode: "
+              f"{'; '.join(speeds)}", flush=True)
     return rows
 
 
@@ -331,8 +348,11 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     parser.add_argument("--quant", nargs="*", default=[], metavar="NAME",
-                        help="also time the compiled engine on a copy of the model quantized by each quant entry "
+                        help="also time --quant-engines on a copy of the model quantized by each quant entry "
                              "(round to nearest: the speed of GPTQ's weights, without calibration data)")
+    parser.add_argument("--quant-engines", nargs="+", default=["compiled", "megakernel"], choices=list(QUANT_ENGINES),
+                        help="the engines --quant times (default: compiled and megakernel; one that cannot run a "
+                             "quantized model, as the megakernel int4, is reported and skipped)")
     parser.add_argument("--draft", default=None, metavar="CKPT",
                         help="with --ckpt: speculative decoding with this draft checkpoint against the target alone "
                              "(batch 1, greedy, prompts from the validation split)")
@@ -377,8 +397,8 @@ def main(argv: list[str]) -> int:
             quantized = copy.deepcopy(model)
             report = quantize(quantized, {**_quant_config(name, model), "method": "rtn"})
             print(f"{name}: {report['layers']} layers, kernels {report['kernels']}", flush=True)
-            result["rows"] += run_benchmark(quantized, ["compiled"], args.batch, args.prompt, args.new, args.repeats,
-                                            label=f"+{name}")["rows"]
+            result["rows"] += run_benchmark(quantized, _runnable(args.quant_engines, quantized), args.batch,
+                                            args.prompt, args.new, args.repeats, label=f"+{name}")["rows"]
         if args.draft:
             result["speculative"] = checkpoint_speculative(model, data, args)
         if args.plot:

@@ -14,6 +14,8 @@ import torch
 import torch.nn.functional as F
 
 from lmlab.cli.generate import CALIBRATION_BATCH, calibration_batches, open_model
+from lmlab.errors import ConfigError
+from lmlab.inference.bench import QUANT_ENGINES
 from lmlab.data.batches import evenly_spaced_windows
 from lmlab.inference.engine import Engine
 from lmlab.inference.quant import QUANTS, quantize
@@ -55,29 +57,45 @@ class CheckpointData:
         return inputs.tolist()
 
 
-def _batch1_speed(model: Transformer, prompt: list[int], new: int, compile: bool) -> float:
-    engine = Engine(model, compile=compile)
-    engine.generate([prompt], max_new_tokens=new)  # compiles and captures
-    return engine.generate([prompt], max_new_tokens=new).stats.decode_tokens_per_s
+def _batch1_speeds(model: Transformer, prompt: list[int], new: int, engines: tuple[str, ...]) -> tuple[dict, dict]:
+    """({engine: decode tokens/s of a greedy generation, after one that compiles and captures}, {engine: why it
+    could not run this model}): the megakernel takes no int4 weights, nor a CPU."""
+    speeds, not_run = {}, {}
+    for name in engines:
+        try:
+            engine = Engine(model, **QUANT_ENGINES[name])
+        except ConfigError as error:
+            not_run[name] = str(error)
+            continue
+        engine.generate([prompt], max_new_tokens=new, sync_every=64)
+        speeds[name] = engine.generate([prompt], max_new_tokens=new, sync_every=64).stats.decode_tokens_per_s
+        del engine
+    return speeds, not_run
 
 
 def quant_quality(model: Transformer, data: CheckpointData, quants: list, new: int,
-                  compile: bool = True) -> list[dict]:
+                  engines: tuple[str, ...] = ("compiled",)) -> list[dict]:
     """Per quant entry (and the unquantized weights first): validation perplexity and batch-1 decode
-    tokens/s of the (compiled) engine; entries that calibrate use the training split."""
+    tokens/s on each of `engines` (QUANT_ENGINES), and its speed-up over the unquantized weights on the same
+    engine; entries that calibrate use the training split."""
+    if unknown := sorted(set(engines) - set(QUANT_ENGINES)):
+        raise ValueError(f"unknown engine {', '.join(unknown)}; choose from {', '.join(QUANT_ENGINES)}")
     prompt = data.prompts(1, min(128, data.context // 2))[0]
-    rows = [{"quant": "none", "ppl": perplexity(model, *data.val), "decode_tokens_per_s": _batch1_speed(model, prompt, new, compile)}]
+    speeds, not_run = _batch1_speeds(model, prompt, new, engines)
+    rows = [{"quant": "none", "ppl": perplexity(model, *data.val), "decode_tokens_per_s": speeds, "not_run": not_run}]
     for quant in quants:  # entry names or configs
         quantized = copy.deepcopy(model)
         calibrated = QUANTS.build(quant).method.calibrated
         report = quantize(quantized, quant, data.calibration if calibrated else None)
+        speeds, not_run = _batch1_speeds(quantized, prompt, new, engines)
         rows.append({"quant": report["quant"], "method": report["method"], "kernels": report["kernels"],
-                     "ppl": perplexity(quantized, *data.val),
-                     "decode_tokens_per_s": _batch1_speed(quantized, prompt, new, compile)})
+                     "ppl": perplexity(quantized, *data.val), "decode_tokens_per_s": speeds, "not_run": not_run})
         del quantized
+    base = rows[0]["decode_tokens_per_s"]
     for row in rows[1:]:
         row["ppl_change"] = row["ppl"] / rows[0]["ppl"] - 1
-        row["speedup"] = row["decode_tokens_per_s"] / rows[0]["decode_tokens_per_s"]
+        row["speedup"] = {name: speed / base[name] for name, speed in row["decode_tokens_per_s"].items()
+                          if name in base}
     return rows
 
 

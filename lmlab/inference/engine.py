@@ -28,11 +28,12 @@ import torch
 from lmlab.errors import ConfigError
 from lmlab.inference import delta_state, linear_state, mla_cache, sparse_cache, ssm_state  # noqa: F401 - their caches register on import
 from lmlab.inference.cache import CacheState, LayerCache, factory_for
+from lmlab.inference.quant.linear import Int8Linear
 from lmlab.kernels.registry import optional_triton_kernel, triton_unavailable
 from lmlab.nn.fused import fuse_projections
 from lmlab.nn.moe import MoELayer
 from lmlab.nn.norms import RMSNorm
-from lmlab.nn.transformer import Transformer
+from lmlab.nn.transformer import OutputHead, Transformer
 
 log = logging.getLogger(__name__)
 
@@ -138,13 +139,20 @@ class Engine:
         model = self.model
         if type(model.norm) is not RMSNorm:
             return f"the final norm is {type(model.norm).__name__}, not rmsnorm"
-        if type(model.lm_head) is not torch.nn.Linear or model.lm_head.bias is not None:
-            return "lm_head is not a plain bias-free Linear"
+        if type(model.lm_head) not in (torch.nn.Linear, Int8Linear) or model.lm_head.bias is not None:
+            return "lm_head is not a bias-free Linear, plain or int8"
         if rows is None:
             return None
         from lmlab.kernels.normed_head_triton import unsupported
 
-        return unsupported(rows, model.output_head())
+        return unsupported(rows, *self._head_parts())
+
+    def _head_parts(self) -> tuple[OutputHead, torch.Tensor | None]:
+        """The head kernel's view of lm_head: its weight (int8 codes where quantized), multiplier and soft-cap, and
+        the codes' row scales (None: not quantized)."""
+        model, head = self.model, self.model.lm_head
+        scales = head.scales if type(head) is Int8Linear else None
+        return OutputHead(head.weight, model.output_multiplier, model.logit_softcap), scales
 
     def _folded_norms(self, model: Transformer, wanted: bool | None):
         automatic = wanted is None  # on where it was measured faster: compiled CUDA steps of several sequences
@@ -247,7 +255,7 @@ class Engine:
             rows = hidden.reshape(-1, hidden.shape[-1])
             if self._head_problem(rows) is None:
                 norm = self.model.norm
-                logits = self.head_kernel(rows, norm.weight, norm.eps, self.model.output_head())
+                logits = self.head_kernel(rows, norm.weight, norm.eps, *self._head_parts())
                 return logits.view(*hidden.shape[:-1], -1)
         return self.model._head(self.model.norm(hidden)).float()
 

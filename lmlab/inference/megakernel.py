@@ -2,7 +2,8 @@
 
 `Megakernel.unsupported(model)` says why a model cannot take it (None: it can): pre-norm blocks with
 RMSNorm, softmax attention without windows, soft-capping, QK-norm or shared KV, RoPE, SwiGLU, no
-MoE, no looped depth. `Megakernel(model)` stacks the layers' weights, one tensor per kind, and makes
+MoE, no looped depth; its projections all plain Linears, or all int8 (`quantize(model, "int8")`, whose
+codes the kernel reads with their row scales: half the bytes). `Megakernel(model)` stacks the layers' weights, one tensor per kind, and makes
 every layer's parameters views of their slices (as `lmlab.nn.fused` does within a layer), so no
 weight is held twice and training, loading or quantizing the model still changes what the kernel
 reads; a parameter replaced since (a device move, quantization) is noticed and the stack rebuilt or
@@ -20,6 +21,7 @@ from torch import nn
 
 from lmlab.errors import ConfigError
 from lmlab.inference.cache import CacheState, KVCache
+from lmlab.inference.quant.linear import Int8Linear
 from lmlab.nn.attention import MultiHeadAttention
 from lmlab.nn.blocks import PreNormBlock
 from lmlab.nn.ffn import SwiGLU
@@ -42,10 +44,17 @@ class StackedWeights:
     n_heads: int
     n_kv_heads: int
     rope_interleaved: bool  # RoPE pairs features (2i, 2i + 1); else (i, i + head_dim / 2)
+    # int8 weights: (layers, rows of qkv, o, gate_up and down, in that order), each row's scale; None: not quantized
+    scales: torch.Tensor | None = None
 
     @property
     def head_dim(self) -> int:
         return self.o.shape[2] // self.n_heads
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The activations' (the norms' gains are never quantized)."""
+        return self.norm_attn.dtype
 
 
 class Megakernel:
@@ -59,6 +68,10 @@ class Megakernel:
             return "looped depth (model.loops > 1)"
         if not isinstance(model.position, RoPE):
             return f"position {type(model.position).__name__} (the kernel rotates with RoPE)"
+        kinds = {type(linear) for block in model.layers for linear in _projections(block)}
+        if len(kinds) > 1 or kinds - {nn.Linear, Int8Linear}:
+            return (f"projections of {' and '.join(sorted(k.__name__ for k in kinds))} (the kernel reads plain Linears "
+                    "or int8 ones, all the same)")
         for i, block in enumerate(model.layers):
             attn, mlp = block.self_attn, block.mlp
             reasons = {
@@ -93,9 +106,9 @@ class Megakernel:
         self.persistent = os.environ.get("TRITON_INTERPRET") != "1"
 
     def _groups(self) -> dict[str, list[list[torch.Tensor]]]:
-        """Per kind, each layer's parameters in the order they are stacked."""
+        """Per kind, each layer's parameters (int8: codes) in the order they are stacked, and int8's scales."""
         layers = self.model.layers
-        return {
+        groups = {
             "qkv": [[b.self_attn.q_proj.weight, b.self_attn.k_proj.weight, b.self_attn.v_proj.weight] for b in layers],
             "o": [[b.self_attn.o_proj.weight] for b in layers],
             "gate_up": [[b.mlp.gate_proj.weight, b.mlp.up_proj.weight] for b in layers],
@@ -103,6 +116,9 @@ class Megakernel:
             "norm_attn": [[b.input_layernorm.weight] for b in layers],
             "norm_ffn": [[b.post_attention_layernorm.weight] for b in layers],
         }
+        if type(layers[0].self_attn.q_proj) is Int8Linear:
+            groups["scales"] = [[linear.scales for linear in _projections(b)] for b in layers]
+        return groups
 
     def _stack(self) -> StackedWeights:
         first = self.model.layers[0]
@@ -157,3 +173,11 @@ class Megakernel:
                             rope.cos, rope.sin, block.input_layernorm.eps, block.self_attn.score_scale,
                             persistent=self.persistent)
         return out[:, None]
+
+
+def _projections(block: PreNormBlock) -> list[nn.Module]:
+    """A block's Linears in the order their weights are stacked (q, k, v, o, gate, up, down); an attention or FFN of
+    another kind (which `Megakernel.unsupported` names) contributes what it has of them."""
+    return [getattr(module, name) for module, names in ((block.self_attn, ("q_proj", "k_proj", "v_proj", "o_proj")),
+                                                        (block.mlp, ("gate_proj", "up_proj", "down_proj")))
+            for name in names if hasattr(module, name)]

@@ -4,7 +4,8 @@
 through every layer of a stack whose weights are stacked per kind (`lmlab.inference.megakernel.StackedWeights`):
 x (batch, d_model), float32, is the residual stream, which it updates in place (the kernel's own buffer, so no cast
 in or out is a launch of its own). It writes each layer's new key and value at cache slot `slots[0]`, and returns
-the last layer's output (before the final norm) in the weights' dtype. `persistent=False` launches each (layer,
+the last layer's output (before the final norm) in the activations' dtype (the norms'). Weights quantized to int8 per
+output row (`weights.scales`, lmlab.inference.quant's `int8`) are read as codes and scaled after each product. `persistent=False` launches each (layer,
 stage) as a kernel of its own (for Triton's CPU interpreter, and as the many-launch baseline). `launch_plan` gives
 the scratch buffers and settings of a step on any device; the module's settings below are what
 experiments/inference/sweep_megakernel.py sweeps.
@@ -64,6 +65,11 @@ GEMV_PREFETCH_LATER = True
 # the layer stack took 468.2 against 430.0 us, 1,992 against 2,134 tokens/s (llama400m, batch 1, one process, in
 # turns; experiments/inference/ab_megakernel_steps.py, h200-2026-12-04f/)
 O_ACC_ALIGN = 4
+# int8 weights' gate/up tiles: at 8192, the bytes of bf16's (half the items). Their other tiles keep bf16's element
+# counts: twice the elements a thread converts and sums spilled registers in the sm_90 compile (llama400m: 124 bytes
+# with bf16's counts, 188 with this, 1,016 with o_proj's too, 2,764 with every tile widened;
+# experiments/inference/megakernel_resources.py)
+GEMV_INT8_GATE_UP_TILE_ELEMS = 8192
 GEMV_MAX_WIDTH = 8192  # wider inputs take the tensor-core path (a whole row per tile would not fit in registers)
 NUM_STAGES = 3
 
@@ -77,7 +83,7 @@ def _resident_per_sm(args: tuple, meta: dict) -> int:
     largest. Counting it by hand got it wrong: 2 x 114 KiB of shared memory fits 228 KiB only without the 1 KiB
     that each block reserves, so half the grid waited for an SM while the other half spun at the first barrier."""
     specialized = tuple((a == 1, a % 16 == 0) for a in args if type(a) is int)  # what Triton compiles a variant for
-    key = (args[0].device, args[2].dtype, specialized, *sorted(meta.items()))
+    key = (args[0].device, args[1].dtype, args[2].dtype, specialized, *sorted(meta.items()))
     if key not in _RESIDENT:
         kernel = layers_kernel.warmup(*args, grid=(1,), STAGE=-1, **meta)  # the very kernel the launch runs
         kernel._init_handles()
@@ -96,10 +102,9 @@ def _resident_per_sm(args: tuple, meta: dict) -> int:
     return _RESIDENT[key]
 
 
-def _tile_rows(width: int, most: int = 1 << 16, elems: int | None = None) -> int:
-    """Rows of a matrix-vector tile over `width` (a power of two) input columns: about `elems` (GEMV_TILE_ELEMS)
-    weights."""
-    return max(1, min(most, (elems or GEMV_TILE_ELEMS) // width))
+def _tile_rows(width: int, elems: int, most: int = 1 << 16) -> int:
+    """Rows of a matrix-vector tile over `width` (a power of two) input columns: about `elems` weights."""
+    return max(1, min(most, elems // width))
 
 
 def _chunk(width: int, rows: int) -> int:
@@ -131,8 +136,12 @@ def unsupported(x: torch.Tensor, weights: StackedWeights, k_cache: torch.Tensor)
         return f"x is {x.dtype}; it must be the float32 residual stream (updated in place)"
     if x.shape[0] > 64:
         return f"batch {x.shape[0]} > 64 (the matmuls hold the whole batch in one tile)"
-    if k_cache.stride(-1) != 1 or k_cache.dtype != weights.qkv.dtype:
-        return "the caches need a contiguous head_dim and the weights' dtype"
+    if k_cache.stride(-1) != 1 or k_cache.dtype != weights.dtype:
+        return "the caches need a contiguous head_dim and the activations' dtype"
+    kinds = {w.dtype for w in (weights.qkv, weights.o, weights.gate_up, weights.down)}
+    if kinds != ({torch.int8} if weights.scales is not None else {weights.dtype}):
+        return (f"weights of {', '.join(sorted(map(str, kinds)))} "
+                f"{'with' if weights.scales is not None else 'without'} scales (int8 codes take scales)")
     return None
 
 
@@ -147,8 +156,9 @@ def decode_layers(x: torch.Tensor, weights: StackedWeights, k_cache: torch.Tenso
     if problem:
         raise ValueError(f"decode_layers: {problem}")
     scale = 1.0 / math.sqrt(weights.head_dim) if scale is None else float(scale)
-    return _decode_layers_op(x, weights.qkv, weights.o, weights.gate_up, weights.down, weights.norm_attn,
-                             weights.norm_ffn, k_cache, v_cache, slots, start, cos, sin, weights.n_heads,
+    return _decode_layers_op(x, weights.qkv, weights.o, weights.gate_up, weights.down, weights.scales,
+                             weights.norm_attn, weights.norm_ffn, k_cache, v_cache, slots, start, cos, sin,
+                             weights.n_heads,
                              weights.n_kv_heads, weights.rope_interleaved, eps, scale, persistent)
 
 
@@ -156,12 +166,13 @@ def decode_layers(x: torch.Tensor, weights: StackedWeights, k_cache: torch.Tenso
 # the buffer that its embedding kernel wrote x to, cast to float32 there: no copy of its own.
 @torch.library.custom_op("lmlab::decode_layers", mutates_args=("x", "k_cache", "v_cache"))
 def _decode_layers_op(x: torch.Tensor, qkv: torch.Tensor, o: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
-                      norm_attn: torch.Tensor, norm_ffn: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                      slots: torch.Tensor, start: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_heads: int,
-                      n_kv_heads: int, interleaved: bool, eps: float, scale: float, persistent: bool) -> torch.Tensor:
+                      scales: torch.Tensor | None, norm_attn: torch.Tensor, norm_ffn: torch.Tensor,
+                      k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, start: torch.Tensor,
+                      cos: torch.Tensor, sin: torch.Tensor, n_heads: int, n_kv_heads: int, interleaved: bool,
+                      eps: float, scale: float, persistent: bool) -> torch.Tensor:
     programs = sm_count(x.device)
-    plan = launch_plan(x, qkv, o, gate_up, down, norm_attn, norm_ffn, k_cache, v_cache, slots, start, cos, sin, n_heads,
-                       n_kv_heads, interleaved, eps, scale, programs)
+    plan = launch_plan(x, qkv, o, gate_up, down, scales, norm_attn, norm_ffn, k_cache, v_cache, slots, start, cos, sin,
+                       n_heads, n_kv_heads, interleaved, eps, scale, programs)
     if persistent:
         args = (*plan.args, 0, k_cache.shape[0], *plan.shape)
         layers_kernel[(persistent_programs(plan, args),)](*args, STAGE=-1, **plan.meta)
@@ -174,8 +185,8 @@ def _decode_layers_op(x: torch.Tensor, qkv: torch.Tensor, o: torch.Tensor, gate_
 
 @dataclass
 class LaunchPlan:
-    """What `layers_kernel` is launched with: its tensors (the float32 residual stream first, the output in the weights'
-    dtype, then the weights, caches and scratch), its scalars after (layer_lo, layer_hi), its compile-time settings, and
+    """What `layers_kernel` is launched with: its tensors (the float32 residual stream first, the output in the
+    activations' dtype, then the weights and their scales, the norms, caches and scratch), its scalars after (layer_lo, layer_hi), its compile-time settings, and
     the programs per SM wanted (fewer where fewer fit)."""
 
     args: tuple
@@ -189,10 +200,11 @@ def persistent_programs(plan: LaunchPlan, args: tuple) -> int:
     return sm_count(args[0].device) * min(plan.programs_per_sm, _resident_per_sm(args, plan.meta))
 
 
-def launch_plan(x, qkv, o, gate_up, down, norm_attn, norm_ffn, k_cache, v_cache, slots, start, cos, sin, n_heads: int,
-                n_kv_heads: int, interleaved: bool, eps: float, scale: float, programs: int) -> LaunchPlan:
+def launch_plan(x, qkv, o, gate_up, down, scales, norm_attn, norm_ffn, k_cache, v_cache, slots, start, cos, sin,
+                n_heads: int, n_kv_heads: int, interleaved: bool, eps: float, scale: float,
+                programs: int) -> LaunchPlan:
     """The scratch buffers and settings of one decode step on `programs` SMs, x being the float32 residual stream that
-    the launch updates in place (any device, "meta" included:
+    the launch updates in place, and `scales` None or int8 weights' row scales (any device, "meta" included:
     experiments/inference/megakernel_resources.py compiles from it without a GPU)."""
     batch, d_model = x.shape
     n_layers, cache_len, head_dim = k_cache.shape[0], k_cache.shape[3], k_cache.shape[4]
@@ -202,7 +214,8 @@ def launch_plan(x, qkv, o, gate_up, down, norm_attn, norm_ffn, k_cache, v_cache,
     gemv = batch == 1 and max(kp_model, kp_attn, kp_ff) <= GEMV_MAX_WIDTH
     split = n_splits(batch, n_kv_heads, cache_len, programs)
     f32 = dict(dtype=torch.float32, device=x.device)
-    dtype = qkv.dtype
+    dtype = norm_attn.dtype  # the activations'
+    quant = scales is not None
     out = torch.empty(batch, d_model, dtype=dtype, device=x.device)
     q = torch.empty(batch, n_heads, head_dim, **f32)
     part_out = torch.empty(batch, n_heads, split, head_dim, **f32)
@@ -216,11 +229,12 @@ def launch_plan(x, qkv, o, gate_up, down, norm_attn, norm_ffn, k_cache, v_cache,
     sums = -(-counters // O_ACC_ALIGN) * O_ACC_ALIGN
     sync = torch.zeros(sums + (n_layers * d_model if gemv else 0), dtype=torch.int32, device=x.device)
     arrived, o_acc = sync[1 + n_kv_heads:counters], sync[sums:].view(torch.float32)
-    args = (x, out, qkv, o, gate_up, down, norm_attn, norm_ffn, k_cache, v_cache, q, part_out, part_lse, attn,
-            arrived, act, cos, sin, slots, start, sync, o_acc, sync)  # no timeline: its pointer unused
-    tiles = dict(T_QKV=_tile_rows(kp_model, head_dim // 2) if gemv else 16,
-                 T_O=_tile_rows(head_dim if split_o else kp_attn),
-                 T_GU=_tile_rows(kp_model, elems=GEMV_GATE_UP_TILE_ELEMS), T_D=_tile_rows(kp_ff))
+    args = (x, out, qkv, o, gate_up, down, scales if quant else norm_attn, norm_attn, norm_ffn, k_cache, v_cache, q,
+            part_out, part_lse, attn, arrived, act, cos, sin, slots, start, sync, o_acc, sync)  # Times: unused
+    tiles = dict(T_QKV=_tile_rows(kp_model, GEMV_TILE_ELEMS, head_dim // 2) if gemv else 16,
+                 T_O=_tile_rows(head_dim if split_o else kp_attn, GEMV_TILE_ELEMS),
+                 T_GU=_tile_rows(kp_model, GEMV_INT8_GATE_UP_TILE_ELEMS if quant else GEMV_GATE_UP_TILE_ELEMS),
+                 T_D=_tile_rows(kp_ff, GEMV_TILE_ELEMS))
     meta = dict(BB=1 if gemv else max(16, triton.next_power_of_2(batch)), HEAD_DIM=head_dim, GROUP=group,
                 BLOCK_M=max(16, triton.next_power_of_2(group)), BLOCK_N=32,
                 BLOCK_SPLIT=triton.next_power_of_2(split), BLOCK_K=BLOCK_K, INTERLEAVED=interleaved,
@@ -231,30 +245,32 @@ def launch_plan(x, qkv, o, gate_up, down, norm_attn, norm_ffn, k_cache, v_cache,
                 C_FF=_chunk(kp_ff, tiles["T_D"]), **tiles, SPLIT_O=split_o,
                 PREFETCH=gemv and GEMV_PREFETCH_LATER and _bulk_prefetch(x.device),
                 ARRIVE_FIRST=gemv and GEMV_ARRIVE_BEFORE_LOADS, GATE_UP_EARLY=gemv and GEMV_GATE_UP_EARLY,
-                TIMELINE=False)
+                TIMELINE=False, QUANT=quant)
     shape = (batch, d_model, d_ff, n_heads, n_kv_heads, split, eps, scale * LOG2E,
              k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), k_cache.stride(3))
     return LaunchPlan(args, shape, meta, GEMV_PROGRAMS_PER_SM if gemv else PROGRAMS_PER_SM)
 
 
 def plan_on_meta(batch: int, layers: int, d_model: int, heads: int, kv_heads: int, head_dim: int, d_ff: int,
-                 cache_len: int, dtype: torch.dtype, programs: int = 132) -> LaunchPlan:
-    """`launch_plan` of a stack of these sizes with every tensor on the "meta" device: what a launch would get, worked
-    out without a GPU or memory (experiments/inference/megakernel_resources.py compiles from it)."""
+                 cache_len: int, dtype: torch.dtype, programs: int = 132, int8: bool = False) -> LaunchPlan:
+    """`launch_plan` of a stack of these sizes (int8: weights quantized to int8 per row) with every tensor on the "meta"
+    device: what a launch would get, worked out without a GPU or memory
+    (experiments/inference/megakernel_resources.py compiles from it)."""
     meta = dict(device="meta", dtype=dtype)
-    w = [torch.empty(layers, rows, cols, **meta) for rows, cols in (((heads + 2 * kv_heads) * head_dim, d_model),
-                                                                    (d_model, heads * head_dim), (2 * d_ff, d_model),
-                                                                    (d_model, d_ff))]
+    shapes = (((heads + 2 * kv_heads) * head_dim, d_model), (d_model, heads * head_dim), (2 * d_ff, d_model),
+              (d_model, d_ff))
+    w = [torch.empty(layers, rows, cols, device="meta", dtype=torch.int8 if int8 else dtype) for rows, cols in shapes]
+    scales = torch.empty(layers, sum(rows for rows, _ in shapes), **meta) if int8 else None
     norms = [torch.empty(layers, d_model, **meta) for _ in range(2)]
     k, v = (torch.empty(layers, batch, kv_heads, cache_len, head_dim, **meta) for _ in range(2))
     rope = [torch.empty(cache_len, head_dim // 2, device="meta") for _ in range(2)]
     slots, start = torch.empty(1, dtype=torch.long, device="meta"), torch.empty(batch, dtype=torch.long, device="meta")
     residual = torch.empty(batch, d_model, device="meta")
-    return launch_plan(residual, *w, *norms, k, v, slots, start, *rope, heads, kv_heads, False, 1e-5,
+    return launch_plan(residual, *w, scales, *norms, k, v, slots, start, *rope, heads, kv_heads, False, 1e-5,
                        head_dim ** -0.5, programs)
 
 
 @_decode_layers_op.register_fake
-def _(x, qkv, o, gate_up, down, norm_attn, norm_ffn, k_cache, v_cache, slots, start, cos, sin, n_heads, n_kv_heads,
-      interleaved, eps, scale, persistent):
-    return torch.empty_like(x, dtype=qkv.dtype)
+def _(x, qkv, o, gate_up, down, scales, norm_attn, norm_ffn, k_cache, v_cache, slots, start, cos, sin, n_heads,
+      n_kv_heads, interleaved, eps, scale, persistent):
+    return torch.empty_like(x, dtype=norm_attn.dtype)

@@ -30,6 +30,9 @@ vary from run to run). The residual stream stays in float32 for the whole step. 
   batch > 1  tensor-core tiles of 16 output rows, in BLOCK_K-column steps, the batch padded to 16 rows.
 The first version had only the second path and was slower than the compiled step at batch 1 (1.14 ms for the
 layer stack against 0.82 ms for the whole compiled step): its tiles kept too few weight bytes in flight.
+With QUANT the four weights are int8 codes, one scale per output row (lmlab.inference.quant's `int8`): the tiles
+carry half the bytes, the codes become float32 in registers (lmlab.kernels.int8_triton) and each row's product is
+scaled once; the activations keep the norms' dtype.
 
 STAGE >= 0 runs one (layer, stage) as a kernel of its own instead (no barrier): the same code, for Triton's CPU
 interpreter (TRITON_INTERPRET=1 runs programs one after another, so a barrier there would never open) and as the
@@ -43,6 +46,7 @@ import triton.language as tl
 
 from lmlab.kernels.decode_attention_triton import (attend_block, attend_key_range, combined_output, empty_state,
                                                    key_split)
+from lmlab.kernels.int8_triton import as_f32
 
 
 @triton.jit
@@ -113,10 +117,35 @@ def _grid_barrier(Sync, target, ARRIVED: tl.constexpr):
 
 
 @triton.jit
-def _normed_matmul_pair(X, NormW, W, w_rows1, w_rows2, w_ok, rows, row_ok, d_model, eps,
-                        BB: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr):
+def _round(x, dt: tl.constexpr):
+    return x.to(dt).to(tl.float32)
+
+
+@triton.jit
+def _row_scales(S, rows, ok, QUANT: tl.constexpr):
+    """QUANT: the int8 weight rows' scales (float32), loaded with their tile; else ones, which `_dequantized` never
+    reads (so the unquantized kernel compiles to what it was before int8)."""
+    if QUANT:
+        return tl.load(S + rows, mask=ok, other=0.0).to(tl.float32)
+    else:
+        return tl.full(rows.shape, 1.0, tl.float32)
+
+
+@triton.jit
+def _dequantized(y, scales, QUANT: tl.constexpr):
+    """Products with int8 codes times their rows' scales (the per-output-channel int8 of lmlab.inference.quant)."""
+    if QUANT:
+        return y * scales
+    else:
+        return y
+
+
+@triton.jit
+def _normed_matmul_pair(X, NormW, W, S, w_rows1, w_rows2, w_ok, rows, row_ok, d_model, eps,
+                        BB: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr, QUANT: tl.constexpr):
     """RMSNorm(X rows) @ W[w_rows1].T and @ W[w_rows2].T (BB, 16) each, in float32. The rows' 1 / rms is a
-    factor of each output row, so it is applied after the loop that also sums the squares: one pass over X."""
+    factor of each output row, so it is applied after the loop that also sums the squares: one pass over X. QUANT:
+    W holds int8 codes (exact in the activations' dtype) and S their rows' scales, applied to the products."""
     acc1 = tl.zeros((BB, 16), tl.float32)
     acc2 = tl.zeros((BB, 16), tl.float32)
     squares = tl.zeros((BB,), tl.float32)
@@ -131,12 +160,23 @@ def _normed_matmul_pair(X, NormW, W, w_rows1, w_rows2, w_ok, rows, row_ok, d_mod
         ok = w_ok[:, None] & k_ok[None, :]
         w1 = tl.load(W + w_rows1[:, None] * d_model + ks[None, :], mask=ok, other=0.0)
         w2 = tl.load(W + w_rows2[:, None] * d_model + ks[None, :], mask=ok, other=0.0)
-        acc1 = tl.dot(xg, tl.trans(w1), acc1, input_precision=PREC)
-        acc2 = tl.dot(xg, tl.trans(w2), acc2, input_precision=PREC)
+        acc1 = tl.dot(xg, tl.trans(w1.to(xg.dtype)), acc1, input_precision=PREC)
+        acc2 = tl.dot(xg, tl.trans(w2.to(xg.dtype)), acc2, input_precision=PREC)
     inv_rms = tl.math.rsqrt(squares / d_model + eps)[:, None]
-    # rounded to the weights' dtype, as the reference's matmuls round their outputs
-    dt = W.dtype.element_ty
-    return (acc1 * inv_rms).to(dt).to(tl.float32), (acc2 * inv_rms).to(dt).to(tl.float32)
+    # rounded to the activations' dtype, as the reference's matmuls round their outputs (and its scales' products)
+    dt: tl.constexpr = NormW.dtype.element_ty
+    return (_scaled_round(acc1 * inv_rms, _row_scales(S, w_rows1, w_ok, QUANT)[None, :], dt, QUANT),
+            _scaled_round(acc2 * inv_rms, _row_scales(S, w_rows2, w_ok, QUANT)[None, :], dt, QUANT))
+
+
+@triton.jit
+def _scaled_round(y, scales, dt: tl.constexpr, QUANT: tl.constexpr):
+    """A normed matmul's products rounded to dt as the reference rounds them: the matmul's output, then with QUANT
+    its product with the int8 rows' scales (lmlab.inference.quant's Int8Linear)."""
+    if QUANT:
+        return _round(_round(y, dt) * scales, dt)
+    else:
+        return _round(y, dt)
 
 
 @triton.jit
@@ -189,17 +229,17 @@ def _qkv_out(acc1, acc2, head, freq, first, second, Q, Kc, Vc, cos, sin, Sync, s
 
 
 @triton.jit
-def _qkv_stage(X, NormW, W, Q, Kc, Vc, Cos, Sin, Sync, Slots, Start, rows, row_ok, pid, n_programs, eps,
+def _qkv_stage(X, NormW, W, S, Q, Kc, Vc, Cos, Sin, Sync, Slots, Start, rows, row_ok, pid, n_programs, eps,
                sc_b, sc_h, sc_l, d_model, n_heads, n_kv_heads,
                BB: tl.constexpr, HEAD_DIM: tl.constexpr, PAIRS: tl.constexpr, INTERLEAVED: tl.constexpr,
-               BLOCK_K: tl.constexpr, PREC: tl.constexpr):
+               BLOCK_K: tl.constexpr, PREC: tl.constexpr, QUANT: tl.constexpr):
     tl.static_assert(PAIRS == 16)  # two (batch, 16) tensor-core products per item
     slot = tl.load(Slots)
     pos = tl.maximum(slot - tl.load(Start + rows, mask=row_ok, other=0), 0)
     for item in range(pid, (n_heads + 2 * n_kv_heads) * (HEAD_DIM // 2 // PAIRS), n_programs):
         head, freq, first, second = _qkv_rows(item, HEAD_DIM, PAIRS, INTERLEAVED)
-        acc1, acc2 = _normed_matmul_pair(X, NormW, W, head * HEAD_DIM + first, head * HEAD_DIM + second,
-                                         freq < HEAD_DIM, rows, row_ok, d_model, eps, BB, BLOCK_K, PREC)
+        acc1, acc2 = _normed_matmul_pair(X, NormW, W, S, head * HEAD_DIM + first, head * HEAD_DIM + second,
+                                         freq < HEAD_DIM, rows, row_ok, d_model, eps, BB, BLOCK_K, PREC, QUANT)
         cos, sin = _rope_tables(Cos, Sin, pos, freq, row_ok, HEAD_DIM)
         _qkv_out(acc1, acc2, head, freq, first, second, Q, Kc, Vc, cos, sin, Sync, slot, rows, row_ok,
                  sc_b, sc_h, sc_l, n_heads, n_kv_heads, HEAD_DIM)
@@ -242,21 +282,23 @@ def _normed_row(x, NormW, d_model, eps, KP: tl.constexpr, KC: tl.constexpr):
 @triton.jit
 def _gemv(w, x):
     """A `_tile` times a `_row`: (rows,) float32."""
-    return tl.sum(tl.sum(w.to(tl.float32) * x[None, :, :], 2), 1)
+    return tl.sum(tl.sum(as_f32(w) * x[None, :, :], 2), 1)
 
 
 @triton.jit
-def _normed_gemv(w, x, inv_rms):
-    return (_gemv(w, x) * inv_rms).to(w.dtype).to(tl.float32)  # rounded where the reference's matmul rounds
+def _normed_gemv(w, scales, x, inv_rms, dt: tl.constexpr, QUANT: tl.constexpr):
+    return _scaled_round(_gemv(w, x) * inv_rms, scales, dt, QUANT)  # rounded where the reference rounds
 
 
 @triton.jit
-def _qkv_tiles(W, item, n_items, d_model, HEAD_DIM: tl.constexpr, PAIRS: tl.constexpr, INTERLEAVED: tl.constexpr,
-               KP: tl.constexpr, KC: tl.constexpr):
+def _qkv_tiles(W, S, item, n_items, d_model, HEAD_DIM: tl.constexpr, PAIRS: tl.constexpr, INTERLEAVED: tl.constexpr,
+               KP: tl.constexpr, KC: tl.constexpr, QUANT: tl.constexpr):
+    """A q/k/v item's two tiles (the rows each RoPE frequency rotates together) and their rows' scales."""
     head, freq, first, second = _qkv_rows(item, HEAD_DIM, PAIRS, INTERLEAVED)
     ok = (freq < HEAD_DIM) & (item < n_items)
-    return (_tile(W, head * HEAD_DIM + first, ok, d_model, KP, KC),
-            _tile(W, head * HEAD_DIM + second, ok, d_model, KP, KC))
+    rows1, rows2 = head * HEAD_DIM + first, head * HEAD_DIM + second
+    return (_tile(W, rows1, ok, d_model, KP, KC), _tile(W, rows2, ok, d_model, KP, KC),
+            _row_scales(S, rows1, ok, QUANT), _row_scales(S, rows2, ok, QUANT))
 
 
 @triton.jit
@@ -267,23 +309,26 @@ def _qkv_item_rope(Cos, Sin, pos, item, HEAD_DIM: tl.constexpr, PAIRS: tl.conste
 
 
 @triton.jit
-def _qkv_gemv(X, NormW, W, Q, Kc, Vc, Cos, Sin, Sync, slot, pos, pid, n_programs, n_items, eps, sc_b, sc_h, sc_l,
-              d_model, n_heads, n_kv_heads, w1, w2, cos, sin,
+def _qkv_gemv(X, NormW, W, S, Q, Kc, Vc, Cos, Sin, Sync, slot, pos, pid, n_programs, n_items, eps, sc_b, sc_h,
+              sc_l, d_model, n_heads, n_kv_heads, w1, w2, s1, s2, cos, sin,
               HEAD_DIM: tl.constexpr, PAIRS: tl.constexpr, INTERLEAVED: tl.constexpr, KP: tl.constexpr,
-              KC: tl.constexpr):
+              KC: tl.constexpr, QUANT: tl.constexpr):
     """_qkv_stage for one sequence (at position pos (1,), cache slot `slot`), as matrix-vector products; w1, w2: the
-    first item's tiles, already loading, and cos, sin its RoPE tables (loaded before the barrier, not after the
-    products: one round trip to memory off the chain that every attention item waits on)."""
+    first item's tiles, already loading (s1, s2 their scales), and cos, sin its RoPE tables (loaded before the
+    barrier, not after the products: one round trip to memory off the chain that every attention item waits on)."""
     rows = tl.arange(0, 1)
+    dt: tl.constexpr = NormW.dtype.element_ty
     x, inv_rms = _normed_row(_row(X, d_model, KP, KC), NormW, d_model, eps, KP, KC)
     for item in range(pid, n_items, n_programs):
-        next1, next2 = _qkv_tiles(W, item + n_programs, n_items, d_model, HEAD_DIM, PAIRS, INTERLEAVED, KP, KC)
+        next1, next2, next_s1, next_s2 = _qkv_tiles(W, S, item + n_programs, n_items, d_model, HEAD_DIM, PAIRS,
+                                                    INTERLEAVED, KP, KC, QUANT)
         next_cos, next_sin = _qkv_item_rope(Cos, Sin, pos, item + n_programs, HEAD_DIM, PAIRS, INTERLEAVED)
         head, freq, first, second = _qkv_rows(item, HEAD_DIM, PAIRS, INTERLEAVED)
-        _qkv_out(_normed_gemv(w1, x, inv_rms)[None, :], _normed_gemv(w2, x, inv_rms)[None, :], head, freq, first,
+        _qkv_out(_normed_gemv(w1, s1, x, inv_rms, dt, QUANT)[None, :],
+                 _normed_gemv(w2, s2, x, inv_rms, dt, QUANT)[None, :], head, freq, first,
                  second, Q, Kc, Vc, cos, sin, Sync, slot, rows, rows < 1, sc_b, sc_h, sc_l, n_heads,
                  n_kv_heads, HEAD_DIM)
-        w1, w2, cos, sin = next1, next2, next_cos, next_sin
+        w1, w2, s1, s2, cos, sin = next1, next2, next_s1, next_s2, next_cos, next_sin
 
 
 @triton.jit
@@ -356,42 +401,45 @@ def _attention_stage(Q, Kc, Vc, PartO, PartL, Attn, Arrived, Sync, Slots, Start,
 
 
 @triton.jit
-def _o_proj_tile(W, item, d_model, width, TILE: tl.constexpr, HEAD_DIM: tl.constexpr):
-    """o_proj's item (head, chunk of TILE output rows): W[rows, head's columns], a (TILE, HEAD_DIM) tile."""
+def _o_proj_tile(W, S, item, d_model, width, TILE: tl.constexpr, HEAD_DIM: tl.constexpr, QUANT: tl.constexpr):
+    """o_proj's item (head, chunk of TILE output rows): W[rows, head's columns], a (TILE, HEAD_DIM) tile, and the
+    rows' scales."""
     chunks = tl.cdiv(d_model, TILE)
     rows = (item % chunks) * TILE + tl.arange(0, TILE)
     cols = (item // chunks) * HEAD_DIM + tl.arange(0, HEAD_DIM)
     ok = (rows < d_model)[:, None] & (cols < width)[None, :]
-    return tl.load(W + rows[:, None] * width + cols[None, :], mask=ok, other=0.0, eviction_policy="evict_first")
+    return (tl.load(W + rows[:, None] * width + cols[None, :], mask=ok, other=0.0, eviction_policy="evict_first"),
+            _row_scales(S, rows, rows < d_model, QUANT))
 
 
 @triton.jit
-def _o_proj_gemv(W, PartO, PartL, Arrived, OAcc, layer, pid, n_programs, d_model, n_heads, n_split,
-                 GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SPLIT: tl.constexpr, TILE: tl.constexpr):
+def _o_proj_gemv(W, S, PartO, PartL, Arrived, OAcc, layer, pid, n_programs, d_model, n_heads, n_split,
+                 GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SPLIT: tl.constexpr, TILE: tl.constexpr,
+                 DT: tl.constexpr, QUANT: tl.constexpr):
     """o_proj for one sequence without a grid barrier: an item is (head, chunk of output rows). It waits only for
     its kv head's attention splits (their count in Arrived), combines that head's splits itself, and adds its
     share, In[head] @ W[rows, head].T, into OAcc with atomics (the next stages read the residual as X + OAcc).
     Items are taken from the last program down, so the programs with no attention item take them first."""
     chunks = tl.cdiv(d_model, TILE)
     first = n_programs - 1 - pid
-    w = _o_proj_tile(W, first, d_model, n_heads * HEAD_DIM, TILE, HEAD_DIM)
+    w, s = _o_proj_tile(W, S, first, d_model, n_heads * HEAD_DIM, TILE, HEAD_DIM, QUANT)
     for item in range(first, n_heads * chunks, n_programs):
-        next_w = _o_proj_tile(W, item + n_programs, d_model, n_heads * HEAD_DIM, TILE, HEAD_DIM)
+        next_w, next_s = _o_proj_tile(W, S, item + n_programs, d_model, n_heads * HEAD_DIM, TILE, HEAD_DIM, QUANT)
         head = item // chunks
         _wait_until(Arrived + head // GROUP, (layer + 1) * n_split)
         attn = combined_output(PartO, PartL, head, n_split, HEAD_DIM, BLOCK_SPLIT)
-        attn = attn.to(W.dtype.element_ty).to(tl.float32)  # rounded as the reference's attention output
+        attn = _round(attn, DT)  # rounded as the reference's attention output
         rows = (item % chunks) * TILE + tl.arange(0, TILE)
-        tl.atomic_add(OAcc + rows, tl.sum(w.to(tl.float32) * attn[None, :], 1), mask=rows < d_model, sem="relaxed",
-                      scope="gpu")
-        w = next_w
+        tl.atomic_add(OAcc + rows, _dequantized(tl.sum(as_f32(w) * attn[None, :], 1), s, QUANT),
+                      mask=rows < d_model, sem="relaxed", scope="gpu")
+        w, s = next_w, next_s
 
 
 @triton.jit
-def _matmul_add_stage(X, Out, last, W, In, rows, row_ok, pid, n_programs, d_model, width,
-                      BB: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr):
+def _matmul_add_stage(X, Out, last, W, S, In, rows, row_ok, pid, n_programs, d_model, width,
+                      BB: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr, QUANT: tl.constexpr):
     """X[rows] += In[rows] @ W.T, W (d_model, width): o_proj over the attention output, down over the FFN's; where
-    `last`, the sums also go to Out in its dtype (the step's output)."""
+    `last`, the sums also go to Out in its dtype (the step's output). QUANT: W is int8 codes, S their rows' scales."""
     for item in range(pid, tl.cdiv(d_model, 16), n_programs):
         cols = item * 16 + tl.arange(0, 16)
         col_ok = cols < d_model
@@ -402,9 +450,10 @@ def _matmul_add_stage(X, Out, last, W, In, rows, row_ok, pid, n_programs, d_mode
             a = tl.load(In + rows[:, None] * width + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0,
                         cache_modifier=".cg")
             w = tl.load(W + cols[:, None] * width + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
-            acc = tl.dot(a, tl.trans(w), acc, input_precision=PREC)
+            acc = tl.dot(a, tl.trans(w.to(a.dtype)), acc, input_precision=PREC)
         at = rows[:, None] * d_model + cols[None, :]
         ok = row_ok[:, None] & col_ok[None, :]
+        acc = _dequantized(acc, _row_scales(S, cols, col_ok, QUANT)[None, :], QUANT)
         total = tl.load(X + at, mask=ok, other=0.0, cache_modifier=".cg") + acc
         tl.store(X + at, total, mask=ok)  # the residual stream stays float32
         tl.store(Out + at, total.to(Out.dtype.element_ty), mask=ok & last)
@@ -416,66 +465,75 @@ def _swiglu(gate, up, dt: tl.constexpr):
 
 
 @triton.jit
-def _gate_up_stage(X, NormW, W, Act, rows, row_ok, pid, n_programs, eps, d_model, d_ff,
-                   BB: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr):
+def _gate_up_stage(X, NormW, W, S, Act, rows, row_ok, pid, n_programs, eps, d_model, d_ff,
+                   BB: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr, QUANT: tl.constexpr):
     for item in range(pid, tl.cdiv(d_ff, 16), n_programs):
         cols = item * 16 + tl.arange(0, 16)
         col_ok = cols < d_ff
-        gate, up = _normed_matmul_pair(X, NormW, W, cols, d_ff + cols, col_ok, rows, row_ok, d_model, eps,
-                                       BB, BLOCK_K, PREC)
+        gate, up = _normed_matmul_pair(X, NormW, W, S, cols, d_ff + cols, col_ok, rows, row_ok, d_model, eps,
+                                       BB, BLOCK_K, PREC, QUANT)
         tl.store(Act + rows[:, None] * d_ff + cols[None, :], _swiglu(gate, up, Act.dtype.element_ty),
                  mask=row_ok[:, None] & col_ok[None, :])
 
 
 @triton.jit
-def _gate_up_tiles(W, item, d_model, d_ff, TILE: tl.constexpr, KP: tl.constexpr, KC: tl.constexpr):
+def _gate_up_tiles(W, S, item, d_model, d_ff, TILE: tl.constexpr, KP: tl.constexpr, KC: tl.constexpr,
+                   QUANT: tl.constexpr):
+    """A gate/up item's gate and up tiles and their rows' scales."""
     cols = item * TILE + tl.arange(0, TILE)
-    return _tile(W, cols, cols < d_ff, d_model, KP, KC), _tile(W, d_ff + cols, cols < d_ff, d_model, KP, KC)
+    ok = cols < d_ff
+    return (_tile(W, cols, ok, d_model, KP, KC), _tile(W, d_ff + cols, ok, d_model, KP, KC),
+            _row_scales(S, cols, ok, QUANT), _row_scales(S, d_ff + cols, ok, QUANT))
 
 
 @triton.jit
-def _gate_up_gemv(X, OAcc, NormW, W, Act, pid, n_programs, eps, d_model, d_ff, gate_w, up_w,
-                  TILE: tl.constexpr, KP: tl.constexpr, KC: tl.constexpr):
+def _gate_up_gemv(X, OAcc, NormW, W, S, Act, pid, n_programs, eps, d_model, d_ff, gate_w, up_w, gate_s, up_s,
+                  TILE: tl.constexpr, KP: tl.constexpr, KC: tl.constexpr, QUANT: tl.constexpr):
     """_gate_up_stage for one sequence, whose residual is X + OAcc (o_proj's sums); gate_w, up_w: the first item's
-    tiles, already loading."""
+    tiles, already loading (gate_s, up_s their scales)."""
+    dt: tl.constexpr = Act.dtype.element_ty
     x, inv_rms = _normed_row(_row(X, d_model, KP, KC) + _row(OAcc, d_model, KP, KC), NormW, d_model, eps, KP, KC)
     for item in range(pid, tl.cdiv(d_ff, TILE), n_programs):
-        next_gate, next_up = _gate_up_tiles(W, item + n_programs, d_model, d_ff, TILE, KP, KC)
+        next_gate, next_up, next_gate_s, next_up_s = _gate_up_tiles(W, S, item + n_programs, d_model, d_ff, TILE, KP,
+                                                                    KC, QUANT)
         cols = item * TILE + tl.arange(0, TILE)
-        tl.store(Act + cols, _swiglu(_normed_gemv(gate_w, x, inv_rms), _normed_gemv(up_w, x, inv_rms),
-                                     Act.dtype.element_ty), mask=cols < d_ff)
-        gate_w, up_w = next_gate, next_up
+        tl.store(Act + cols, _swiglu(_normed_gemv(gate_w, gate_s, x, inv_rms, dt, QUANT),
+                                     _normed_gemv(up_w, up_s, x, inv_rms, dt, QUANT), dt), mask=cols < d_ff)
+        gate_w, up_w, gate_s, up_s = next_gate, next_up, next_gate_s, next_up_s
 
 
 @triton.jit
-def _add_tile(W, item, d_model, width, TILE: tl.constexpr, KP: tl.constexpr, KC: tl.constexpr):
+def _add_tile(W, S, item, d_model, width, TILE: tl.constexpr, KP: tl.constexpr, KC: tl.constexpr,
+              QUANT: tl.constexpr):
+    """A down (or o_proj) item's tile and its rows' scales."""
     cols = item * TILE + tl.arange(0, TILE)
-    return _tile(W, cols, cols < d_model, width, KP, KC)
+    return _tile(W, cols, cols < d_model, width, KP, KC), _row_scales(S, cols, cols < d_model, QUANT)
 
 
 @triton.jit
-def _add_gemv(X, Out, last, OAcc, W, In, pid, n_programs, d_model, width, w, TILE: tl.constexpr, KP: tl.constexpr,
-              KC: tl.constexpr):
+def _add_gemv(X, Out, last, OAcc, W, S, In, pid, n_programs, d_model, width, w, s, TILE: tl.constexpr,
+              KP: tl.constexpr, KC: tl.constexpr, QUANT: tl.constexpr):
     """_matmul_add_stage for one sequence, also folding o_proj's sums (OAcc) into X; w: the first item's tile,
-    already loading."""
+    already loading (s its scales)."""
     a = _row(In, width, KP, KC)
     for item in range(pid, tl.cdiv(d_model, TILE), n_programs):
-        next_w = _add_tile(W, item + n_programs, d_model, width, TILE, KP, KC)
+        next_w, next_s = _add_tile(W, S, item + n_programs, d_model, width, TILE, KP, KC, QUANT)
         cols = item * TILE + tl.arange(0, TILE)
         ok = cols < d_model
         residual = tl.load(X + cols, mask=ok, other=0.0, cache_modifier=".cg")
         residual += tl.load(OAcc + cols, mask=ok, other=0.0, cache_modifier=".cg")
-        residual += _gemv(w, a)
+        residual += _dequantized(_gemv(w, a), s, QUANT)
         tl.store(X + cols, residual, mask=ok)
         tl.store(Out + cols, residual.to(Out.dtype.element_ty), mask=ok & last)
-        w = next_w
+        w, s = next_w, next_s
 
 
 @triton.jit
-def _residual_matmul(X, Out, last, OAcc, W, In, Sync, target, rows, row_ok, pid, n_programs, d_model, width, Stamp,
-                     BARRIER: tl.constexpr, GEMV: tl.constexpr, TILE: tl.constexpr, KP: tl.constexpr,
+def _residual_matmul(X, Out, last, OAcc, W, S, In, Sync, target, rows, row_ok, pid, n_programs, d_model, width,
+                     Stamp, BARRIER: tl.constexpr, GEMV: tl.constexpr, TILE: tl.constexpr, KP: tl.constexpr,
                      KC: tl.constexpr, BB: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr,
-                     ARRIVE_FIRST: tl.constexpr, PREFETCH: tl.constexpr, TIMELINE: tl.constexpr):
+                     ARRIVE_FIRST: tl.constexpr, PREFETCH: tl.constexpr, TIMELINE: tl.constexpr,
+                     QUANT: tl.constexpr):
     """X += In @ W.T (down; o_proj where its items do not wait on counters), the matrix-vector path also folding in
     OAcc, and where `last` also written to Out; opened by a grid barrier (Sync[0] reaching `target`) when BARRIER, and
     stamped at Stamp once open; the first matrix-vector tile's loads are issued before the wait (and, with ARRIVE_FIRST,
@@ -483,20 +541,21 @@ def _residual_matmul(X, Out, last, OAcc, W, In, Sync, target, rows, row_ok, pid,
     if BARRIER and ARRIVE_FIRST:
         _arrive(Sync)
     if GEMV:
-        w = _add_tile(W, pid, d_model, width, TILE, KP, KC)
+        w, s = _add_tile(W, S, pid, d_model, width, TILE, KP, KC, QUANT)
     if PREFETCH and BARRIER:
         _prefetch_rows(W, 0, d_model, width, pid, n_programs, TILE)
     if BARRIER:
         _grid_barrier(Sync, target, ARRIVE_FIRST)
     _stamp(Stamp, TIMELINE)
     if GEMV:
-        _add_gemv(X, Out, last, OAcc, W, In, pid, n_programs, d_model, width, w, TILE, KP, KC)
+        _add_gemv(X, Out, last, OAcc, W, S, In, pid, n_programs, d_model, width, w, s, TILE, KP, KC, QUANT)
     else:
-        _matmul_add_stage(X, Out, last, W, In, rows, row_ok, pid, n_programs, d_model, width, BB, BLOCK_K, PREC)
+        _matmul_add_stage(X, Out, last, W, S, In, rows, row_ok, pid, n_programs, d_model, width, BB, BLOCK_K, PREC,
+                          QUANT)
 
 
 @triton.jit
-def layers_kernel(X, Out, Wqkv, Wo, Wgu, Wd, Norm1, Norm2, Kc, Vc, Q, PartO, PartL, Attn, Arrived, Act, Cos, Sin, Slots,
+def layers_kernel(X, Out, Wqkv, Wo, Wgu, Wd, Scales, Norm1, Norm2, Kc, Vc, Q, PartO, PartL, Attn, Arrived, Act, Cos, Sin, Slots,
                    Start, Sync, OAcc, Times, layer_lo, layer_hi, batch, d_model, d_ff, n_heads, n_kv_heads, n_split, eps,
                    qk_scale, sc_layer, sc_b, sc_h, sc_l,
                    STAGE: tl.constexpr, BB: tl.constexpr, HEAD_DIM: tl.constexpr, GROUP: tl.constexpr,
@@ -505,8 +564,10 @@ def layers_kernel(X, Out, Wqkv, Wo, Wgu, Wd, Norm1, Norm2, Kc, Vc, Q, PartO, Par
                    KP_ATTN: tl.constexpr, KP_FF: tl.constexpr, C_MODEL: tl.constexpr, C_ATTN: tl.constexpr,
                    C_FF: tl.constexpr, PREFETCH: tl.constexpr, T_QKV: tl.constexpr, T_O: tl.constexpr,
                    T_GU: tl.constexpr, T_D: tl.constexpr, SPLIT_O: tl.constexpr, ARRIVE_FIRST: tl.constexpr,
-                   GATE_UP_EARLY: tl.constexpr, TIMELINE: tl.constexpr):
+                   GATE_UP_EARLY: tl.constexpr, TIMELINE: tl.constexpr, QUANT: tl.constexpr):
     """X: the float32 residual stream, updated in place; the launch's last layer also writes it to Out in Out's dtype.
+    QUANT: the four weights hold int8 codes, and Scales (layer, rows of q/k/v, o, gate/up, down) their rows' scales;
+    the activations' dtype is the norms' (Norm1's).
     STAGE -1: every stage of layers [layer_lo, layer_hi) with a grid barrier before each stage but the first (and
     on the GEMV path but o_proj, whose items wait on counters); else that stage only. GEMV: batch 1, matrix-vector
     tiles whose first loads are issued before the barrier's wait (with ARRIVE_FIRST after the program arrives, so its
@@ -535,23 +596,27 @@ def layers_kernel(X, Out, Wqkv, Wo, Wgu, Wd, Norm1, Norm2, Kc, Vc, Q, PartO, Par
         wqkv, wo = Wqkv + at * qkv_rows * d_model, Wo + at * d_model * width
         wgu, wd = Wgu + at * 2 * d_ff * d_model, Wd + at * d_model * d_ff
         o_acc = OAcc + at * d_model
+        sqkv = Scales + at * (qkv_rows + 2 * d_model + 2 * d_ff)  # this layer's scales, in the weights' order
+        so, sgu = sqkv + qkv_rows, sqkv + qkv_rows + d_model
+        sd = sgu + 2 * d_ff
         stamps = Times + (layer - layer_lo) * 8 * n_programs + pid
         if STAGE < 0 or STAGE == 0:
             if ARRIVE_FIRST and STAGE < 0 and layer > layer_lo:
                 _arrive(Sync)
             if GEMV:
-                w1, w2 = _qkv_tiles(wqkv, pid, n_qkv_items, d_model, HEAD_DIM, T_QKV, INTERLEAVED, KP_MODEL, C_MODEL)
+                w1, w2, s1, s2 = _qkv_tiles(wqkv, sqkv, pid, n_qkv_items, d_model, HEAD_DIM, T_QKV, INTERLEAVED,
+                                            KP_MODEL, C_MODEL, QUANT)
             if STAGE < 0 and layer > layer_lo:
                 _grid_barrier(Sync, arrivals, ARRIVE_FIRST)
             _stamp(stamps, TIMELINE)
             if GEMV:
-                _qkv_gemv(X, Norm1 + at * d_model, wqkv, Q, kc, vc, Cos, Sin, Sync, slot, pos, pid, n_programs,
-                          n_qkv_items, eps, sc_b, sc_h, sc_l, d_model, n_heads, n_kv_heads, w1, w2, cos, sin,
-                          HEAD_DIM, T_QKV, INTERLEAVED, KP_MODEL, C_MODEL)
+                _qkv_gemv(X, Norm1 + at * d_model, wqkv, sqkv, Q, kc, vc, Cos, Sin, Sync, slot, pos, pid, n_programs,
+                          n_qkv_items, eps, sc_b, sc_h, sc_l, d_model, n_heads, n_kv_heads, w1, w2, s1, s2, cos,
+                          sin, HEAD_DIM, T_QKV, INTERLEAVED, KP_MODEL, C_MODEL, QUANT)
             else:
-                _qkv_stage(X, Norm1 + at * d_model, wqkv, Q, kc, vc, Cos, Sin, Sync, Slots, Start, rows, row_ok, pid,
-                           n_programs, eps, sc_b, sc_h, sc_l, d_model, n_heads, n_kv_heads,
-                           BB, HEAD_DIM, T_QKV, INTERLEAVED, BLOCK_K, PREC)
+                _qkv_stage(X, Norm1 + at * d_model, wqkv, sqkv, Q, kc, vc, Cos, Sin, Sync, Slots, Start, rows, row_ok,
+                           pid, n_programs, eps, sc_b, sc_h, sc_l, d_model, n_heads, n_kv_heads,
+                           BB, HEAD_DIM, T_QKV, INTERLEAVED, BLOCK_K, PREC, QUANT)
             _stamp(stamps + n_programs, TIMELINE)
         if STAGE < 0 or STAGE == 1:
             _attention_stage(Q, kc, vc, PartO, PartL, Attn, Arrived, Sync, Slots, Start, layer, pid, n_programs,
@@ -560,21 +625,23 @@ def layers_kernel(X, Out, Wqkv, Wo, Wgu, Wd, Norm1, Norm2, Kc, Vc, Q, PartO, Par
             _stamp(stamps + 2 * n_programs, TIMELINE)
         if STAGE < 0 or STAGE == 2:
             if EARLY_GU:  # while o_proj's items wait on attention
-                gate_w, up_w = _gate_up_tiles(wgu, pid, d_model, d_ff, T_GU, KP_MODEL, C_MODEL)
+                gate_w, up_w, gate_s, up_s = _gate_up_tiles(wgu, sgu, pid, d_model, d_ff, T_GU, KP_MODEL, C_MODEL,
+                                                            QUANT)
             if SPLIT_O:
-                _o_proj_gemv(wo, PartO, PartL, Arrived, o_acc, layer, pid, n_programs, d_model, n_heads, n_split,
-                             GROUP, HEAD_DIM, BLOCK_SPLIT, T_O)
+                _o_proj_gemv(wo, so, PartO, PartL, Arrived, o_acc, layer, pid, n_programs, d_model, n_heads, n_split,
+                             GROUP, HEAD_DIM, BLOCK_SPLIT, T_O, Norm1.dtype.element_ty, QUANT)
             else:
-                _residual_matmul(X, Out, False, o_acc, wo, Attn, Sync, arrivals + n_programs, rows, row_ok, pid,
+                _residual_matmul(X, Out, False, o_acc, wo, so, Attn, Sync, arrivals + n_programs, rows, row_ok, pid,
                                  n_programs, d_model, width, Times, STAGE < 0, GEMV, T_O, KP_ATTN, C_ATTN, BB, BLOCK_K,
-                                 PREC, ARRIVE_FIRST, False, False)
+                                 PREC, ARRIVE_FIRST, False, False, QUANT)
             _stamp(stamps + 3 * n_programs, TIMELINE)
         if STAGE < 0 or STAGE == 3:
             if ARRIVE_FIRST and STAGE < 0:
                 _arrive(Sync)
             if GEMV:
                 if not EARLY_GU:
-                    gate_w, up_w = _gate_up_tiles(wgu, pid, d_model, d_ff, T_GU, KP_MODEL, C_MODEL)
+                    gate_w, up_w, gate_s, up_s = _gate_up_tiles(wgu, sgu, pid, d_model, d_ff, T_GU, KP_MODEL,
+                                                                C_MODEL, QUANT)
                 if PREFETCH and STAGE < 0:
                     _prefetch_rows(wgu, 0, d_ff, d_model, pid, n_programs, T_GU)
                     _prefetch_rows(wgu, d_ff, d_ff, d_model, pid, n_programs, T_GU)
@@ -582,15 +649,15 @@ def layers_kernel(X, Out, Wqkv, Wo, Wgu, Wd, Norm1, Norm2, Kc, Vc, Q, PartO, Par
                 _grid_barrier(Sync, arrivals + (BARRIERS - 2) * n_programs, ARRIVE_FIRST)
             _stamp(stamps + 4 * n_programs, TIMELINE)
             if GEMV:
-                _gate_up_gemv(X, o_acc, Norm2 + at * d_model, wgu, Act, pid, n_programs, eps, d_model, d_ff, gate_w,
-                              up_w, T_GU, KP_MODEL, C_MODEL)
+                _gate_up_gemv(X, o_acc, Norm2 + at * d_model, wgu, sgu, Act, pid, n_programs, eps, d_model, d_ff,
+                              gate_w, up_w, gate_s, up_s, T_GU, KP_MODEL, C_MODEL, QUANT)
             else:
-                _gate_up_stage(X, Norm2 + at * d_model, wgu, Act, rows, row_ok, pid, n_programs, eps, d_model, d_ff,
-                               BB, BLOCK_K, PREC)
+                _gate_up_stage(X, Norm2 + at * d_model, wgu, sgu, Act, rows, row_ok, pid, n_programs, eps, d_model,
+                               d_ff, BB, BLOCK_K, PREC, QUANT)
             _stamp(stamps + 5 * n_programs, TIMELINE)
         if STAGE < 0 or STAGE == 4:
-            _residual_matmul(X, Out, layer == layer_hi - 1, o_acc, wd, Act, Sync,
+            _residual_matmul(X, Out, layer == layer_hi - 1, o_acc, wd, sd, Act, Sync,
                              arrivals + (BARRIERS - 1) * n_programs, rows, row_ok, pid, n_programs, d_model, d_ff,
                              stamps + 6 * n_programs, STAGE < 0, GEMV, T_D, KP_FF, C_FF, BB, BLOCK_K, PREC,
-                             ARRIVE_FIRST, PREFETCH and GEMV, TIMELINE)
+                             ARRIVE_FIRST, PREFETCH and GEMV, TIMELINE, QUANT)
             _stamp(stamps + 7 * n_programs, TIMELINE)

@@ -50,10 +50,12 @@ def test_kv_bytes_shrink_from_mha_to_mqa_and_linear_is_constant(ckpt):
 def test_quantized_perplexity_is_measured_on_the_validation_split(ckpt):
     model, _, _ = lmlab.load(ckpt)
     data = CheckpointData(ckpt)
-    rows = quant_quality(model, data, ["int8"], new=4, compile=False)
+    rows = quant_quality(model, data, ["int8"], new=4, engines=("eager", "megakernel"))
     assert [r["quant"] for r in rows] == ["none", "int8"]
     assert rows[0]["ppl"] == pytest.approx(perplexity(model, *data.val))
-    assert abs(rows[1]["ppl_change"]) < 0.05 and rows[1]["speedup"] > 0
+    assert abs(rows[1]["ppl_change"]) < 0.05 and rows[1]["speedup"]["eager"] > 0
+    if not torch.cuda.is_available():  # an engine that cannot run is named with its reason, not timed
+        assert "megakernel" not in rows[1]["speedup"] and "CUDA" in rows[1]["not_run"]["megakernel"]
 
 
 def test_speculative_with_the_target_as_draft_accepts_everything(ckpt):
@@ -86,3 +88,17 @@ def test_bench_cli_prints_and_saves_the_speculative_comparison(ckpt, tmp_path, c
     row = json.loads(out.read_text())["speculative"]
     assert row["identical_outputs"] == 2 and row["acceptance_rate"] == 1.0
     assert f", {row['decode_speedup']:.2f}x), acceptance 100%, identical outputs 2/2" in capsys.readouterr().out
+
+
+def test_bench_cli_prints_each_quantization_on_each_engine(ckpt, tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    assert main(["--ckpt", ckpt, "--engines", "", "--quant", "int8", "--quant-engines", "eager", "megakernel",
+                 "--prompt", "8", "--new", "4", "--batch", "1", "--repeats", "1", "--dtype", "float32",
+                 "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["quant_quality"]
+    assert [r["quant"] for r in rows] == ["none", "int8"] and set(rows[1]["speedup"]) <= {"eager", "megakernel"}
+    printed = capsys.readouterr().out
+    assert f"eager {rows[1]['decode_tokens_per_s']['eager']:,.0f} tokens/s ({rows[1]['speedup']['eager']:.2f}x)" \
+        in printed
+    if not torch.cuda.is_available():
+        assert "megakernel not run: megakernel=True needs a CUDA device" in printed

@@ -14,6 +14,7 @@ import torch
 from lmlab.errors import ConfigError
 from lmlab.inference.engine import Engine
 from lmlab.inference.megakernel import Megakernel
+from lmlab.inference.quant import quantize
 from lmlab.nn import Transformer
 from tests.inference.test_cache_parity import VOCAB
 from tests.inference.test_cache_parity import _model as parity_model
@@ -46,6 +47,19 @@ def test_a_plain_llama_stack_is_supported():
     assert Megakernel.unsupported(_model()) is None
 
 
+def test_int8_projections_are_supported_and_int4_or_mixed_ones_named():
+    model = _model()
+    quantize(model, "int8")
+    assert Megakernel.unsupported(model) is None
+    int4 = _model()
+    quantize(int4, {"name": "int4", "group_size": 32, "method": "rtn"})
+    assert "Int4Linear" in Megakernel.unsupported(int4)
+    mixed = _model()
+    quantize(mixed, "int8")
+    mixed.layers[1].mlp.down_proj = torch.nn.Linear(mixed.layers[1].mlp.down_proj.in_features, 128, bias=False)
+    assert "Int8Linear and Linear" in Megakernel.unsupported(mixed)
+
+
 def test_refused_without_cuda_before_any_work():
     if torch.cuda.is_available():
         pytest.skip("the refusal is for machines without CUDA")
@@ -66,6 +80,25 @@ def test_stacked_weights_are_views_of_the_parameters():
     model.layers[0].self_attn.o_proj.weight = torch.nn.Parameter(model.layers[0].self_attn.o_proj.weight.clone())
     assert not kernel.current()
     kernel.refresh()
+    assert kernel.current()
+
+
+def test_int8_codes_and_scales_are_stacked_as_views():
+    model = _model()
+    quantize(model, "int8")
+    kernel = Megakernel(model)
+    weights = kernel.weights
+    layer = model.layers[1]
+    assert weights.qkv.dtype == torch.int8 and weights.dtype == torch.float32
+    d_model, d_ff = 128, layer.mlp.down_proj.in_features
+    assert weights.scales.shape == (len(model.layers), weights.qkv.shape[1] + 2 * d_model + 2 * d_ff)
+    with torch.no_grad():  # what the kernel reads is the modules' codes and scales
+        layer.mlp.down_proj.scales.mul_(2.0)
+        layer.self_attn.k_proj.weight.neg_()
+    torch.testing.assert_close(weights.scales[1, -d_model:], layer.mlp.down_proj.scales, rtol=0, atol=0)
+    q_rows = layer.self_attn.q_proj.out_features
+    k_rows = layer.self_attn.k_proj.out_features
+    assert weights.qkv[1, q_rows:q_rows + k_rows].eq(layer.self_attn.k_proj.weight).all()
     assert kernel.current()
 
 
@@ -90,24 +123,32 @@ def _decode_both(model, batch, persistent=True, compile=False, steps=6):
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("persistent", [True, False])
-@pytest.mark.parametrize("attention, layout, batch", [
-    ({"name": "mha", "n_heads": 4}, "half", 1),
-    ({"name": "mha", "n_heads": 4, "n_kv_heads": 2}, "interleaved", 3),
-    ({"name": "mha", "n_heads": 4, "n_kv_heads": 1}, "half", 17),  # MQA, a batch past one 16-row tile
+@pytest.mark.parametrize("attention, layout, batch, int8", [
+    ({"name": "mha", "n_heads": 4}, "half", 1, False),
+    ({"name": "mha", "n_heads": 4, "n_kv_heads": 2}, "interleaved", 3, False),
+    ({"name": "mha", "n_heads": 4, "n_kv_heads": 1}, "half", 17, False),  # MQA, a batch past one 16-row tile
+    ({"name": "mha", "n_heads": 4, "n_kv_heads": 2}, "half", 1, True),  # int8 codes on both paths
+    ({"name": "mha", "n_heads": 4, "n_kv_heads": 2}, "interleaved", 3, True),
 ])
-def test_matches_the_layer_by_layer_step_fp32(attention, layout, batch, persistent):
+def test_matches_the_layer_by_layer_step_fp32(attention, layout, batch, int8, persistent):
     torch.backends.cuda.matmul.allow_tf32 = False
     model = _model("cuda", attention=attention, position={"name": "rope", "layout": layout})
+    if int8:
+        quantize(model, "int8")
     reference, fused = _decode_both(model, batch, persistent)
     torch.testing.assert_close(fused, reference, atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.gpu
 @needs_cuda
+@pytest.mark.parametrize("int8", [False, True])
 @pytest.mark.parametrize("compile", [False, True])
 @pytest.mark.parametrize("batch", [1, 4])  # batch 1 takes the matrix-vector path, 4 the tensor-core tiles
-def test_bf16_generation_follows_the_layer_by_layer_step(compile, batch):
+def test_bf16_generation_follows_the_layer_by_layer_step(compile, batch, int8):
+    """int8: the same quantized model (codes read through PTX byte moves on the GPU) in both engines."""
     model = _model("cuda", torch.bfloat16, d_model=256, n_layers=4, attention={"name": "mha", "n_heads": 4})
+    if int8:
+        quantize(model, "int8")
     reference, fused = _decode_both(model, batch, compile=compile, steps=16)
     # bf16 rounds differently (the kernel keeps the residual stream in float32): compare in scale
     scale = reference.abs().max()
@@ -127,16 +168,20 @@ def test_generate_with_the_megakernel_equals_generate_without_it_fp32():
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" or importlib.util.find_spec("triton") is None,
                     reason="runs under Triton's CPU interpreter (TRITON_INTERPRET=1 with Triton installed)")
-@pytest.mark.parametrize("batch, attention, layout, o_proj_on_counters", [
-    (1, {"name": "mha", "n_heads": 4}, "half", True),  # the matrix-vector path
-    (1, {"name": "mha", "n_heads": 4}, "half", False),
-    (1, {"name": "mha", "n_heads": 4, "n_kv_heads": 1}, "interleaved", True),
-    (2, {"name": "mha", "n_heads": 4, "n_kv_heads": 2}, "half", False),  # the tensor-core path
+@pytest.mark.parametrize("batch, attention, layout, o_proj_on_counters, int8", [
+    (1, {"name": "mha", "n_heads": 4}, "half", True, False),  # the matrix-vector path
+    (1, {"name": "mha", "n_heads": 4}, "half", False, False),
+    (1, {"name": "mha", "n_heads": 4, "n_kv_heads": 1}, "interleaved", True, False),
+    (2, {"name": "mha", "n_heads": 4, "n_kv_heads": 2}, "half", False, False),  # the tensor-core path
+    (1, {"name": "mha", "n_heads": 4, "n_kv_heads": 2}, "half", True, True),  # int8 weights on both paths
+    (1, {"name": "mha", "n_heads": 4, "n_kv_heads": 2}, "half", False, True),
+    (2, {"name": "mha", "n_heads": 4, "n_kv_heads": 2}, "interleaved", False, True),
 ])
-def test_matches_the_layer_by_layer_step_under_the_interpreter(batch, attention, layout, o_proj_on_counters,
+def test_matches_the_layer_by_layer_step_under_the_interpreter(batch, attention, layout, o_proj_on_counters, int8,
                                                                monkeypatch):
     """Stage by stage (the interpreter runs programs in turn), with 3 programs and small tiles, so a program takes
-    several work items and prefetches across them; at batch 1 with o_proj's items on counters or after a barrier."""
+    several work items and prefetches across them; at batch 1 with o_proj's items on counters or after a barrier;
+    with int8 weights against the layer-by-layer step of the same quantized model."""
     from lmlab.kernels import decode_layers as dl
 
     monkeypatch.setattr(dl, "sm_count", lambda device: 3)
@@ -144,12 +189,17 @@ def test_matches_the_layer_by_layer_step_under_the_interpreter(batch, attention,
     monkeypatch.setattr(dl, "GEMV_GATE_UP_TILE_ELEMS", 256)
     monkeypatch.setattr(dl, "GEMV_O_PROJ_ON_COUNTERS", o_proj_on_counters)
     model = _model(n_layers=2, attention=attention, position={"name": "rope", "layout": layout})  # head_dim 32
+    if int8:
+        quantize(model, "int8")
     g = torch.Generator().manual_seed(1)
     prompt = torch.randint(0, VOCAB, (batch, 6), generator=g)
     start = torch.tensor([0, 3][:batch])
     got = []
     for megakernel in (False, True):
         engine = Engine(model, megakernel=megakernel)
+        if megakernel:  # the stack it reads: int8 codes and their scales, or the weights themselves
+            assert (engine.megakernel.weights.scales is not None) == int8
+            assert (engine.megakernel.weights.qkv.dtype == torch.int8) == int8
         engine.begin(batch, 10, start)
         logits = [engine.extend(prompt)]
         for t in range(4):
@@ -164,9 +214,10 @@ def test_o_proj_sums_start_16_byte_aligned(kv_heads):
     9% longer (experiments/inference/h200-2026-12-04f/)."""
     pytest.importorskip("triton")
     from lmlab.kernels.decode_layers import plan_on_meta
+    from lmlab.kernels.decode_layers_triton import layers_kernel
 
     layers, d_model = 2, 256
     plan = plan_on_meta(1, layers, d_model, 16, kv_heads, 16, 512, 64, torch.bfloat16)
-    o_acc = plan.args[21]
+    o_acc = dict(zip(layers_kernel.arg_names, plan.args))["OAcc"]
     assert plan.meta["SPLIT_O"] and o_acc.dtype == torch.float32 and o_acc.numel() == layers * d_model
     assert o_acc.storage_offset() * o_acc.element_size() % 16 == 0

@@ -47,6 +47,28 @@ def test_equals_the_reference(rows, d_model, vocab, multiplier, dtype, atol, rto
 
 
 @needs_triton
+@pytest.mark.parametrize("dtype, atol, rtol", [(torch.float32, 1e-5, 1e-5), (torch.bfloat16, 2e-2, 1.6e-2)])
+@pytest.mark.parametrize("multiplier", [1.0, 0.5])
+def test_int8_head_equals_its_int8_linear(dtype, atol, rtol, multiplier):
+    """An int8 head (codes and row scales, lmlab.inference.quant's Int8Linear) gives that module's logits."""
+    from lmlab.inference.quant.linear import Int8Linear
+    from lmlab.kernels.normed_head_triton import normed_head
+    from lmlab.nn.norms import rms_norm
+
+    g = torch.Generator().manual_seed(0)
+    d_model, vocab = 200, 333
+    x = (3 * torch.randn(1, d_model, generator=g)).to(DEVICE, dtype)
+    gain = (1 + 0.1 * torch.randn(d_model, generator=g)).to(DEVICE, dtype)
+    codes = torch.randint(-127, 128, (vocab, d_model), generator=g, dtype=torch.int8).to(DEVICE)
+    scales = (torch.rand(vocab, generator=g) / (127 * d_model ** 0.5)).to(DEVICE, dtype)
+    linear = Int8Linear(codes, scales, None, "dequant")
+    reference = linear(rms_norm(x, gain, 1e-5))
+    reference = (reference * multiplier if multiplier != 1.0 else reference).float()
+    got = normed_head(x, gain, 1e-5, OutputHead(codes, multiplier, None), scales)
+    torch.testing.assert_close(got, reference, atol=atol, rtol=rtol)
+
+
+@needs_triton
 def test_refuses_what_it_cannot_take():
     from lmlab.kernels.normed_head_triton import MAX_ROWS, normed_head
 
@@ -56,12 +78,20 @@ def test_refuses_what_it_cannot_take():
     with pytest.raises(ValueError, match="soft-capped"):
         normed_head(torch.randn(1, 8, device=DEVICE), torch.ones(8, device=DEVICE), 1e-5,
                     OutputHead(head.weight, 1.0, 30.0))
+    with pytest.raises(ValueError, match="int8 with scales"):  # codes without their scales
+        normed_head(torch.randn(1, 8, device=DEVICE), torch.ones(8, device=DEVICE), 1e-5,
+                    OutputHead(head.weight.to(torch.int8), 1.0, None))
 
 
 @needs_triton
-def test_engine_decodes_the_same_logits_with_it():
-    """At batch 1 the prompt's last token and each decode step take the kernel."""
+@pytest.mark.parametrize("int8", [False, True])
+def test_engine_decodes_the_same_logits_with_it(int8):
+    """At batch 1 the prompt's last token and each decode step take the kernel; an int8-quantized head too."""
+    from lmlab.inference.quant import quantize
+
     model = tiny_model().to(DEVICE)
+    if int8:
+        quantize(model, "int8")
     prompt = torch.randint(0, VOCAB, (1, 5), generator=torch.Generator().manual_seed(0))
     logits = []
     for head_kernel in (False, True):
