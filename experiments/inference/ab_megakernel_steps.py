@@ -1,9 +1,11 @@
 """Batch-1 megakernel generation under variants of its launch settings, compared in one process, in turns.
 
     python experiments/inference/ab_megakernel_steps.py [O_ACC_ALIGN=1 O_ACC_ALIGN=4 ...] [--rounds 9] [--out F]
+    python experiments/inference/ab_megakernel_steps.py quant=none quant=int8 GEMV_INT8_GATE_UP_TILE_ELEMS=4096,quant=int8
 
 A variant is `NAME=VALUE[,NAME=VALUE...]` of `lmlab.kernels.decode_layers`' module settings (those that
-sweep_megakernel.py sweeps, and O_ACC_ALIGN). A machine or a process moves the layer stack's time by 1-2%
+sweep_megakernel.py sweeps, and O_ACC_ALIGN), and optionally `quant=ENTRY`: its copy of the weights quantized by that
+`quant` entry (round to nearest; `none` leaves them). A machine or a process moves the layer stack's time by 1-2%
 (experiments/inference/README.md), as much as the changes compared, so every variant runs in the same process, on
 its own copy of the same weights, and the variants take turns. Each variant's engine captures its CUDA graphs under
 the variant's settings (a launch reads them as it is captured), which then hold for every replay. Per variant:
@@ -24,15 +26,28 @@ from sweep_megakernel import middle_step  # this folder's: the step its generati
 
 from lmlab.inference.bench import DEFAULT_OVERRIDES, build_model
 from lmlab.inference.engine import Engine
+from lmlab.inference.quant import QUANTS, quantize
 from lmlab.kernels import decode_layers as dl
 
 
-def parse_variant(text: str) -> dict:
+def parse_variant(text: str) -> tuple[dict, str]:
+    """(decode_layers settings, quant entry or "none")."""
     settings = dict(item.split("=", 1) for item in text.split(","))
+    quant = settings.pop("quant", "none")
+    if quant != "none":
+        QUANTS.resolve(quant)  # an unknown entry fails here, before any model is built
     unknown = [name for name in settings if not hasattr(dl, name)]
     if unknown:
         raise SystemExit(f"ab_megakernel_steps: {', '.join(unknown)} is no setting of lmlab.kernels.decode_layers")
-    return {name: ast.literal_eval(value) for name, value in settings.items()}
+    return {name: ast.literal_eval(value) for name, value in settings.items()}, quant
+
+
+def weights(model, quant: str):
+    """A copy of the model's weights, quantized by `quant` unless it is "none"."""
+    copied = copy.deepcopy(model)
+    if quant != "none":
+        quantize(copied, {"name": quant, "method": "rtn"})
+    return copied
 
 
 def generate(engine: Engine, ids: torch.Tensor, new: int) -> float:
@@ -58,12 +73,12 @@ def main() -> None:
     variants = {text: parse_variant(text) for text in args.variants}
     model, _ = build_model(DEFAULT_OVERRIDES, None, torch.device("cuda"), torch.bfloat16)
     ids = torch.randint(0, model.vocab_size, (1, 128), device="cuda")
-    defaults = {name: getattr(dl, name) for settings in variants.values() for name in settings}
+    defaults = {name: getattr(dl, name) for settings, _ in variants.values() for name in settings}
     engines = {}
-    for name, settings in variants.items():
+    for name, (settings, quant) in variants.items():
         for setting, value in {**defaults, **settings}.items():
             setattr(dl, setting, value)
-        engines[name] = Engine(copy.deepcopy(model), True, megakernel=True)
+        engines[name] = Engine(weights(model, quant), True, megakernel=True)
         print(f"{name}: warmed up ({generate(engines[name], ids, args.new):,.0f} tokens/s)", flush=True)
     runs = {name: [] for name in engines}
     for _ in range(args.rounds):
