@@ -1,16 +1,17 @@
 """Batch-1 megakernel generation under variants of its launch settings, compared in one process, in turns.
 
     python experiments/inference/ab_megakernel_steps.py [O_ACC_ALIGN=1 O_ACC_ALIGN=4 ...] [--rounds 9] [--out F]
-    python experiments/inference/ab_megakernel_steps.py quant=none quant=int8 GEMV_INT8_GATE_UP_TILE_ELEMS=4096,quant=int8
+    python experiments/inference/ab_megakernel_steps.py quant=none quant=int8 quant=int4 \
+        GEMV_QUANT_GATE_UP_TILE_ELEMS=4096,quant=int8
 
 A variant is `NAME=VALUE[,NAME=VALUE...]` of `lmlab.kernels.decode_layers`' module settings (those that
 sweep_megakernel.py sweeps, and O_ACC_ALIGN), and optionally `quant=ENTRY`: its copy of the weights quantized by that
-`quant` entry (round to nearest; `none` leaves them). A machine or a process moves the layer stack's time by 1-2%
-(experiments/inference/README.md), as much as the changes compared, so every variant runs in the same process, on
-its own copy of the same weights, and the variants take turns. Each variant's engine captures its CUDA graphs under
-the variant's settings (a launch reads them as it is captured), which then hold for every replay. Per variant:
-decode tokens/s of a greedy generation (llama400m, random weights, bf16, 128-token prompt, 256 new tokens, blocks of
-64 steps), the median of the rounds, and one middle step's kernels from a profiled generation.
+`quant` entry (round to nearest, int4 in groups of 128; `none` leaves them). A machine or a process moves the layer
+stack's time by 1-2% (experiments/inference/README.md), as much as the changes compared, so every variant runs in the
+same process, on its own copy of the same weights, and the variants take turns. Each variant's engine captures its
+CUDA graphs under the variant's settings (a launch reads them as it is captured), which then hold for every replay.
+Per variant: decode tokens/s of a greedy generation (llama400m, random weights, bf16, 128-token prompt, 256 new
+tokens, blocks of 64 steps), the median of the rounds, and one middle step's kernels from a profiled generation.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import statistics
 import torch
 from sweep_megakernel import middle_step  # this folder's: the step its generation profile shows
 
-from lmlab.inference.bench import DEFAULT_OVERRIDES, build_model
+from lmlab.inference.bench import DEFAULT_OVERRIDES, QUANT_LAYOUT, build_model
 from lmlab.inference.engine import Engine
 from lmlab.inference.quant import QUANTS, quantize
 from lmlab.kernels import decode_layers as dl
@@ -43,10 +44,11 @@ def parse_variant(text: str) -> tuple[dict, str]:
 
 
 def weights(model, quant: str):
-    """A copy of the model's weights, quantized by `quant` unless it is "none"."""
+    """A copy of the model's weights, quantized by `quant` (round to nearest, in the layout the megakernel reads)
+    unless it is "none"."""
     copied = copy.deepcopy(model)
     if quant != "none":
-        quantize(copied, {"name": quant, "method": "rtn"})
+        quantize(copied, {"name": quant, "method": "rtn", **QUANT_LAYOUT["megakernel"]})
     return copied
 
 

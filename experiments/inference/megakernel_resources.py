@@ -27,15 +27,16 @@ from lmlab.kernels.decode_layers_triton import layers_kernel
 
 SM90 = dict(regs=65536, shared=233472, reserved=1024, threads=2048)
 DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int32: "i32", torch.int64: "i64",
-          torch.int8: "i8"}
-# name: (batch, layers, d_model, heads, kv heads, head_dim, d_ff, cache length, dtype[, programs, int8 weights])
+          torch.int8: "i8", torch.uint8: "u8"}
+# name: (batch, layers, d_model, heads, kv heads, head_dim, d_ff, cache length, dtype[, programs, quantized weights])
 CASES = {"llama400m bf16, batch 1": (1, 24, 1024, 16, 16, 64, 2816, 384, torch.bfloat16),
          "llama400m bf16, batch 32": (32, 24, 1024, 16, 16, 64, 2816, 384, torch.bfloat16),
-         "llama400m int8, batch 1": (1, 24, 1024, 16, 16, 64, 2816, 384, torch.bfloat16, 132, True),
-         "llama400m int8, batch 32": (32, 24, 1024, 16, 16, 64, 2816, 384, torch.bfloat16, 132, True),
+         "llama400m int8, batch 1": (1, 24, 1024, 16, 16, 64, 2816, 384, torch.bfloat16, 132, "int8"),
+         "llama400m int8, batch 32": (32, 24, 1024, 16, 16, 64, 2816, 384, torch.bfloat16, 132, "int8"),
+         "llama400m int4 (groups of 128), batch 1": (1, 24, 1024, 16, 16, 64, 2816, 384, torch.bfloat16, 132, "int4"),
          "the GPU test's fp32 GQA, batch 3": (3, 3, 128, 4, 2, 32, 384, 128, torch.float32),
          # int8 codes into fp32's FMA dot (a test's case, not a fast one): ptxas keeps it in local memory
-         "the GPU test's fp32 GQA int8, batch 3": (3, 3, 128, 4, 2, 32, 384, 128, torch.float32, 132, True)}
+         "the GPU test's fp32 GQA int8, batch 3": (3, 3, 128, 4, 2, 32, 384, 128, torch.float32, 132, "int8")}
 
 
 def compile_sm90(plan: dl.LaunchPlan, layers: int):

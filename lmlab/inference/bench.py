@@ -19,8 +19,10 @@ the mean length) over the device-to-device copy bandwidth measured in the same r
 bytes per token of each attention kind at the model's size. Medians of `--repeats` runs after one
 warm-up run (which compiles and captures the graphs).
 
-With `--ckpt` (a trained model), `--quant int8 int4` reports each entry's validation perplexity and
-batch-1 speed against the unquantized weights (GPTQ calibrated on the training split), and
+`--quant int8 int4` also times a copy of the weights quantized by each entry (round to nearest) on each of
+`--quant-engines` (compiled and megakernel by default). With `--ckpt` (a trained model) it reports instead each
+entry's validation perplexity and batch-1 speed on those engines against the unquantized weights (GPTQ calibrated on
+the training split), and
 `--draft CKPT` speculative decoding against the target alone (lmlab.inference.bench_checkpoint).
 """
 
@@ -50,6 +52,9 @@ ENGINES = ("eager", "graphs", "compiled", "compiled-sdpa", "compiled-unfolded", 
            "megakernel-stages", "invariant", "hf", "hf-static")
 # The engines a quantized model's speed is measured on (--quant-engines), by name: their Engine arguments
 QUANT_ENGINES = {"eager": {}, "compiled": {"compile": True}, "megakernel": {"compile": True, "megakernel": True}}
+# What an engine needs of a quantization's stored layout: the megakernel reads int4 codes as int4's dequant kernel
+# keeps them (on CUDA the default packs them for tinygemm)
+QUANT_LAYOUT = {"megakernel": {"kernel": "dequant"}}
 
 
 def int4_group_size(model: Transformer) -> dict:
@@ -227,6 +232,14 @@ def contender(name: str, model: Transformer):
     return _CONTENDERS[key]
 
 
+def _by_layout(engines: list[str]) -> dict[tuple, list[str]]:
+    """The engines grouped by what they need of a quantization's layout (QUANT_LAYOUT), as quant overrides."""
+    groups: dict[tuple, list[str]] = {}
+    for name in engines:
+        groups.setdefault(tuple(sorted(QUANT_LAYOUT.get(name, {}).items())), []).append(name)
+    return groups
+
+
 def _runnable(engines: list[str], model: Transformer) -> list[str]:
     """Those of `engines` that can run `model` (built here, kept for the run); each other is named with its reason."""
     runnable = []
@@ -394,11 +407,12 @@ def main(argv: list[str]) -> int:
         if args.ckpt and args.quant:  # a trained model: calibrated weights, and the perplexity they cost
             result["quant_quality"] = checkpoint_quant(model, data, args)
         for name in [] if args.ckpt else args.quant:
-            quantized = copy.deepcopy(model)
-            report = quantize(quantized, {**_quant_config(name, model), "method": "rtn"})
-            print(f"{name}: {report['layers']} layers, kernels {report['kernels']}", flush=True)
-            result["rows"] += run_benchmark(quantized, _runnable(args.quant_engines, quantized), args.batch,
-                                            args.prompt, args.new, args.repeats, label=f"+{name}")["rows"]
+            for layout, quant_engines in _by_layout(args.quant_engines).items():
+                quantized = copy.deepcopy(model)
+                report = quantize(quantized, {**_quant_config(name, model), "method": "rtn", **dict(layout)})
+                print(f"{name}: {report['layers']} layers, kernels {report['kernels']}", flush=True)
+                result["rows"] += run_benchmark(quantized, _runnable(quant_engines, quantized), args.batch,
+                                                args.prompt, args.new, args.repeats, label=f"+{name}")["rows"]
         if args.draft:
             result["speculative"] = checkpoint_speculative(model, data, args)
         if args.plot:

@@ -1,14 +1,14 @@
 """The engine's decode step as one kernel launch for plain Llama stacks (lmlab.kernels.decode_layers).
 
-`Megakernel.unsupported(model)` says why a model cannot take it (None: it can): pre-norm blocks with
-RMSNorm, softmax attention without windows, soft-capping, QK-norm or shared KV, RoPE, SwiGLU, no
-MoE, no looped depth; its projections all plain Linears, or all int8 (`quantize(model, "int8")`, whose
-codes the kernel reads with their row scales: half the bytes). `Megakernel(model)` stacks the layers' weights, one tensor per kind, and makes
-every layer's parameters views of their slices (as `lmlab.nn.fused` does within a layer), so no
-weight is held twice and training, loading or quantizing the model still changes what the kernel
-reads; a parameter replaced since (a device move, quantization) is noticed and the stack rebuilt or
-refused. `bind(caches)` stacks the engine's KV caches the same way, and `step(x, state)` runs one
-token per sequence through every layer.
+`Megakernel.unsupported(model)` says why a model cannot take it (None: it can): pre-norm blocks with RMSNorm, softmax
+attention without windows, soft-capping, QK-norm or shared KV, RoPE, SwiGLU, no MoE, no looped depth; its projections
+all plain Linears, all int8 (`quantize(model, "int8")`: the kernel reads the codes and their row scales, half the
+bytes), or all int4 in the layout of int4's `dequant` kernel (`quant.kernel=dequant`: two codes a byte and a scale
+and zero per group; batch 1 only). `Megakernel(model)` stacks the layers' weights (codes and scales where quantized),
+one tensor per kind, and makes every layer's parameters views of their slices (as `lmlab.nn.fused` does within a
+layer), so no weight is held twice and training, loading or quantizing the model still changes what the kernel reads;
+a parameter replaced since (a device move, quantization) is noticed and the stack rebuilt or refused. `bind(caches)`
+stacks the engine's KV caches the same way, and `step(x, state)` runs one token per sequence through every layer.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from torch import nn
 
 from lmlab.errors import ConfigError
 from lmlab.inference.cache import CacheState, KVCache
-from lmlab.inference.quant.linear import Int8Linear
+from lmlab.inference.quant.linear import Int4Linear, Int8Linear
 from lmlab.nn.attention import MultiHeadAttention
 from lmlab.nn.blocks import PreNormBlock
 from lmlab.nn.ffn import SwiGLU
@@ -44,12 +44,14 @@ class StackedWeights:
     n_heads: int
     n_kv_heads: int
     rope_interleaved: bool  # RoPE pairs features (2i, 2i + 1); else (i, i + head_dim / 2)
-    # int8 weights: (layers, rows of qkv, o, gate_up and down, in that order), each row's scale; None: not quantized
+    # Quantized weights' scales, per layer, in the weights' order (q, k, v, o, gate, up, down; None: not quantized):
+    # int8, each row's; int4, each projection's (groups, rows, 2) scales and zeros, as Int4Linear keeps them
     scales: torch.Tensor | None = None
+    group_size: int = 0  # int4: input columns per scale and zero (the weights hold two codes a byte); else 0
 
     @property
     def head_dim(self) -> int:
-        return self.o.shape[2] // self.n_heads
+        return self.o.shape[2] * (2 if self.group_size else 1) // self.n_heads
 
     @property
     def dtype(self) -> torch.dtype:
@@ -60,7 +62,7 @@ class StackedWeights:
 class Megakernel:
     """A plain Llama stack's weights stacked for `decode_layers`; see the module docstring."""
 
-    max_batch = 64  # the kernel holds the batch in one tile; larger batches take the layer-by-layer step
+    MAX_BATCH = 64  # the kernel holds the batch in one tile; larger batches take the layer-by-layer step
 
     @staticmethod
     def unsupported(model: Transformer) -> str | None:
@@ -68,10 +70,17 @@ class Megakernel:
             return "looped depth (model.loops > 1)"
         if not isinstance(model.position, RoPE):
             return f"position {type(model.position).__name__} (the kernel rotates with RoPE)"
-        kinds = {type(linear) for block in model.layers for linear in _projections(block)}
-        if len(kinds) > 1 or kinds - {nn.Linear, Int8Linear}:
-            return (f"projections of {' and '.join(sorted(k.__name__ for k in kinds))} (the kernel reads plain Linears "
-                    "or int8 ones, all the same)")
+        linears = [linear for block in model.layers for linear in _projections(block)]
+        kinds = {type(linear) for linear in linears}
+        if len(kinds) > 1 or kinds - {nn.Linear, Int8Linear, Int4Linear}:
+            names = " and ".join(sorted(kind.__name__ for kind in kinds))
+            return f"projections of {names} (the kernel reads plain Linears, int8 or int4 ones, all the same)"
+        if kinds == {Int4Linear}:
+            if any(linear.kernel != "dequant" for linear in linears):
+                return ("int4 projections packed for another kernel than dequant (the kernel reads two codes a byte, "
+                        "as quant.kernel=dequant stores them)")
+            if len({linear.group_size for linear in linears}) > 1:
+                return "int4 projections of several group sizes"
         for i, block in enumerate(model.layers):
             attn, mlp = block.self_attn, block.mlp
             reasons = {
@@ -105,6 +114,11 @@ class Megakernel:
         # One launch with grid barriers; else a launch per (layer, stage): the interpreter runs programs in turn
         self.persistent = os.environ.get("TRITON_INTERPRET") != "1"
 
+    @property
+    def max_batch(self) -> int:
+        """Sequences a step may hold to take the kernel: int4 weights run at batch 1 (the matrix-vector path)."""
+        return 1 if self.weights.group_size else self.MAX_BATCH
+
     def _groups(self) -> dict[str, list[list[torch.Tensor]]]:
         """Per kind, each layer's parameters (int8: codes) in the order they are stacked, and int8's scales."""
         layers = self.model.layers
@@ -116,8 +130,11 @@ class Megakernel:
             "norm_attn": [[b.input_layernorm.weight] for b in layers],
             "norm_ffn": [[b.post_attention_layernorm.weight] for b in layers],
         }
-        if type(layers[0].self_attn.q_proj) is Int8Linear:
+        kind = type(layers[0].self_attn.q_proj)
+        if kind is Int8Linear:
             groups["scales"] = [[linear.scales for linear in _projections(b)] for b in layers]
+        if kind is Int4Linear:
+            groups["scales"] = [[linear.scales_and_zeros for linear in _projections(b)] for b in layers]
         return groups
 
     def _stack(self) -> StackedWeights:
@@ -127,8 +144,9 @@ class Megakernel:
         with torch.inference_mode(False), torch.no_grad():
             for kind, per_layer in self._groups().items():
                 flat = [p for params in per_layer for p in params]
-                rows = sum(p.shape[0] for p in per_layer[0])
-                tensor = torch.cat([p.detach().reshape(-1) for p in flat]).view(len(per_layer), rows, -1).squeeze(-1)
+                tensor = torch.cat([p.detach().reshape(-1) for p in flat]).view(len(per_layer), -1)
+                if kind != "scales":  # (layers, rows, columns); the scales stay flat per layer
+                    tensor = tensor.view(len(per_layer), sum(p.shape[0] for p in per_layer[0]), -1).squeeze(-1)
                 make_views(flat, tensor)
                 stacked[kind] = tensor
         # The engine's fused q/k/v and gate/up groups become views of the stack too, so they stay current.
@@ -137,8 +155,10 @@ class Megakernel:
                 group = module.__dict__.get("fused_projections")
                 if group is not None:
                     group.weight = rows
+        q_proj = attn.q_proj
         return StackedWeights(**stacked, n_heads=attn.n_heads, n_kv_heads=attn.n_kv_heads,
-                              rope_interleaved=self.model.position.layout == "interleaved")
+                              rope_interleaved=self.model.position.layout == "interleaved",
+                              group_size=q_proj.group_size if type(q_proj) is Int4Linear else 0)
 
     def current(self) -> bool:
         """Every parameter is still a view of the stack (nothing replaced or moved since)."""

@@ -5,7 +5,9 @@ through every layer of a stack whose weights are stacked per kind (`lmlab.infere
 x (batch, d_model), float32, is the residual stream, which it updates in place (the kernel's own buffer, so no cast
 in or out is a launch of its own). It writes each layer's new key and value at cache slot `slots[0]`, and returns
 the last layer's output (before the final norm) in the activations' dtype (the norms'). Weights quantized to int8 per
-output row (`weights.scales`, lmlab.inference.quant's `int8`) are read as codes and scaled after each product. `persistent=False` launches each (layer,
+output row (`weights.scales`, lmlab.inference.quant's `int8`) are read as codes and scaled after each product; int4
+weights (`weights.group_size`, two codes a byte, a scale and zero per group of input columns) at batch 1 likewise,
+each group's products summed before its scale. `persistent=False` launches each (layer,
 stage) as a kernel of its own (for Triton's CPU interpreter, and as the many-launch baseline). `launch_plan` gives
 the scratch buffers and settings of a step on any device; the module's settings below are what
 experiments/inference/sweep_megakernel.py sweeps.
@@ -65,11 +67,11 @@ GEMV_PREFETCH_LATER = True
 # the layer stack took 468.2 against 430.0 us, 1,992 against 2,134 tokens/s (llama400m, batch 1, one process, in
 # turns; experiments/inference/ab_megakernel_steps.py, h200-2026-12-04f/)
 O_ACC_ALIGN = 4
-# int8 weights' gate/up tiles: at 8192, the bytes of bf16's (half the items). Their other tiles keep bf16's element
-# counts: twice the elements a thread converts and sums spilled registers in the sm_90 compile (llama400m: 124 bytes
-# with bf16's counts, 188 with this, 1,016 with o_proj's too, 2,764 with every tile widened;
+# Quantized weights' gate/up tiles: at 8192, int8's carry the bytes of bf16's (half the items). Their other tiles
+# keep bf16's element counts: twice the elements a thread converts and sums spilled registers in the sm_90 compile
+# (llama400m int8: 116 bytes with this, 1,016 with o_proj's widened too, 2,764 with every tile widened;
 # experiments/inference/megakernel_resources.py)
-GEMV_INT8_GATE_UP_TILE_ELEMS = 8192
+GEMV_QUANT_GATE_UP_TILE_ELEMS = 8192
 GEMV_MAX_WIDTH = 8192  # wider inputs take the tensor-core path (a whole row per tile would not fit in registers)
 NUM_STAGES = 3
 
@@ -107,9 +109,12 @@ def _tile_rows(width: int, elems: int, most: int = 1 << 16) -> int:
     return max(1, min(most, elems // width))
 
 
-def _chunk(width: int, rows: int) -> int:
-    """Input columns per chunk of a matrix-vector tile of `rows` rows over `width` (a power of two) columns:
-    GEMV_CHUNK where the tile has GEMV_CHUNK_MIN_ROWS rows or more, else the whole width."""
+def _chunk(width: int, rows: int, group_size: int) -> int:
+    """Elements per chunk of a matrix-vector tile of `rows` rows over `width` (a power of two) columns: with int4
+    weights (group_size > 0) a group's bytes; else GEMV_CHUNK columns where the tile has GEMV_CHUNK_MIN_ROWS rows or
+    more, else the whole width."""
+    if group_size:
+        return group_size // 2
     return min(width, GEMV_CHUNK) if rows >= GEMV_CHUNK_MIN_ROWS else width
 
 
@@ -139,9 +144,12 @@ def unsupported(x: torch.Tensor, weights: StackedWeights, k_cache: torch.Tensor)
     if k_cache.stride(-1) != 1 or k_cache.dtype != weights.dtype:
         return "the caches need a contiguous head_dim and the activations' dtype"
     kinds = {w.dtype for w in (weights.qkv, weights.o, weights.gate_up, weights.down)}
-    if kinds != ({torch.int8} if weights.scales is not None else {weights.dtype}):
+    expected = {weights.dtype} if weights.scales is None else {torch.uint8 if weights.group_size else torch.int8}
+    if kinds != expected:
         return (f"weights of {', '.join(sorted(map(str, kinds)))} "
-                f"{'with' if weights.scales is not None else 'without'} scales (int8 codes take scales)")
+                f"{'with' if weights.scales is not None else 'without'} scales (int8 and int4 codes take scales)")
+    if weights.group_size and x.shape[0] > 1:
+        return f"batch {x.shape[0]} with int4 weights (they run at batch 1, on the matrix-vector path)"
     return None
 
 
@@ -157,22 +165,22 @@ def decode_layers(x: torch.Tensor, weights: StackedWeights, k_cache: torch.Tenso
         raise ValueError(f"decode_layers: {problem}")
     scale = 1.0 / math.sqrt(weights.head_dim) if scale is None else float(scale)
     return _decode_layers_op(x, weights.qkv, weights.o, weights.gate_up, weights.down, weights.scales,
-                             weights.norm_attn, weights.norm_ffn, k_cache, v_cache, slots, start, cos, sin,
-                             weights.n_heads,
-                             weights.n_kv_heads, weights.rope_interleaved, eps, scale, persistent)
+                             weights.group_size, weights.norm_attn, weights.norm_ffn, k_cache, v_cache, slots, start,
+                             cos, sin, weights.n_heads, weights.n_kv_heads, weights.rope_interleaved, eps, scale,
+                             persistent)
 
 
 # A custom op, so torch.compile treats the launch as one opaque call (and a CUDA graph captures it). Inductor passes it
 # the buffer that its embedding kernel wrote x to, cast to float32 there: no copy of its own.
 @torch.library.custom_op("lmlab::decode_layers", mutates_args=("x", "k_cache", "v_cache"))
 def _decode_layers_op(x: torch.Tensor, qkv: torch.Tensor, o: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
-                      scales: torch.Tensor | None, norm_attn: torch.Tensor, norm_ffn: torch.Tensor,
+                      scales: torch.Tensor | None, group_size: int, norm_attn: torch.Tensor, norm_ffn: torch.Tensor,
                       k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, start: torch.Tensor,
                       cos: torch.Tensor, sin: torch.Tensor, n_heads: int, n_kv_heads: int, interleaved: bool,
                       eps: float, scale: float, persistent: bool) -> torch.Tensor:
     programs = sm_count(x.device)
     plan = launch_plan(x, qkv, o, gate_up, down, scales, norm_attn, norm_ffn, k_cache, v_cache, slots, start, cos, sin,
-                       n_heads, n_kv_heads, interleaved, eps, scale, programs)
+                       n_heads, n_kv_heads, interleaved, eps, scale, programs, group_size)
     if persistent:
         args = (*plan.args, 0, k_cache.shape[0], *plan.shape)
         layers_kernel[(persistent_programs(plan, args),)](*args, STAGE=-1, **plan.meta)
@@ -186,8 +194,8 @@ def _decode_layers_op(x: torch.Tensor, qkv: torch.Tensor, o: torch.Tensor, gate_
 @dataclass
 class LaunchPlan:
     """What `layers_kernel` is launched with: its tensors (the float32 residual stream first, the output in the
-    activations' dtype, then the weights and their scales, the norms, caches and scratch), its scalars after (layer_lo, layer_hi), its compile-time settings, and
-    the programs per SM wanted (fewer where fewer fit)."""
+    activations' dtype, then the weights and their scales, the norms, caches and scratch), its scalars after
+    (layer_lo, layer_hi), its compile-time settings, and the programs per SM wanted (fewer where fewer fit)."""
 
     args: tuple
     shape: tuple
@@ -201,76 +209,86 @@ def persistent_programs(plan: LaunchPlan, args: tuple) -> int:
 
 
 def launch_plan(x, qkv, o, gate_up, down, scales, norm_attn, norm_ffn, k_cache, v_cache, slots, start, cos, sin,
-                n_heads: int, n_kv_heads: int, interleaved: bool, eps: float, scale: float,
-                programs: int) -> LaunchPlan:
+                n_heads: int, n_kv_heads: int, interleaved: bool, eps: float, scale: float, programs: int,
+                group_size: int = 0) -> LaunchPlan:
     """The scratch buffers and settings of one decode step on `programs` SMs, x being the float32 residual stream that
-    the launch updates in place, and `scales` None or int8 weights' row scales (any device, "meta" included:
+    the launch updates in place, `scales` None or the quantized weights' (int8: per row; int4, group_size > 0: per
+    group, as StackedWeights keeps them) (any device, "meta" included:
     experiments/inference/megakernel_resources.py compiles from it without a GPU)."""
     batch, d_model = x.shape
     n_layers, cache_len, head_dim = k_cache.shape[0], k_cache.shape[3], k_cache.shape[4]
     group = n_heads // n_kv_heads
-    d_ff = down.shape[2]
+    pack = 2 if group_size else 1  # codes per byte; int4's tiles count bytes, their chunks are its groups
+    d_ff = down.shape[2] * pack
     kp_model, kp_attn, kp_ff = (triton.next_power_of_2(w) for w in (d_model, n_heads * head_dim, d_ff))
     gemv = batch == 1 and max(kp_model, kp_attn, kp_ff) <= GEMV_MAX_WIDTH
     split = n_splits(batch, n_kv_heads, cache_len, programs)
     f32 = dict(dtype=torch.float32, device=x.device)
     dtype = norm_attn.dtype  # the activations'
-    quant = scales is not None
+    int8 = scales is not None and not group_size
+    if group_size and not gemv:
+        raise ValueError("decode_layers: int4 weights run at batch 1 with inputs of at most GEMV_MAX_WIDTH columns")
     out = torch.empty(batch, d_model, dtype=dtype, device=x.device)
     q = torch.empty(batch, n_heads, head_dim, **f32)
     part_out = torch.empty(batch, n_heads, split, head_dim, **f32)
     part_lse = torch.empty(batch, n_heads, split, **f32)
     attn = torch.empty(batch, n_heads * head_dim, dtype=dtype, device=x.device)
     act = torch.empty(batch, d_ff, dtype=dtype, device=x.device)
-    split_o = gemv and GEMV_O_PROJ_ON_COUNTERS
+    split_o = gemv and GEMV_O_PROJ_ON_COUNTERS and not group_size  # int4's o_proj: whole rows, after a barrier
     # Zeroed in one fill: the counters (the grid barrier's, each kv head's finished q/k/v items, each (sequence, kv
     # head)'s finished attention splits) and, on the matrix-vector path, each layer's o_proj sums (float32 zeros)
     counters = 1 + n_kv_heads + batch * n_kv_heads
     sums = -(-counters // O_ACC_ALIGN) * O_ACC_ALIGN
     sync = torch.zeros(sums + (n_layers * d_model if gemv else 0), dtype=torch.int32, device=x.device)
     arrived, o_acc = sync[1 + n_kv_heads:counters], sync[sums:].view(torch.float32)
-    args = (x, out, qkv, o, gate_up, down, scales if quant else norm_attn, norm_attn, norm_ffn, k_cache, v_cache, q,
-            part_out, part_lse, attn, arrived, act, cos, sin, slots, start, sync, o_acc, sync)  # Times: unused
+    args = (x, out, qkv, o, gate_up, down, norm_attn if scales is None else scales, norm_attn, norm_ffn, k_cache,
+            v_cache, q, part_out, part_lse, attn, arrived, act, cos, sin, slots, start, sync, o_acc, sync)  # no Times
     tiles = dict(T_QKV=_tile_rows(kp_model, GEMV_TILE_ELEMS, head_dim // 2) if gemv else 16,
                  T_O=_tile_rows(head_dim if split_o else kp_attn, GEMV_TILE_ELEMS),
-                 T_GU=_tile_rows(kp_model, GEMV_INT8_GATE_UP_TILE_ELEMS if quant else GEMV_GATE_UP_TILE_ELEMS),
+                 T_GU=_tile_rows(kp_model, GEMV_QUANT_GATE_UP_TILE_ELEMS if scales is not None
+                                 else GEMV_GATE_UP_TILE_ELEMS),
                  T_D=_tile_rows(kp_ff, GEMV_TILE_ELEMS))
     meta = dict(BB=1 if gemv else max(16, triton.next_power_of_2(batch)), HEAD_DIM=head_dim, GROUP=group,
                 BLOCK_M=max(16, triton.next_power_of_2(group)), BLOCK_N=32,
                 BLOCK_SPLIT=triton.next_power_of_2(split), BLOCK_K=BLOCK_K, INTERLEAVED=interleaved,
                 PREC="ieee" if dtype == torch.float32 else "tf32", num_stages=NUM_STAGES,
                 num_warps=GEMV_NUM_WARPS if gemv else NUM_WARPS,
-                GEMV=gemv, KP_MODEL=kp_model, KP_ATTN=kp_attn, KP_FF=kp_ff,
-                C_MODEL=_chunk(kp_model, min(tiles["T_QKV"], tiles["T_GU"])), C_ATTN=_chunk(kp_attn, tiles["T_O"]),
-                C_FF=_chunk(kp_ff, tiles["T_D"]), **tiles, SPLIT_O=split_o,
+                GEMV=gemv, KP_MODEL=kp_model // pack, KP_ATTN=kp_attn // pack, KP_FF=kp_ff // pack,
+                C_MODEL=_chunk(kp_model, min(tiles["T_QKV"], tiles["T_GU"]), group_size),
+                C_ATTN=_chunk(kp_attn, tiles["T_O"], group_size), C_FF=_chunk(kp_ff, tiles["T_D"], group_size),
+                **tiles, SPLIT_O=split_o,
                 PREFETCH=gemv and GEMV_PREFETCH_LATER and _bulk_prefetch(x.device),
                 ARRIVE_FIRST=gemv and GEMV_ARRIVE_BEFORE_LOADS, GATE_UP_EARLY=gemv and GEMV_GATE_UP_EARLY,
-                TIMELINE=False, QUANT=quant)
+                TIMELINE=False, QUANT=int8, GROUP4=group_size)
     shape = (batch, d_model, d_ff, n_heads, n_kv_heads, split, eps, scale * LOG2E,
              k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), k_cache.stride(3))
     return LaunchPlan(args, shape, meta, GEMV_PROGRAMS_PER_SM if gemv else PROGRAMS_PER_SM)
 
 
 def plan_on_meta(batch: int, layers: int, d_model: int, heads: int, kv_heads: int, head_dim: int, d_ff: int,
-                 cache_len: int, dtype: torch.dtype, programs: int = 132, int8: bool = False) -> LaunchPlan:
-    """`launch_plan` of a stack of these sizes (int8: weights quantized to int8 per row) with every tensor on the "meta"
-    device: what a launch would get, worked out without a GPU or memory
+                 cache_len: int, dtype: torch.dtype, programs: int = 132, quant: str = "none",
+                 group_size: int = 128) -> LaunchPlan:
+    """`launch_plan` of a stack of these sizes (quant: "int8" per row, "int4" per group of `group_size`) with every
+    tensor on the "meta" device: what a launch would get, worked out without a GPU or memory
     (experiments/inference/megakernel_resources.py compiles from it)."""
     meta = dict(device="meta", dtype=dtype)
     shapes = (((heads + 2 * kv_heads) * head_dim, d_model), (d_model, heads * head_dim), (2 * d_ff, d_model),
               (d_model, d_ff))
-    w = [torch.empty(layers, rows, cols, device="meta", dtype=torch.int8 if int8 else dtype) for rows, cols in shapes]
-    scales = torch.empty(layers, sum(rows for rows, _ in shapes), **meta) if int8 else None
+    codes = {"none": (dtype, 1, 0), "int8": (torch.int8, 1, 0), "int4": (torch.uint8, 2, group_size)}
+    code_dtype, pack, group = codes[quant]
+    w = [torch.empty(layers, rows, cols // pack, device="meta", dtype=code_dtype) for rows, cols in shapes]
+    per_layer = sum(rows * (2 * cols // group if group else 1) for rows, cols in shapes)
+    scales = None if quant == "none" else torch.empty(layers, per_layer, **meta)
     norms = [torch.empty(layers, d_model, **meta) for _ in range(2)]
     k, v = (torch.empty(layers, batch, kv_heads, cache_len, head_dim, **meta) for _ in range(2))
     rope = [torch.empty(cache_len, head_dim // 2, device="meta") for _ in range(2)]
     slots, start = torch.empty(1, dtype=torch.long, device="meta"), torch.empty(batch, dtype=torch.long, device="meta")
     residual = torch.empty(batch, d_model, device="meta")
     return launch_plan(residual, *w, scales, *norms, k, v, slots, start, *rope, heads, kv_heads, False, 1e-5,
-                       head_dim ** -0.5, programs)
+                       head_dim ** -0.5, programs, group)
 
 
 @_decode_layers_op.register_fake
-def _(x, qkv, o, gate_up, down, scales, norm_attn, norm_ffn, k_cache, v_cache, slots, start, cos, sin, n_heads,
-      n_kv_heads, interleaved, eps, scale, persistent):
+def _(x, qkv, o, gate_up, down, scales, group_size, norm_attn, norm_ffn, k_cache, v_cache, slots, start, cos, sin,
+      n_heads, n_kv_heads, interleaved, eps, scale, persistent):
     return torch.empty_like(x, dtype=norm_attn.dtype)

@@ -31,8 +31,10 @@ vary from run to run). The residual stream stays in float32 for the whole step. 
 The first version had only the second path and was slower than the compiled step at batch 1 (1.14 ms for the
 layer stack against 0.82 ms for the whole compiled step): its tiles kept too few weight bytes in flight.
 With QUANT the four weights are int8 codes, one scale per output row (lmlab.inference.quant's `int8`): the tiles
-carry half the bytes, the codes become float32 in registers (lmlab.kernels.int8_triton) and each row's product is
-scaled once; the activations keep the norms' dtype.
+carry half the bytes, the codes become float32 in registers (lmlab.kernels.codes_triton) and each row's product is
+scaled once; the activations keep the norms' dtype. With GROUP4 (batch 1 only) they are int4 codes, two a byte, with
+a scale and zero per group of GROUP4 input columns (lmlab.inference.quant's `int4` stored for its `dequant` kernel):
+a tile's chunks are its groups, each group's products summed first, then scaled, plus zero times the group's inputs.
 
 STAGE >= 0 runs one (layer, stage) as a kernel of its own instead (no barrier): the same code, for Triton's CPU
 interpreter (TRITON_INTERPRET=1 runs programs one after another, so a barrier there would never open) and as the
@@ -46,7 +48,7 @@ import triton.language as tl
 
 from lmlab.kernels.decode_attention_triton import (attend_block, attend_key_range, combined_output, empty_state,
                                                    key_split)
-from lmlab.kernels.int8_triton import as_f32
+from lmlab.kernels.codes_triton import as_f32, nibbles_f32
 
 
 @triton.jit
@@ -263,19 +265,33 @@ def _tile(W, rows, ok, width, KP: tl.constexpr, KC: tl.constexpr):
 
 
 @triton.jit
-def _row(X, width, KP: tl.constexpr, KC: tl.constexpr):
-    """The one sequence's row of a buffer other programs wrote (from L2: an L1 line could be stale), in float32, as
-    (KP / KC, KC) chunks (`_chunked`)."""
-    ks = _chunked(KP, KC)
+def _columns(KP: tl.constexpr, KC: tl.constexpr, GROUP4: tl.constexpr):
+    """The input columns a tile's elements meet: `_chunked`, or with GROUP4 (KP / KC, KC, 2), byte j of chunk c
+    holding columns 2 (c KC + j) and the one after (KP, KC in bytes)."""
+    if GROUP4:
+        return _chunked(KP, KC)[:, :, None] * 2 + tl.arange(0, 2)[None, None, :]
+    else:
+        return _chunked(KP, KC)
+
+
+@triton.jit
+def _row(X, width, KP: tl.constexpr, KC: tl.constexpr, GROUP4: tl.constexpr):
+    """The one sequence's row of a buffer other programs wrote (from L2: an L1 line could be stale), in float32, laid
+    out as the tiles' columns (`_columns`)."""
+    ks = _columns(KP, KC, GROUP4)
     return tl.load(X + ks, mask=ks < width, other=0.0, cache_modifier=".cg").to(tl.float32)
 
 
 @triton.jit
-def _normed_row(x, NormW, d_model, eps, KP: tl.constexpr, KC: tl.constexpr):
+def _normed_row(x, NormW, d_model, eps, KP: tl.constexpr, KC: tl.constexpr, GROUP4: tl.constexpr):
     """x * gain, rounded as the tensor-core path rounds it, and the row's 1 / rms (applied after the matmul)."""
-    ks = _chunked(KP, KC)
+    ks = _columns(KP, KC, GROUP4)
     gain = tl.load(NormW + ks, mask=ks < d_model, other=0.0)
-    inv_rms = tl.math.rsqrt(tl.sum(tl.sum(x * x, 1), 0) / d_model + eps)
+    if GROUP4:
+        squares = tl.sum(tl.sum(tl.sum(x * x, 2), 1), 0)
+    else:
+        squares = tl.sum(tl.sum(x * x, 1), 0)
+    inv_rms = tl.math.rsqrt(squares / d_model + eps)
     return (x * gain).to(gain.dtype).to(tl.float32), inv_rms
 
 
@@ -286,19 +302,64 @@ def _gemv(w, x):
 
 
 @triton.jit
-def _normed_gemv(w, scales, x, inv_rms, dt: tl.constexpr, QUANT: tl.constexpr):
-    return _scaled_round(_gemv(w, x) * inv_rms, scales, dt, QUANT)  # rounded where the reference rounds
+def _group_scales(S, rows, ok, start, n, groups, GP: tl.constexpr):
+    """int4: each (row, group)'s scale and zero, (rows, GP, 2) float32, of a projection whose rows start at row
+    `start` of its kind's stack, n rows of `groups` groups: its block, (groups, n, 2) as Int4Linear keeps it, starts at
+    2 * groups * start (the kind's projections before it have `groups` groups too)."""
+    g = tl.arange(0, GP)[None, :, None]
+    at = S + 2 * groups * start + (g * n + (rows - start)[:, None, None]) * 2 + tl.arange(0, 2)[None, None, :]
+    return tl.load(at, mask=ok[:, None, None] & (g < groups), other=0.0).to(tl.float32)
 
 
 @triton.jit
-def _qkv_tiles(W, S, item, n_items, d_model, HEAD_DIM: tl.constexpr, PAIRS: tl.constexpr, INTERLEAVED: tl.constexpr,
-               KP: tl.constexpr, KC: tl.constexpr, QUANT: tl.constexpr):
-    """A q/k/v item's two tiles (the rows each RoPE frequency rotates together) and their rows' scales."""
+def _scales(S, rows, ok, start, n, groups, GP: tl.constexpr, QUANT: tl.constexpr, GROUP4: tl.constexpr):
+    """A tile's dequantizing factors: `_group_scales` (int4) or `_row_scales` (int8, or ones)."""
+    if GROUP4:
+        return _group_scales(S, rows, ok, start, n, groups, GP)
+    else:
+        return _row_scales(S, rows, ok, QUANT)
+
+
+@triton.jit
+def _product(w, scales, x, QUANT: tl.constexpr, GROUP4: tl.constexpr):
+    """A `_tile` times a `_row`, dequantized by the tile's `_scales`: (rows,) float32. int4: per group g of a row,
+    scale * sum((code - 8) x) + zero * sum(x)."""
+    if GROUP4:
+        high, low = nibbles_f32(w)  # (rows, groups, bytes): the even columns', the odd ones'
+        x_even, x_odd = tl.split(x)
+        per_group = tl.sum(high * x_even[None, :, :] + low * x_odd[None, :, :], 2)
+        scale, zero = tl.split(scales)
+        return tl.sum(scale * per_group + zero * tl.sum(tl.sum(x, 2), 1)[None, :], 1)
+    else:
+        return _dequantized(_gemv(w, x), scales, QUANT)
+
+
+@triton.jit
+def _normed_gemv(w, scales, x, inv_rms, dt: tl.constexpr, QUANT: tl.constexpr, GROUP4: tl.constexpr):
+    """`_product` of a normed row, rounded where the reference rounds (int4's dequantizing kernel rounds the weights
+    to dt, then the matmul's output)."""
+    if GROUP4:
+        return _round(_product(w, scales, x, QUANT, GROUP4) * inv_rms, dt)
+    else:
+        return _scaled_round(_gemv(w, x) * inv_rms, scales, dt, QUANT)
+
+
+@triton.jit
+def _qkv_tiles(W, S, item, n_items, d_model, n_heads, n_kv_heads, HEAD_DIM: tl.constexpr, PAIRS: tl.constexpr,
+               INTERLEAVED: tl.constexpr, KP: tl.constexpr, KC: tl.constexpr, QUANT: tl.constexpr,
+               GROUP4: tl.constexpr):
+    """A q/k/v item's two tiles (the rows each RoPE frequency rotates together) and their `_scales`."""
     head, freq, first, second = _qkv_rows(item, HEAD_DIM, PAIRS, INTERLEAVED)
     ok = (freq < HEAD_DIM) & (item < n_items)
     rows1, rows2 = head * HEAD_DIM + first, head * HEAD_DIM + second
-    return (_tile(W, rows1, ok, d_model, KP, KC), _tile(W, rows2, ok, d_model, KP, KC),
-            _row_scales(S, rows1, ok, QUANT), _row_scales(S, rows2, ok, QUANT))
+    # the head's projection (q, k or v): its first row in the stack and its rows
+    start = tl.where(head < n_heads, 0, tl.where(head < n_heads + n_kv_heads, n_heads, n_heads + n_kv_heads)) * HEAD_DIM
+    n = tl.where(head < n_heads, n_heads, n_kv_heads) * HEAD_DIM
+    groups = d_model // tl.maximum(GROUP4, 1)
+    return (_tile(W, rows1, ok, d_model // (2 if GROUP4 else 1), KP, KC),
+            _tile(W, rows2, ok, d_model // (2 if GROUP4 else 1), KP, KC),
+            _scales(S, rows1, ok, start, n, groups, KP // KC, QUANT, GROUP4),
+            _scales(S, rows2, ok, start, n, groups, KP // KC, QUANT, GROUP4))
 
 
 @triton.jit
@@ -312,20 +373,20 @@ def _qkv_item_rope(Cos, Sin, pos, item, HEAD_DIM: tl.constexpr, PAIRS: tl.conste
 def _qkv_gemv(X, NormW, W, S, Q, Kc, Vc, Cos, Sin, Sync, slot, pos, pid, n_programs, n_items, eps, sc_b, sc_h,
               sc_l, d_model, n_heads, n_kv_heads, w1, w2, s1, s2, cos, sin,
               HEAD_DIM: tl.constexpr, PAIRS: tl.constexpr, INTERLEAVED: tl.constexpr, KP: tl.constexpr,
-              KC: tl.constexpr, QUANT: tl.constexpr):
+              KC: tl.constexpr, QUANT: tl.constexpr, GROUP4: tl.constexpr):
     """_qkv_stage for one sequence (at position pos (1,), cache slot `slot`), as matrix-vector products; w1, w2: the
     first item's tiles, already loading (s1, s2 their scales), and cos, sin its RoPE tables (loaded before the
     barrier, not after the products: one round trip to memory off the chain that every attention item waits on)."""
     rows = tl.arange(0, 1)
     dt: tl.constexpr = NormW.dtype.element_ty
-    x, inv_rms = _normed_row(_row(X, d_model, KP, KC), NormW, d_model, eps, KP, KC)
+    x, inv_rms = _normed_row(_row(X, d_model, KP, KC, GROUP4), NormW, d_model, eps, KP, KC, GROUP4)
     for item in range(pid, n_items, n_programs):
-        next1, next2, next_s1, next_s2 = _qkv_tiles(W, S, item + n_programs, n_items, d_model, HEAD_DIM, PAIRS,
-                                                    INTERLEAVED, KP, KC, QUANT)
+        next1, next2, next_s1, next_s2 = _qkv_tiles(W, S, item + n_programs, n_items, d_model, n_heads, n_kv_heads,
+                                                    HEAD_DIM, PAIRS, INTERLEAVED, KP, KC, QUANT, GROUP4)
         next_cos, next_sin = _qkv_item_rope(Cos, Sin, pos, item + n_programs, HEAD_DIM, PAIRS, INTERLEAVED)
         head, freq, first, second = _qkv_rows(item, HEAD_DIM, PAIRS, INTERLEAVED)
-        _qkv_out(_normed_gemv(w1, s1, x, inv_rms, dt, QUANT)[None, :],
-                 _normed_gemv(w2, s2, x, inv_rms, dt, QUANT)[None, :], head, freq, first,
+        _qkv_out(_normed_gemv(w1, s1, x, inv_rms, dt, QUANT, GROUP4)[None, :],
+                 _normed_gemv(w2, s2, x, inv_rms, dt, QUANT, GROUP4)[None, :], head, freq, first,
                  second, Q, Kc, Vc, cos, sin, Sync, slot, rows, rows < 1, sc_b, sc_h, sc_l, n_heads,
                  n_kv_heads, HEAD_DIM)
         w1, w2, s1, s2, cos, sin = next1, next2, next_s1, next_s2, next_cos, next_sin
@@ -478,51 +539,57 @@ def _gate_up_stage(X, NormW, W, S, Act, rows, row_ok, pid, n_programs, eps, d_mo
 
 @triton.jit
 def _gate_up_tiles(W, S, item, d_model, d_ff, TILE: tl.constexpr, KP: tl.constexpr, KC: tl.constexpr,
-                   QUANT: tl.constexpr):
-    """A gate/up item's gate and up tiles and their rows' scales."""
+                   QUANT: tl.constexpr, GROUP4: tl.constexpr):
+    """A gate/up item's gate and up tiles and their `_scales`."""
     cols = item * TILE + tl.arange(0, TILE)
     ok = cols < d_ff
-    return (_tile(W, cols, ok, d_model, KP, KC), _tile(W, d_ff + cols, ok, d_model, KP, KC),
-            _row_scales(S, cols, ok, QUANT), _row_scales(S, d_ff + cols, ok, QUANT))
+    width = d_model // (2 if GROUP4 else 1)
+    groups = d_model // tl.maximum(GROUP4, 1)
+    return (_tile(W, cols, ok, width, KP, KC), _tile(W, d_ff + cols, ok, width, KP, KC),
+            _scales(S, cols, ok, 0, d_ff, groups, KP // KC, QUANT, GROUP4),
+            _scales(S, d_ff + cols, ok, d_ff, d_ff, groups, KP // KC, QUANT, GROUP4))
 
 
 @triton.jit
 def _gate_up_gemv(X, OAcc, NormW, W, S, Act, pid, n_programs, eps, d_model, d_ff, gate_w, up_w, gate_s, up_s,
-                  TILE: tl.constexpr, KP: tl.constexpr, KC: tl.constexpr, QUANT: tl.constexpr):
+                  TILE: tl.constexpr, KP: tl.constexpr, KC: tl.constexpr, QUANT: tl.constexpr, GROUP4: tl.constexpr):
     """_gate_up_stage for one sequence, whose residual is X + OAcc (o_proj's sums); gate_w, up_w: the first item's
     tiles, already loading (gate_s, up_s their scales)."""
     dt: tl.constexpr = Act.dtype.element_ty
-    x, inv_rms = _normed_row(_row(X, d_model, KP, KC) + _row(OAcc, d_model, KP, KC), NormW, d_model, eps, KP, KC)
+    x, inv_rms = _normed_row(_row(X, d_model, KP, KC, GROUP4) + _row(OAcc, d_model, KP, KC, GROUP4), NormW, d_model,
+                             eps, KP, KC, GROUP4)
     for item in range(pid, tl.cdiv(d_ff, TILE), n_programs):
         next_gate, next_up, next_gate_s, next_up_s = _gate_up_tiles(W, S, item + n_programs, d_model, d_ff, TILE, KP,
-                                                                    KC, QUANT)
+                                                                    KC, QUANT, GROUP4)
         cols = item * TILE + tl.arange(0, TILE)
-        tl.store(Act + cols, _swiglu(_normed_gemv(gate_w, gate_s, x, inv_rms, dt, QUANT),
-                                     _normed_gemv(up_w, up_s, x, inv_rms, dt, QUANT), dt), mask=cols < d_ff)
+        tl.store(Act + cols, _swiglu(_normed_gemv(gate_w, gate_s, x, inv_rms, dt, QUANT, GROUP4),
+                                     _normed_gemv(up_w, up_s, x, inv_rms, dt, QUANT, GROUP4), dt), mask=cols < d_ff)
         gate_w, up_w, gate_s, up_s = next_gate, next_up, next_gate_s, next_up_s
 
 
 @triton.jit
 def _add_tile(W, S, item, d_model, width, TILE: tl.constexpr, KP: tl.constexpr, KC: tl.constexpr,
-              QUANT: tl.constexpr):
-    """A down (or o_proj) item's tile and its rows' scales."""
+              QUANT: tl.constexpr, GROUP4: tl.constexpr):
+    """A down (or o_proj) item's tile and its `_scales`."""
     cols = item * TILE + tl.arange(0, TILE)
-    return _tile(W, cols, cols < d_model, width, KP, KC), _row_scales(S, cols, cols < d_model, QUANT)
+    ok = cols < d_model
+    return (_tile(W, cols, ok, width // (2 if GROUP4 else 1), KP, KC),
+            _scales(S, cols, ok, 0, d_model, width // tl.maximum(GROUP4, 1), KP // KC, QUANT, GROUP4))
 
 
 @triton.jit
 def _add_gemv(X, Out, last, OAcc, W, S, In, pid, n_programs, d_model, width, w, s, TILE: tl.constexpr,
-              KP: tl.constexpr, KC: tl.constexpr, QUANT: tl.constexpr):
+              KP: tl.constexpr, KC: tl.constexpr, QUANT: tl.constexpr, GROUP4: tl.constexpr):
     """_matmul_add_stage for one sequence, also folding o_proj's sums (OAcc) into X; w: the first item's tile,
     already loading (s its scales)."""
-    a = _row(In, width, KP, KC)
+    a = _row(In, width, KP, KC, GROUP4)
     for item in range(pid, tl.cdiv(d_model, TILE), n_programs):
-        next_w, next_s = _add_tile(W, S, item + n_programs, d_model, width, TILE, KP, KC, QUANT)
+        next_w, next_s = _add_tile(W, S, item + n_programs, d_model, width, TILE, KP, KC, QUANT, GROUP4)
         cols = item * TILE + tl.arange(0, TILE)
         ok = cols < d_model
         residual = tl.load(X + cols, mask=ok, other=0.0, cache_modifier=".cg")
         residual += tl.load(OAcc + cols, mask=ok, other=0.0, cache_modifier=".cg")
-        residual += _dequantized(_gemv(w, a), s, QUANT)
+        residual += _product(w, s, a, QUANT, GROUP4)
         tl.store(X + cols, residual, mask=ok)
         tl.store(Out + cols, residual.to(Out.dtype.element_ty), mask=ok & last)
         w, s = next_w, next_s
@@ -533,7 +600,7 @@ def _residual_matmul(X, Out, last, OAcc, W, S, In, Sync, target, rows, row_ok, p
                      Stamp, BARRIER: tl.constexpr, GEMV: tl.constexpr, TILE: tl.constexpr, KP: tl.constexpr,
                      KC: tl.constexpr, BB: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr,
                      ARRIVE_FIRST: tl.constexpr, PREFETCH: tl.constexpr, TIMELINE: tl.constexpr,
-                     QUANT: tl.constexpr):
+                     QUANT: tl.constexpr, GROUP4: tl.constexpr):
     """X += In @ W.T (down; o_proj where its items do not wait on counters), the matrix-vector path also folding in
     OAcc, and where `last` also written to Out; opened by a grid barrier (Sync[0] reaching `target`) when BARRIER, and
     stamped at Stamp once open; the first matrix-vector tile's loads are issued before the wait (and, with ARRIVE_FIRST,
@@ -541,33 +608,36 @@ def _residual_matmul(X, Out, last, OAcc, W, S, In, Sync, target, rows, row_ok, p
     if BARRIER and ARRIVE_FIRST:
         _arrive(Sync)
     if GEMV:
-        w, s = _add_tile(W, S, pid, d_model, width, TILE, KP, KC, QUANT)
+        w, s = _add_tile(W, S, pid, d_model, width, TILE, KP, KC, QUANT, GROUP4)
     if PREFETCH and BARRIER:
-        _prefetch_rows(W, 0, d_model, width, pid, n_programs, TILE)
+        _prefetch_rows(W, 0, d_model, width // (2 if GROUP4 else 1), pid, n_programs, TILE)
     if BARRIER:
         _grid_barrier(Sync, target, ARRIVE_FIRST)
     _stamp(Stamp, TIMELINE)
     if GEMV:
-        _add_gemv(X, Out, last, OAcc, W, S, In, pid, n_programs, d_model, width, w, s, TILE, KP, KC, QUANT)
+        _add_gemv(X, Out, last, OAcc, W, S, In, pid, n_programs, d_model, width, w, s, TILE, KP, KC, QUANT, GROUP4)
     else:
         _matmul_add_stage(X, Out, last, W, S, In, rows, row_ok, pid, n_programs, d_model, width, BB, BLOCK_K, PREC,
                           QUANT)
 
 
 @triton.jit
-def layers_kernel(X, Out, Wqkv, Wo, Wgu, Wd, Scales, Norm1, Norm2, Kc, Vc, Q, PartO, PartL, Attn, Arrived, Act, Cos, Sin, Slots,
-                   Start, Sync, OAcc, Times, layer_lo, layer_hi, batch, d_model, d_ff, n_heads, n_kv_heads, n_split, eps,
-                   qk_scale, sc_layer, sc_b, sc_h, sc_l,
-                   STAGE: tl.constexpr, BB: tl.constexpr, HEAD_DIM: tl.constexpr, GROUP: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SPLIT: tl.constexpr, BLOCK_K: tl.constexpr,
-                   INTERLEAVED: tl.constexpr, PREC: tl.constexpr, GEMV: tl.constexpr, KP_MODEL: tl.constexpr,
-                   KP_ATTN: tl.constexpr, KP_FF: tl.constexpr, C_MODEL: tl.constexpr, C_ATTN: tl.constexpr,
-                   C_FF: tl.constexpr, PREFETCH: tl.constexpr, T_QKV: tl.constexpr, T_O: tl.constexpr,
-                   T_GU: tl.constexpr, T_D: tl.constexpr, SPLIT_O: tl.constexpr, ARRIVE_FIRST: tl.constexpr,
-                   GATE_UP_EARLY: tl.constexpr, TIMELINE: tl.constexpr, QUANT: tl.constexpr):
+def layers_kernel(X, Out, Wqkv, Wo, Wgu, Wd, Scales, Norm1, Norm2, Kc, Vc, Q, PartO, PartL, Attn, Arrived, Act, Cos,
+                  Sin, Slots, Start, Sync, OAcc, Times, layer_lo, layer_hi, batch, d_model, d_ff, n_heads, n_kv_heads,
+                  n_split, eps, qk_scale, sc_layer, sc_b, sc_h, sc_l,
+                  STAGE: tl.constexpr, BB: tl.constexpr, HEAD_DIM: tl.constexpr, GROUP: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SPLIT: tl.constexpr, BLOCK_K: tl.constexpr,
+                  INTERLEAVED: tl.constexpr, PREC: tl.constexpr, GEMV: tl.constexpr, KP_MODEL: tl.constexpr,
+                  KP_ATTN: tl.constexpr, KP_FF: tl.constexpr, C_MODEL: tl.constexpr, C_ATTN: tl.constexpr,
+                  C_FF: tl.constexpr, PREFETCH: tl.constexpr, T_QKV: tl.constexpr, T_O: tl.constexpr,
+                  T_GU: tl.constexpr, T_D: tl.constexpr, SPLIT_O: tl.constexpr, ARRIVE_FIRST: tl.constexpr,
+                  GATE_UP_EARLY: tl.constexpr, TIMELINE: tl.constexpr, QUANT: tl.constexpr,
+                  GROUP4: tl.constexpr):
     """X: the float32 residual stream, updated in place; the launch's last layer also writes it to Out in Out's dtype.
-    QUANT: the four weights hold int8 codes, and Scales (layer, rows of q/k/v, o, gate/up, down) their rows' scales;
-    the activations' dtype is the norms' (Norm1's).
+    QUANT: the four weights hold int8 codes, and Scales (layer, rows of q/k/v, o, gate/up, down) their rows' scales.
+    GROUP4 (> 0, GEMV without SPLIT_O): they hold int4 codes two a byte, and Scales per layer each projection's
+    (groups, rows, 2) scales and zeros in the weights' order; KP_* and C_* count bytes. The activations' dtype is the
+    norms' (Norm1's).
     STAGE -1: every stage of layers [layer_lo, layer_hi) with a grid barrier before each stage but the first (and
     on the GEMV path but o_proj, whose items wait on counters); else that stage only. GEMV: batch 1, matrix-vector
     tiles whose first loads are issued before the barrier's wait (with ARRIVE_FIRST after the program arrives, so its
@@ -584,6 +654,7 @@ def layers_kernel(X, Out, Wqkv, Wo, Wgu, Wd, Scales, Norm1, Norm2, Kc, Vc, Q, Pa
     n_qkv_items = (n_heads + 2 * n_kv_heads) * (HEAD_DIM // 2 // T_QKV)
     width = n_heads * HEAD_DIM
     BARRIERS: tl.constexpr = 3 if SPLIT_O else 4  # per layer
+    PACK: tl.constexpr = 2 if GROUP4 else 1  # codes per weight element
     EARLY_GU: tl.constexpr = GATE_UP_EARLY and GEMV and STAGE < 0
     if GEMV:  # the same every layer: the position, and the RoPE tables of the program's first q/k/v item
         slot = tl.load(Slots)
@@ -593,26 +664,32 @@ def layers_kernel(X, Out, Wqkv, Wo, Wgu, Wd, Scales, Norm1, Norm2, Kc, Vc, Q, Pa
         at = tl.cast(layer, tl.int64)
         arrivals = (layer - layer_lo) * BARRIERS * n_programs  # every program's arrivals at earlier layers' barriers
         kc, vc = Kc + at * sc_layer, Vc + at * sc_layer
-        wqkv, wo = Wqkv + at * qkv_rows * d_model, Wo + at * d_model * width
-        wgu, wd = Wgu + at * 2 * d_ff * d_model, Wd + at * d_model * d_ff
+        wqkv, wo = Wqkv + at * qkv_rows * (d_model // PACK), Wo + at * d_model * (width // PACK)
+        wgu, wd = Wgu + at * 2 * d_ff * (d_model // PACK), Wd + at * d_model * (d_ff // PACK)
         o_acc = OAcc + at * d_model
-        sqkv = Scales + at * (qkv_rows + 2 * d_model + 2 * d_ff)  # this layer's scales, in the weights' order
-        so, sgu = sqkv + qkv_rows, sqkv + qkv_rows + d_model
-        sd = sgu + 2 * d_ff
+        # this layer's scales, in the weights' order: per (group, row) a scale and a zero (int4), or per row (int8)
+        if GROUP4:
+            per_model, per_attn, per_ff = 2 * (d_model // GROUP4), 2 * (width // GROUP4), 2 * (d_ff // GROUP4)
+        else:
+            per_model, per_attn, per_ff = 1, 1, 1
+        sqkv = Scales + at * (qkv_rows * per_model + d_model * per_attn + 2 * d_ff * per_model + d_model * per_ff)
+        so = sqkv + qkv_rows * per_model
+        sgu = so + d_model * per_attn
+        sd = sgu + 2 * d_ff * per_model
         stamps = Times + (layer - layer_lo) * 8 * n_programs + pid
         if STAGE < 0 or STAGE == 0:
             if ARRIVE_FIRST and STAGE < 0 and layer > layer_lo:
                 _arrive(Sync)
             if GEMV:
-                w1, w2, s1, s2 = _qkv_tiles(wqkv, sqkv, pid, n_qkv_items, d_model, HEAD_DIM, T_QKV, INTERLEAVED,
-                                            KP_MODEL, C_MODEL, QUANT)
+                w1, w2, s1, s2 = _qkv_tiles(wqkv, sqkv, pid, n_qkv_items, d_model, n_heads, n_kv_heads, HEAD_DIM,
+                                            T_QKV, INTERLEAVED, KP_MODEL, C_MODEL, QUANT, GROUP4)
             if STAGE < 0 and layer > layer_lo:
                 _grid_barrier(Sync, arrivals, ARRIVE_FIRST)
             _stamp(stamps, TIMELINE)
             if GEMV:
                 _qkv_gemv(X, Norm1 + at * d_model, wqkv, sqkv, Q, kc, vc, Cos, Sin, Sync, slot, pos, pid, n_programs,
                           n_qkv_items, eps, sc_b, sc_h, sc_l, d_model, n_heads, n_kv_heads, w1, w2, s1, s2, cos,
-                          sin, HEAD_DIM, T_QKV, INTERLEAVED, KP_MODEL, C_MODEL, QUANT)
+                          sin, HEAD_DIM, T_QKV, INTERLEAVED, KP_MODEL, C_MODEL, QUANT, GROUP4)
             else:
                 _qkv_stage(X, Norm1 + at * d_model, wqkv, sqkv, Q, kc, vc, Cos, Sin, Sync, Slots, Start, rows, row_ok,
                            pid, n_programs, eps, sc_b, sc_h, sc_l, d_model, n_heads, n_kv_heads,
@@ -626,14 +703,14 @@ def layers_kernel(X, Out, Wqkv, Wo, Wgu, Wd, Scales, Norm1, Norm2, Kc, Vc, Q, Pa
         if STAGE < 0 or STAGE == 2:
             if EARLY_GU:  # while o_proj's items wait on attention
                 gate_w, up_w, gate_s, up_s = _gate_up_tiles(wgu, sgu, pid, d_model, d_ff, T_GU, KP_MODEL, C_MODEL,
-                                                            QUANT)
+                                                            QUANT, GROUP4)
             if SPLIT_O:
                 _o_proj_gemv(wo, so, PartO, PartL, Arrived, o_acc, layer, pid, n_programs, d_model, n_heads, n_split,
                              GROUP, HEAD_DIM, BLOCK_SPLIT, T_O, Norm1.dtype.element_ty, QUANT)
             else:
                 _residual_matmul(X, Out, False, o_acc, wo, so, Attn, Sync, arrivals + n_programs, rows, row_ok, pid,
                                  n_programs, d_model, width, Times, STAGE < 0, GEMV, T_O, KP_ATTN, C_ATTN, BB, BLOCK_K,
-                                 PREC, ARRIVE_FIRST, False, False, QUANT)
+                                 PREC, ARRIVE_FIRST, False, False, QUANT, GROUP4)
             _stamp(stamps + 3 * n_programs, TIMELINE)
         if STAGE < 0 or STAGE == 3:
             if ARRIVE_FIRST and STAGE < 0:
@@ -641,16 +718,16 @@ def layers_kernel(X, Out, Wqkv, Wo, Wgu, Wd, Scales, Norm1, Norm2, Kc, Vc, Q, Pa
             if GEMV:
                 if not EARLY_GU:
                     gate_w, up_w, gate_s, up_s = _gate_up_tiles(wgu, sgu, pid, d_model, d_ff, T_GU, KP_MODEL,
-                                                                C_MODEL, QUANT)
+                                                                C_MODEL, QUANT, GROUP4)
                 if PREFETCH and STAGE < 0:
-                    _prefetch_rows(wgu, 0, d_ff, d_model, pid, n_programs, T_GU)
-                    _prefetch_rows(wgu, d_ff, d_ff, d_model, pid, n_programs, T_GU)
+                    _prefetch_rows(wgu, 0, d_ff, d_model // PACK, pid, n_programs, T_GU)
+                    _prefetch_rows(wgu, d_ff, d_ff, d_model // PACK, pid, n_programs, T_GU)
             if STAGE < 0:
                 _grid_barrier(Sync, arrivals + (BARRIERS - 2) * n_programs, ARRIVE_FIRST)
             _stamp(stamps + 4 * n_programs, TIMELINE)
             if GEMV:
                 _gate_up_gemv(X, o_acc, Norm2 + at * d_model, wgu, sgu, Act, pid, n_programs, eps, d_model, d_ff,
-                              gate_w, up_w, gate_s, up_s, T_GU, KP_MODEL, C_MODEL, QUANT)
+                              gate_w, up_w, gate_s, up_s, T_GU, KP_MODEL, C_MODEL, QUANT, GROUP4)
             else:
                 _gate_up_stage(X, Norm2 + at * d_model, wgu, sgu, Act, rows, row_ok, pid, n_programs, eps, d_model,
                                d_ff, BB, BLOCK_K, PREC, QUANT)
@@ -659,5 +736,5 @@ def layers_kernel(X, Out, Wqkv, Wo, Wgu, Wd, Scales, Norm1, Norm2, Kc, Vc, Q, Pa
             _residual_matmul(X, Out, layer == layer_hi - 1, o_acc, wd, sd, Act, Sync,
                              arrivals + (BARRIERS - 1) * n_programs, rows, row_ok, pid, n_programs, d_model, d_ff,
                              stamps + 6 * n_programs, STAGE < 0, GEMV, T_D, KP_FF, C_FF, BB, BLOCK_K, PREC,
-                             ARRIVE_FIRST, PREFETCH and GEMV, TIMELINE, QUANT)
+                             ARRIVE_FIRST, PREFETCH and GEMV, TIMELINE, QUANT, GROUP4)
             _stamp(stamps + 7 * n_programs, TIMELINE)

@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from lmlab.kernels.decode_attention_triton import INTERPRET
-from lmlab.kernels.int8_triton import as_f32
+from lmlab.kernels.codes_triton import as_f32
 
 if TYPE_CHECKING:
     from lmlab.nn.transformer import OutputHead

@@ -47,13 +47,16 @@ def test_a_plain_llama_stack_is_supported():
     assert Megakernel.unsupported(_model()) is None
 
 
-def test_int8_projections_are_supported_and_int4_or_mixed_ones_named():
-    model = _model()
-    quantize(model, "int8")
-    assert Megakernel.unsupported(model) is None
-    int4 = _model()
-    quantize(int4, {"name": "int4", "group_size": 32, "method": "rtn"})
-    assert "Int4Linear" in Megakernel.unsupported(int4)
+INT4 = {"name": "int4", "group_size": 32, "method": "rtn", "kernel": "dequant"}  # the layout the kernel reads
+
+
+def test_int8_and_int4_projections_are_supported_and_other_layouts_or_mixed_ones_named():
+    for quant in ("int8", INT4):
+        model = _model()
+        quantize(model, quant)
+        assert Megakernel.unsupported(model) is None
+    model.layers[1].mlp.up_proj.kernel = "int4pack_mm"  # as CUDA's tinygemm packs it
+    assert "packed for another kernel than dequant" in Megakernel.unsupported(model)
     mixed = _model()
     quantize(mixed, "int8")
     mixed.layers[1].mlp.down_proj = torch.nn.Linear(mixed.layers[1].mlp.down_proj.in_features, 128, bias=False)
@@ -80,6 +83,23 @@ def test_stacked_weights_are_views_of_the_parameters():
     model.layers[0].self_attn.o_proj.weight = torch.nn.Parameter(model.layers[0].self_attn.o_proj.weight.clone())
     assert not kernel.current()
     kernel.refresh()
+    assert kernel.current()
+
+
+def test_int4_stack_runs_at_batch_1_with_its_groups():
+    model = _model()
+    quantize(model, INT4)
+    kernel = Megakernel(model)
+    weights, layer = kernel.weights, model.layers[0]
+    assert kernel.max_batch == 1 and weights.group_size == 32 and weights.head_dim == 32
+    assert weights.qkv.dtype == torch.uint8 and weights.qkv.shape[2] == 128 // 2
+    d_ff = layer.mlp.down_proj.in_features
+    rows_times_groups = weights.qkv.shape[1] * 128 // 32 + 128 * 128 // 32 + 2 * d_ff * 128 // 32 + 128 * d_ff // 32
+    assert weights.scales.shape == (len(model.layers), 2 * rows_times_groups)
+    with torch.no_grad():  # down's scales and zeros close each layer's block: Int4Linear's own tensor
+        layer.mlp.down_proj.scales_and_zeros.mul_(3.0)
+    torch.testing.assert_close(weights.scales[0, -2 * 128 * d_ff // 32:],
+                               layer.mlp.down_proj.scales_and_zeros.reshape(-1), rtol=0, atol=0)
     assert kernel.current()
 
 
@@ -123,32 +143,33 @@ def _decode_both(model, batch, persistent=True, compile=False, steps=6):
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("persistent", [True, False])
-@pytest.mark.parametrize("attention, layout, batch, int8", [
-    ({"name": "mha", "n_heads": 4}, "half", 1, False),
-    ({"name": "mha", "n_heads": 4, "n_kv_heads": 2}, "interleaved", 3, False),
-    ({"name": "mha", "n_heads": 4, "n_kv_heads": 1}, "half", 17, False),  # MQA, a batch past one 16-row tile
-    ({"name": "mha", "n_heads": 4, "n_kv_heads": 2}, "half", 1, True),  # int8 codes on both paths
-    ({"name": "mha", "n_heads": 4, "n_kv_heads": 2}, "interleaved", 3, True),
+@pytest.mark.parametrize("attention, layout, batch, quant", [
+    ({"name": "mha", "n_heads": 4}, "half", 1, None),
+    ({"name": "mha", "n_heads": 4, "n_kv_heads": 2}, "interleaved", 3, None),
+    ({"name": "mha", "n_heads": 4, "n_kv_heads": 1}, "half", 17, None),  # MQA, a batch past one 16-row tile
+    ({"name": "mha", "n_heads": 4, "n_kv_heads": 2}, "half", 1, "int8"),  # int8 codes on both paths
+    ({"name": "mha", "n_heads": 4, "n_kv_heads": 2}, "interleaved", 3, "int8"),
+    ({"name": "mha", "n_heads": 4, "n_kv_heads": 2}, "half", 1, INT4),
 ])
-def test_matches_the_layer_by_layer_step_fp32(attention, layout, batch, int8, persistent):
+def test_matches_the_layer_by_layer_step_fp32(attention, layout, batch, quant, persistent):
     torch.backends.cuda.matmul.allow_tf32 = False
     model = _model("cuda", attention=attention, position={"name": "rope", "layout": layout})
-    if int8:
-        quantize(model, "int8")
+    if quant:
+        quantize(model, quant)
     reference, fused = _decode_both(model, batch, persistent)
     torch.testing.assert_close(fused, reference, atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.parametrize("int8", [False, True])
 @pytest.mark.parametrize("compile", [False, True])
-@pytest.mark.parametrize("batch", [1, 4])  # batch 1 takes the matrix-vector path, 4 the tensor-core tiles
-def test_bf16_generation_follows_the_layer_by_layer_step(compile, batch, int8):
-    """int8: the same quantized model (codes read through PTX byte moves on the GPU) in both engines."""
+@pytest.mark.parametrize("batch, quant", [(1, None), (4, None), (1, "int8"), (4, "int8"), (1, INT4)])
+def test_bf16_generation_follows_the_layer_by_layer_step(compile, batch, quant):
+    """Batch 1 takes the matrix-vector path, 4 the tensor-core tiles; quantized, the same model (codes converted by
+    PTX byte moves on the GPU) in both engines."""
     model = _model("cuda", torch.bfloat16, d_model=256, n_layers=4, attention={"name": "mha", "n_heads": 4})
-    if int8:
-        quantize(model, "int8")
+    if quant:
+        quantize(model, quant)
     reference, fused = _decode_both(model, batch, compile=compile, steps=16)
     # bf16 rounds differently (the kernel keeps the residual stream in float32): compare in scale
     scale = reference.abs().max()
@@ -168,38 +189,39 @@ def test_generate_with_the_megakernel_equals_generate_without_it_fp32():
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" or importlib.util.find_spec("triton") is None,
                     reason="runs under Triton's CPU interpreter (TRITON_INTERPRET=1 with Triton installed)")
-@pytest.mark.parametrize("batch, attention, layout, o_proj_on_counters, int8", [
-    (1, {"name": "mha", "n_heads": 4}, "half", True, False),  # the matrix-vector path
-    (1, {"name": "mha", "n_heads": 4}, "half", False, False),
-    (1, {"name": "mha", "n_heads": 4, "n_kv_heads": 1}, "interleaved", True, False),
-    (2, {"name": "mha", "n_heads": 4, "n_kv_heads": 2}, "half", False, False),  # the tensor-core path
-    (1, {"name": "mha", "n_heads": 4, "n_kv_heads": 2}, "half", True, True),  # int8 weights on both paths
-    (1, {"name": "mha", "n_heads": 4, "n_kv_heads": 2}, "half", False, True),
-    (2, {"name": "mha", "n_heads": 4, "n_kv_heads": 2}, "interleaved", False, True),
+@pytest.mark.parametrize("batch, attention, layout, o_proj_on_counters, quant", [
+    (1, {"name": "mha", "n_heads": 4}, "half", True, None),  # the matrix-vector path
+    (1, {"name": "mha", "n_heads": 4}, "half", False, None),
+    (1, {"name": "mha", "n_heads": 4, "n_kv_heads": 1}, "interleaved", True, None),
+    (2, {"name": "mha", "n_heads": 4, "n_kv_heads": 2}, "half", False, None),  # the tensor-core path
+    (1, {"name": "mha", "n_heads": 4, "n_kv_heads": 2}, "half", True, "int8"),  # int8 weights on both paths
+    (1, {"name": "mha", "n_heads": 4, "n_kv_heads": 2}, "half", False, "int8"),
+    (2, {"name": "mha", "n_heads": 4, "n_kv_heads": 2}, "interleaved", False, "int8"),
+    (1, {"name": "mha", "n_heads": 4, "n_kv_heads": 2}, "interleaved", True, INT4),  # int4: batch 1
 ])
-def test_matches_the_layer_by_layer_step_under_the_interpreter(batch, attention, layout, o_proj_on_counters, int8,
+def test_matches_the_layer_by_layer_step_under_the_interpreter(batch, attention, layout, o_proj_on_counters, quant,
                                                                monkeypatch):
     """Stage by stage (the interpreter runs programs in turn), with 3 programs and small tiles, so a program takes
     several work items and prefetches across them; at batch 1 with o_proj's items on counters or after a barrier;
-    with int8 weights against the layer-by-layer step of the same quantized model."""
+    with int8 and int4 weights against the layer-by-layer step of the same quantized model."""
     from lmlab.kernels import decode_layers as dl
 
     monkeypatch.setattr(dl, "sm_count", lambda device: 3)
     monkeypatch.setattr(dl, "GEMV_TILE_ELEMS", 256)
     monkeypatch.setattr(dl, "GEMV_GATE_UP_TILE_ELEMS", 256)
+    monkeypatch.setattr(dl, "GEMV_QUANT_GATE_UP_TILE_ELEMS", 512)
     monkeypatch.setattr(dl, "GEMV_O_PROJ_ON_COUNTERS", o_proj_on_counters)
     model = _model(n_layers=2, attention=attention, position={"name": "rope", "layout": layout})  # head_dim 32
-    if int8:
-        quantize(model, "int8")
+    if quant:
+        quantize(model, quant)
     g = torch.Generator().manual_seed(1)
     prompt = torch.randint(0, VOCAB, (batch, 6), generator=g)
     start = torch.tensor([0, 3][:batch])
     got = []
     for megakernel in (False, True):
         engine = Engine(model, megakernel=megakernel)
-        if megakernel:  # the stack it reads: int8 codes and their scales, or the weights themselves
-            assert (engine.megakernel.weights.scales is not None) == int8
-            assert (engine.megakernel.weights.qkv.dtype == torch.int8) == int8
+        if megakernel:  # the stack it reads: codes and their scales, or the weights themselves
+            assert (engine.megakernel.weights.scales is not None) == (quant is not None)
         engine.begin(batch, 10, start)
         logits = [engine.extend(prompt)]
         for t in range(4):
