@@ -17,6 +17,7 @@ max_new_tokens; a one-line summary of the speed goes to stderr.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import sys
@@ -39,6 +40,7 @@ from lmlab.errors import ConfigError
 from lmlab.hf import from_hf_llama
 from lmlab.inference.engine import Engine
 from lmlab.inference.generate import Generation, GenerationError, prepare_prompts
+from lmlab.inference.megakernel import QUANT_KERNEL
 from lmlab.inference.quant import QUANTS, quantize
 from lmlab.inference.samplers import SAMPLERS
 from lmlab.inference.text_stream import TextStream
@@ -53,7 +55,8 @@ from lmlab.training.checkpoints import CONFIG_KEY, checkpoint_tokenizer, load, m
 # GPTQ's calibration (the paper's): this many windows of the model's context, run this many at a time.
 CALIBRATION_WINDOWS = 128
 CALIBRATION_BATCH = 8
-CUDA_KERNEL_FLAGS = ("megakernel", "folded_norms", "batch_invariant")  # settings that run Triton kernels on CUDA's unquantized weights
+CUDA_KERNEL_FLAGS = ("megakernel", "folded_norms", "batch_invariant")  # settings that run Triton kernels on CUDA
+UNQUANTIZED_FLAGS = ("folded_norms", "batch_invariant")  # those whose kernels read unquantized weights only
 
 
 @dataclass
@@ -74,7 +77,9 @@ class GenerateConfig:
     dtype: str = "auto"  # auto (bfloat16 on CUDA, float32 on CPU) | float32 | bfloat16
     compile: bool = False  # torch.compile the decode step (a wait of up to a minute), replayed as a CUDA graph on CUDA
     cuda_graphs: bool | None = None  # replay the decode step from a CUDA graph; None: on CUDA (a fraction of a second)
-    megakernel: bool = False  # one-token steps through every layer in one persistent Triton kernel (CUDA, plain Llama; the draft's too)
+    # One-token steps through every layer in one persistent Triton kernel (CUDA, plain Llama; the draft's too); with
+    # quant=, the kernel reads the codes (int4 at batch 1), quantized in the layout it reads (quant.kernel=dequant)
+    megakernel: bool = False
     # Decode steps with each RMSNorm folded into the kernels around it (CUDA, plain Llama, not quantized); default:
     # when compiled, at batches of 2 or more, where the model allows it.
     folded_norms: bool | None = None
@@ -90,9 +95,14 @@ class GenerateConfig:
         for name in ("batch_size", "max_new_tokens", "draft_k"):
             if getattr(self, name) is not None and getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
-        for flag in CUDA_KERNEL_FLAGS:
+        for flag in UNQUANTIZED_FLAGS:
             if getattr(self, flag) and self.quant is not None:
                 raise ConfigError(f"{flag}=true reads unquantized weights; drop quant= or {flag}=true")
+        if self.megakernel and self.quant is not None:
+            kernel = QUANTS.resolve(self.quant)[1].kernel
+            if kernel not in ("auto", QUANT_KERNEL):
+                raise ConfigError(f"megakernel=true reads the codes as quant.kernel={QUANT_KERNEL} stores them; drop "
+                                  f"quant.kernel={kernel}")
         if self.batch_invariant and (self.compile or self.megakernel or self.folded_norms):
             raise ConfigError("batch_invariant=true runs its own kernels in eager steps; drop compile=true, "
                               "megakernel=true and folded_norms=true")
@@ -335,7 +345,9 @@ def generate(cfg: GenerateConfig, out=None, err=None) -> None:
 
     model = target.load().to(device, dtype)
     if cfg.quant is not None:
-        report = quantize(model, cfg.quant, calibration() if calibration else None, progress=True)
+        # the megakernel reads the layout of one kernel (on CUDA "auto" would pack int4 for tinygemm)
+        quant = dataclasses.replace(QUANTS.resolve(cfg.quant)[1], kernel=QUANT_KERNEL) if cfg.megakernel else cfg.quant
+        report = quantize(model, quant, calibration() if calibration else None, progress=True)
         print(f"lmlab generate: quantized {report['layers']} Linear layers ({report['quant']}, {report['method']}): "
               f"{report['bytes_before'] / 2**20:,.2f} -> {report['bytes_after'] / 2**20:,.2f} MiB", file=err)
     graphs = cfg.cuda_graphs is not False  # Engine replays graphs on CUDA only

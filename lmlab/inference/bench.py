@@ -42,6 +42,7 @@ from omegaconf import OmegaConf
 from lmlab.cli.overrides import CONF_DIR, prepare
 from lmlab.errors import ConfigError
 from lmlab.inference.engine import Engine
+from lmlab.inference.megakernel import QUANT_KERNEL
 from lmlab.inference.quant import quantize
 from lmlab.inference.quant.registry import GROUP_SIZES
 from lmlab.nn.transformer import Transformer
@@ -54,7 +55,7 @@ ENGINES = ("eager", "graphs", "compiled", "compiled-sdpa", "compiled-unfolded", 
 QUANT_ENGINES = {"eager": {}, "compiled": {"compile": True}, "megakernel": {"compile": True, "megakernel": True}}
 # What an engine needs of a quantization's stored layout: the megakernel reads int4 codes as int4's dequant kernel
 # keeps them (on CUDA the default packs them for tinygemm)
-QUANT_LAYOUT = {"megakernel": {"kernel": "dequant"}}
+QUANT_LAYOUT = {"megakernel": {"kernel": QUANT_KERNEL}}
 
 
 def int4_group_size(model: Transformer) -> dict:

@@ -31,6 +31,9 @@ from lmlab.nn.positions import RoPE
 from lmlab.nn.transformer import Transformer
 
 
+QUANT_KERNEL = "dequant"  # the quant kernel whose stored layout of codes and scales the megakernel reads
+
+
 @dataclass
 class StackedWeights:
     """A layer stack's weights, one tensor per kind with the layer first (what the kernel reads)."""
@@ -76,9 +79,9 @@ class Megakernel:
             names = " and ".join(sorted(kind.__name__ for kind in kinds))
             return f"projections of {names} (the kernel reads plain Linears, int8 or int4 ones, all the same)"
         if kinds == {Int4Linear}:
-            if any(linear.kernel != "dequant" for linear in linears):
-                return ("int4 projections packed for another kernel than dequant (the kernel reads two codes a byte, "
-                        "as quant.kernel=dequant stores them)")
+            if any(linear.kernel != QUANT_KERNEL for linear in linears):
+                return (f"int4 projections packed for another kernel than {QUANT_KERNEL} (the kernel reads two codes a "
+                        f"byte, as quant.kernel={QUANT_KERNEL} stores them)")
             if len({linear.group_size for linear in linears}) > 1:
                 return "int4 projections of several group sizes"
         for i, block in enumerate(model.layers):
