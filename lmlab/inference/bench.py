@@ -220,7 +220,7 @@ def contender(name: str, model: Transformer):
     """The run function of one engine, built once per model (engines keep their compiled graphs)."""
     key = (name, id(model))
     if key not in _CONTENDERS:
-        builders = {**{name: (lambda kw=kw: _engine_run(Engine(model, **kw))) for name, kw in QUANT_ENGINES.items()},
+        builders = {**{engine: (lambda kw=kw: _engine_run(Engine(model, **kw))) for engine, kw in QUANT_ENGINES.items()},
                     "graphs": lambda: _engine_run(Engine(model, cuda_graphs=True)),
                     "compiled-sdpa": lambda: _engine_run(Engine(model, True, attention_kernel=False)),
                     "compiled-unfolded": lambda: _engine_run(Engine(model, True, folded_norms=False)),
@@ -233,7 +233,7 @@ def contender(name: str, model: Transformer):
     return _CONTENDERS[key]
 
 
-def _by_layout(engines: list[str]) -> dict[tuple, list[str]]:
+def by_layout(engines: list[str]) -> dict[tuple, list[str]]:
     """The engines grouped by what they need of a quantization's layout (QUANT_LAYOUT), as quant overrides."""
     groups: dict[tuple, list[str]] = {}
     for name in engines:
@@ -366,7 +366,7 @@ def main(argv: list[str]) -> int:
                              "(round to nearest: the speed of GPTQ's weights, without calibration data)")
     parser.add_argument("--quant-engines", nargs="+", default=["compiled", "megakernel"], choices=list(QUANT_ENGINES),
                         help="the engines --quant times (default: compiled and megakernel; one that cannot run a "
-                             "quantized model, as the megakernel int4, is reported and skipped)")
+                             "quantized copy, as the megakernel on a CPU, is named and skipped)")
     parser.add_argument("--draft", default=None, metavar="CKPT",
                         help="with --ckpt: speculative decoding with this draft checkpoint against the target alone "
                              "(batch 1, greedy, prompts from the validation split)")
@@ -408,7 +408,7 @@ def main(argv: list[str]) -> int:
         if args.ckpt and args.quant:  # a trained model: calibrated weights, and the perplexity they cost
             result["quant_quality"] = checkpoint_quant(model, data, args)
         for name in [] if args.ckpt else args.quant:
-            for layout, quant_engines in _by_layout(args.quant_engines).items():
+            for layout, quant_engines in by_layout(args.quant_engines).items():
                 quantized = copy.deepcopy(model)
                 report = quantize(quantized, {**_quant_config(name, model), "method": "rtn", **dict(layout)})
                 print(f"{name}: {report['layers']} layers, kernels {report['kernels']}", flush=True)

@@ -7,6 +7,7 @@ prompts taken from the validation split (greedy: the outputs should be the targe
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 import time
 
@@ -15,8 +16,8 @@ import torch.nn.functional as F
 
 from lmlab.cli.generate import CALIBRATION_BATCH, calibration_batches, open_model
 from lmlab.errors import ConfigError
-from lmlab.inference.bench import QUANT_ENGINES
 from lmlab.data.batches import evenly_spaced_windows
+from lmlab.inference.bench import QUANT_ENGINES, by_layout
 from lmlab.inference.engine import Engine
 from lmlab.inference.quant import QUANTS, quantize
 from lmlab.inference.speculative import check_draft, speculative_generate
@@ -59,7 +60,7 @@ class CheckpointData:
 
 def _batch1_speeds(model: Transformer, prompt: list[int], new: int, engines: tuple[str, ...]) -> tuple[dict, dict]:
     """({engine: decode tokens/s of a greedy generation, after one that compiles and captures}, {engine: why it
-    could not run this model}): the megakernel takes no int4 weights, nor a CPU."""
+    could not run this model}, as the megakernel on a CPU)."""
     speeds, not_run = {}, {}
     for name in engines:
         try:
@@ -77,20 +78,28 @@ def quant_quality(model: Transformer, data: CheckpointData, quants: list, new: i
                   engines: tuple[str, ...] = ("compiled",)) -> list[dict]:
     """Per quant entry (and the unquantized weights first): validation perplexity and batch-1 decode
     tokens/s on each of `engines` (QUANT_ENGINES), and its speed-up over the unquantized weights on the same
-    engine; entries that calibrate use the training split."""
+    engine; entries that calibrate use the training split. Engines that need another stored layout of the codes
+    (QUANT_LAYOUT) get a copy quantized so; the perplexity is the first copy's."""
     if unknown := sorted(set(engines) - set(QUANT_ENGINES)):
         raise ValueError(f"unknown engine {', '.join(unknown)}; choose from {', '.join(QUANT_ENGINES)}")
     prompt = data.prompts(1, min(128, data.context // 2))[0]
     speeds, not_run = _batch1_speeds(model, prompt, new, engines)
     rows = [{"quant": "none", "ppl": perplexity(model, *data.val), "decode_tokens_per_s": speeds, "not_run": not_run}]
     for quant in quants:  # entry names or configs
-        quantized = copy.deepcopy(model)
-        calibrated = QUANTS.build(quant).method.calibrated
-        report = quantize(quantized, quant, data.calibration if calibrated else None)
-        speeds, not_run = _batch1_speeds(quantized, prompt, new, engines)
-        rows.append({"quant": report["quant"], "method": report["method"], "kernels": report["kernels"],
-                     "ppl": perplexity(quantized, *data.val), "decode_tokens_per_s": speeds, "not_run": not_run})
-        del quantized
+        _, config = QUANTS.resolve(quant)
+        row = {"decode_tokens_per_s": {}, "not_run": {}}
+        for layout, group in by_layout(list(engines)).items():
+            quantized = copy.deepcopy(model)
+            calibration = data.calibration if QUANTS.build(config).method.calibrated else None
+            report = quantize(quantized, dataclasses.replace(config, **dict(layout)), calibration)
+            if "ppl" not in row:
+                row.update(quant=report["quant"], method=report["method"], kernels=report["kernels"],
+                           ppl=perplexity(quantized, *data.val))
+            speeds, not_run = _batch1_speeds(quantized, prompt, new, tuple(group))
+            row["decode_tokens_per_s"].update(speeds)
+            row["not_run"].update(not_run)
+            del quantized
+        rows.append(row)
     base = rows[0]["decode_tokens_per_s"]
     for row in rows[1:]:
         row["ppl_change"] = row["ppl"] / rows[0]["ppl"] - 1

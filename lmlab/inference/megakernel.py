@@ -123,7 +123,7 @@ class Megakernel:
         return 1 if self.weights.group_size else self.MAX_BATCH
 
     def _groups(self) -> dict[str, list[list[torch.Tensor]]]:
-        """Per kind, each layer's parameters (int8: codes) in the order they are stacked, and int8's scales."""
+        """Per kind, each layer's parameters (quantized: codes) in the order they are stacked, and their scales."""
         layers = self.model.layers
         groups = {
             "qkv": [[b.self_attn.q_proj.weight, b.self_attn.k_proj.weight, b.self_attn.v_proj.weight] for b in layers],
