@@ -4,9 +4,12 @@
 #   bench  lmlab bench generate on the ~400M config (random weights, vocab 50304, bf16): lmlab
 #          compiled (CUDA graphs) and Hugging Face generate at batch 1, 8, 32, 128 with a 128-token
 #          prompt and 256 new tokens, then lmlab eager at batch 1
-#   quant  the compiled engine at batch 1 on int8 and int4 (group 64) copies of the same weights
-#   megakernel  the decode megakernel's GPU tests (and the flash-decoding kernel's, which share its loop), then
-#          the bench at batch 1, 8 and 32: the megakernel, its stages launched one by one, and lmlab compiled
+#   quant  the compiled engine and the megakernel at batch 1 on the weights and on int8 and int4 (group 64) copies
+#   quant-ab  the megakernel at batch 1 on bf16, int8 and int4 (group 128) copies in turns in one process, one step
+#          of each profiled (ab_megakernel_steps.py)
+#   megakernel  the decode megakernel's GPU tests (and the flash-decoding and normed-head kernels', which share its
+#          loop and its code conversion), then the bench at batch 1, 8 and 32: the megakernel, its stages launched
+#          one by one, and lmlab compiled
 #   train  target then draft:
 #   target a llama400m on tinyshakespeare (CORPUS=path), BPE vocab 8192 in a 50304-row embedding, into
 #          $D/target; a folder holding a checkpoint resumes from it (ckpt_path=auto), so a run longer
@@ -49,11 +52,14 @@ for part in $PARTS; do
                $B --engines eager --batch 1 --json "$D/bench-eager.json" 2>&1 | grep -v -i warn | tail -3 \
                    | tee "$D/bench-eager.txt" ;;
         megakernel) python -m pytest -q -m gpu tests/inference/test_megakernel.py tests/kernels/test_decode_attention_triton.py \
-                        -p no:cacheprovider 2>&1 | tail -15 | tee "$D/gpu-tests-megakernel.txt"
+                        tests/kernels/test_normed_head_triton.py -p no:cacheprovider 2>&1 | tail -15 \
+                        | tee "$D/gpu-tests-megakernel.txt"
                     ${B/--repeats 1/--repeats 3} --engines megakernel,megakernel-stages,compiled --batch 1 8 32 \
                         --json "$D/bench-megakernel.json" 2>&1 | grep -v -i warn | tee "$D/bench-megakernel.txt" ;;
-        quant) $B --engines compiled --batch 1 --quant int8 int4 --json "$D/bench-quant.json" 2>&1 \
-                   | grep -v -i warn | tail -8 | tee "$D/bench-quant.txt" ;;
+        quant) $B --engines compiled,megakernel --batch 1 --quant int8 int4 --json "$D/bench-quant.json" 2>&1 \
+                   | grep -v -i warn | tail -12 | tee "$D/bench-quant.txt" ;;
+        quant-ab) python experiments/inference/ab_megakernel_steps.py quant=none quant=int8 quant=int4 --rounds 9 \
+                      --out "$D/ab-quant.json" 2>&1 | grep -v -i warn | tee "$D/ab-quant.txt" ;;
         target) # timeout's 124 (TRAIN_SECONDS ran out: the run saved and stopped) is not a failure
                 ${TRAIN_SECONDS:+timeout -s TERM $TRAIN_SECONDS} $TRAIN model=llama400m trainer.max_steps=${STEPS:-600} optim.lr=${TARGET_LR:-0.003} \
                     hydra.run.dir="$D/target" 2>&1 | tail -4 | tee -a "$D/train-target.txt" || [ $? = 124 ] ;;
@@ -75,6 +81,7 @@ for part in $PARTS; do
                         --prompt 128 --new 256 --repeats 1 --quant ${QUANT-int8 int4} --draft "$D/draft/checkpoints/last.ckpt" \
                         --json "$D/bench-checkpoint.json" 2>&1 | grep --line-buffered -v -i warn \
                         | tee "$D/bench-checkpoint.txt" ;;
-        *) echo "unknown part '$part'; parts: tests bench megakernel quant train target draft draft2 checkpoint sweep invariant" >&2; exit 2 ;;
+        *) echo "unknown part '$part'; parts: tests bench megakernel quant quant-ab train target draft draft2 checkpoint" \
+                "sweep invariant" >&2; exit 2 ;;
     esac
 done
