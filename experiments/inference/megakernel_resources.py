@@ -33,10 +33,10 @@ CASES = {"llama400m bf16, batch 1": (1, 24, 1024, 16, 16, 64, 2816, 384, torch.b
          "llama400m bf16, batch 32": (32, 24, 1024, 16, 16, 64, 2816, 384, torch.bfloat16),
          "llama400m int8, batch 1": (1, 24, 1024, 16, 16, 64, 2816, 384, torch.bfloat16, 132, "int8"),
          "llama400m int8, batch 32": (32, 24, 1024, 16, 16, 64, 2816, 384, torch.bfloat16, 132, "int8"),
-         "llama400m int4 (groups of 128), batch 1": (1, 24, 1024, 16, 16, 64, 2816, 384, torch.bfloat16, 132, "int4"),
+         "llama400m int4 (g128), batch 1": (1, 24, 1024, 16, 16, 64, 2816, 384, torch.bfloat16, 132, "int4"),
          "the GPU test's fp32 GQA, batch 3": (3, 3, 128, 4, 2, 32, 384, 128, torch.float32),
          # int8 codes into fp32's FMA dot (a test's case, not a fast one): ptxas keeps it in local memory
-         "the GPU test's fp32 GQA int8, batch 3": (3, 3, 128, 4, 2, 32, 384, 128, torch.float32, 132, "int8")}
+         "GPU test's fp32 GQA int8, batch 3": (3, 3, 128, 4, 2, 32, 384, 128, torch.float32, 132, "int8")}
 
 
 def compile_sm90(plan: dl.LaunchPlan, layers: int):

@@ -30,7 +30,7 @@ vary from run to run). The residual stream stays in float32 for the whole step. 
   batch > 1  tensor-core tiles of 16 output rows, in BLOCK_K-column steps, the batch padded to 16 rows.
 The first version had only the second path and was slower than the compiled step at batch 1 (1.14 ms for the
 layer stack against 0.82 ms for the whole compiled step): its tiles kept too few weight bytes in flight.
-With QUANT the four weights are int8 codes, one scale per output row (lmlab.inference.quant's `int8`): the tiles
+With INT8 the four weights are int8 codes, one scale per output row (lmlab.inference.quant's `int8`): the tiles
 carry half the bytes, the codes become float32 in registers (lmlab.kernels.codes_triton) and each row's product is
 scaled once; the activations keep the norms' dtype. With GROUP4 (batch 1 only) they are int4 codes, two a byte, with
 a scale and zero per group of GROUP4 input columns (lmlab.inference.quant's `int4` stored for its `dequant` kernel):
@@ -124,19 +124,19 @@ def _round(x, dt: tl.constexpr):
 
 
 @triton.jit
-def _row_scales(S, rows, ok, QUANT: tl.constexpr):
-    """QUANT: the int8 weight rows' scales (float32), loaded with their tile; else ones, which `_dequantized` never
+def _row_scales(S, rows, ok, INT8: tl.constexpr):
+    """INT8: the int8 weight rows' scales (float32), loaded with their tile; else ones, which `_dequantized` never
     reads (so the unquantized kernel compiles to what it was before int8)."""
-    if QUANT:
+    if INT8:
         return tl.load(S + rows, mask=ok, other=0.0).to(tl.float32)
     else:
         return tl.full(rows.shape, 1.0, tl.float32)
 
 
 @triton.jit
-def _dequantized(y, scales, QUANT: tl.constexpr):
+def _dequantized(y, scales, INT8: tl.constexpr):
     """Products with int8 codes times their rows' scales (the per-output-channel int8 of lmlab.inference.quant)."""
-    if QUANT:
+    if INT8:
         return y * scales
     else:
         return y
@@ -144,9 +144,9 @@ def _dequantized(y, scales, QUANT: tl.constexpr):
 
 @triton.jit
 def _normed_matmul_pair(X, NormW, W, S, w_rows1, w_rows2, w_ok, rows, row_ok, d_model, eps,
-                        BB: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr, QUANT: tl.constexpr):
+                        BB: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr, INT8: tl.constexpr):
     """RMSNorm(X rows) @ W[w_rows1].T and @ W[w_rows2].T (BB, 16) each, in float32. The rows' 1 / rms is a
-    factor of each output row, so it is applied after the loop that also sums the squares: one pass over X. QUANT:
+    factor of each output row, so it is applied after the loop that also sums the squares: one pass over X. INT8:
     W holds int8 codes (exact in the activations' dtype) and S their rows' scales, applied to the products."""
     acc1 = tl.zeros((BB, 16), tl.float32)
     acc2 = tl.zeros((BB, 16), tl.float32)
@@ -167,15 +167,15 @@ def _normed_matmul_pair(X, NormW, W, S, w_rows1, w_rows2, w_ok, rows, row_ok, d_
     inv_rms = tl.math.rsqrt(squares / d_model + eps)[:, None]
     # rounded to the activations' dtype, as the reference's matmuls round their outputs (and its scales' products)
     dt: tl.constexpr = NormW.dtype.element_ty
-    return (_scaled_round(acc1 * inv_rms, _row_scales(S, w_rows1, w_ok, QUANT)[None, :], dt, QUANT),
-            _scaled_round(acc2 * inv_rms, _row_scales(S, w_rows2, w_ok, QUANT)[None, :], dt, QUANT))
+    return (_scaled_round(acc1 * inv_rms, _row_scales(S, w_rows1, w_ok, INT8)[None, :], dt, INT8),
+            _scaled_round(acc2 * inv_rms, _row_scales(S, w_rows2, w_ok, INT8)[None, :], dt, INT8))
 
 
 @triton.jit
-def _scaled_round(y, scales, dt: tl.constexpr, QUANT: tl.constexpr):
-    """A normed matmul's products rounded to dt as the reference rounds them: the matmul's output, then with QUANT
+def _scaled_round(y, scales, dt: tl.constexpr, INT8: tl.constexpr):
+    """A normed matmul's products rounded to dt as the reference rounds them: the matmul's output, then with INT8
     its product with the int8 rows' scales (lmlab.inference.quant's Int8Linear)."""
-    if QUANT:
+    if INT8:
         return _round(_round(y, dt) * scales, dt)
     else:
         return _round(y, dt)
@@ -234,14 +234,14 @@ def _qkv_out(acc1, acc2, head, freq, first, second, Q, Kc, Vc, cos, sin, Sync, s
 def _qkv_stage(X, NormW, W, S, Q, Kc, Vc, Cos, Sin, Sync, Slots, Start, rows, row_ok, pid, n_programs, eps,
                sc_b, sc_h, sc_l, d_model, n_heads, n_kv_heads,
                BB: tl.constexpr, HEAD_DIM: tl.constexpr, PAIRS: tl.constexpr, INTERLEAVED: tl.constexpr,
-               BLOCK_K: tl.constexpr, PREC: tl.constexpr, QUANT: tl.constexpr):
+               BLOCK_K: tl.constexpr, PREC: tl.constexpr, INT8: tl.constexpr):
     tl.static_assert(PAIRS == 16)  # two (batch, 16) tensor-core products per item
     slot = tl.load(Slots)
     pos = tl.maximum(slot - tl.load(Start + rows, mask=row_ok, other=0), 0)
     for item in range(pid, (n_heads + 2 * n_kv_heads) * (HEAD_DIM // 2 // PAIRS), n_programs):
         head, freq, first, second = _qkv_rows(item, HEAD_DIM, PAIRS, INTERLEAVED)
         acc1, acc2 = _normed_matmul_pair(X, NormW, W, S, head * HEAD_DIM + first, head * HEAD_DIM + second,
-                                         freq < HEAD_DIM, rows, row_ok, d_model, eps, BB, BLOCK_K, PREC, QUANT)
+                                         freq < HEAD_DIM, rows, row_ok, d_model, eps, BB, BLOCK_K, PREC, INT8)
         cos, sin = _rope_tables(Cos, Sin, pos, freq, row_ok, HEAD_DIM)
         _qkv_out(acc1, acc2, head, freq, first, second, Q, Kc, Vc, cos, sin, Sync, slot, rows, row_ok,
                  sc_b, sc_h, sc_l, n_heads, n_kv_heads, HEAD_DIM)
@@ -312,16 +312,16 @@ def _group_scales(S, rows, ok, start, n, groups, GP: tl.constexpr):
 
 
 @triton.jit
-def _scales(S, rows, ok, start, n, groups, GP: tl.constexpr, QUANT: tl.constexpr, GROUP4: tl.constexpr):
+def _scales(S, rows, ok, start, n, groups, GP: tl.constexpr, INT8: tl.constexpr, GROUP4: tl.constexpr):
     """A tile's dequantizing factors: `_group_scales` (int4) or `_row_scales` (int8, or ones)."""
     if GROUP4:
         return _group_scales(S, rows, ok, start, n, groups, GP)
     else:
-        return _row_scales(S, rows, ok, QUANT)
+        return _row_scales(S, rows, ok, INT8)
 
 
 @triton.jit
-def _product(w, scales, x, QUANT: tl.constexpr, GROUP4: tl.constexpr):
+def _product(w, scales, x, INT8: tl.constexpr, GROUP4: tl.constexpr):
     """A `_tile` times a `_row`, dequantized by the tile's `_scales`: (rows,) float32. int4: per group g of a row,
     scale * sum((code - 8) x) + zero * sum(x)."""
     if GROUP4:
@@ -331,22 +331,22 @@ def _product(w, scales, x, QUANT: tl.constexpr, GROUP4: tl.constexpr):
         scale, zero = tl.split(scales)
         return tl.sum(scale * per_group + zero * tl.sum(tl.sum(x, 2), 1)[None, :], 1)
     else:
-        return _dequantized(_gemv(w, x), scales, QUANT)
+        return _dequantized(_gemv(w, x), scales, INT8)
 
 
 @triton.jit
-def _normed_gemv(w, scales, x, inv_rms, dt: tl.constexpr, QUANT: tl.constexpr, GROUP4: tl.constexpr):
+def _normed_gemv(w, scales, x, inv_rms, dt: tl.constexpr, INT8: tl.constexpr, GROUP4: tl.constexpr):
     """`_product` of a normed row, rounded where the reference rounds (int4's dequantizing kernel rounds the weights
     to dt, then the matmul's output)."""
     if GROUP4:
-        return _round(_product(w, scales, x, QUANT, GROUP4) * inv_rms, dt)
+        return _round(_product(w, scales, x, INT8, GROUP4) * inv_rms, dt)
     else:
-        return _scaled_round(_gemv(w, x) * inv_rms, scales, dt, QUANT)
+        return _scaled_round(_gemv(w, x) * inv_rms, scales, dt, INT8)
 
 
 @triton.jit
 def _qkv_tiles(W, S, item, n_items, d_model, n_heads, n_kv_heads, HEAD_DIM: tl.constexpr, PAIRS: tl.constexpr,
-               INTERLEAVED: tl.constexpr, KP: tl.constexpr, KC: tl.constexpr, QUANT: tl.constexpr,
+               INTERLEAVED: tl.constexpr, KP: tl.constexpr, KC: tl.constexpr, INT8: tl.constexpr,
                GROUP4: tl.constexpr):
     """A q/k/v item's two tiles (the rows each RoPE frequency rotates together) and their `_scales`."""
     head, freq, first, second = _qkv_rows(item, HEAD_DIM, PAIRS, INTERLEAVED)
@@ -358,8 +358,8 @@ def _qkv_tiles(W, S, item, n_items, d_model, n_heads, n_kv_heads, HEAD_DIM: tl.c
     groups = d_model // tl.maximum(GROUP4, 1)
     return (_tile(W, rows1, ok, d_model // (2 if GROUP4 else 1), KP, KC),
             _tile(W, rows2, ok, d_model // (2 if GROUP4 else 1), KP, KC),
-            _scales(S, rows1, ok, start, n, groups, KP // KC, QUANT, GROUP4),
-            _scales(S, rows2, ok, start, n, groups, KP // KC, QUANT, GROUP4))
+            _scales(S, rows1, ok, start, n, groups, KP // KC, INT8, GROUP4),
+            _scales(S, rows2, ok, start, n, groups, KP // KC, INT8, GROUP4))
 
 
 @triton.jit
@@ -373,7 +373,7 @@ def _qkv_item_rope(Cos, Sin, pos, item, HEAD_DIM: tl.constexpr, PAIRS: tl.conste
 def _qkv_gemv(X, NormW, W, S, Q, Kc, Vc, Cos, Sin, Sync, slot, pos, pid, n_programs, n_items, eps, sc_b, sc_h,
               sc_l, d_model, n_heads, n_kv_heads, w1, w2, s1, s2, cos, sin,
               HEAD_DIM: tl.constexpr, PAIRS: tl.constexpr, INTERLEAVED: tl.constexpr, KP: tl.constexpr,
-              KC: tl.constexpr, QUANT: tl.constexpr, GROUP4: tl.constexpr):
+              KC: tl.constexpr, INT8: tl.constexpr, GROUP4: tl.constexpr):
     """_qkv_stage for one sequence (at position pos (1,), cache slot `slot`), as matrix-vector products; w1, w2: the
     first item's tiles, already loading (s1, s2 their scales), and cos, sin its RoPE tables (loaded before the
     barrier, not after the products: one round trip to memory off the chain that every attention item waits on)."""
@@ -382,11 +382,11 @@ def _qkv_gemv(X, NormW, W, S, Q, Kc, Vc, Cos, Sin, Sync, slot, pos, pid, n_progr
     x, inv_rms = _normed_row(_row(X, d_model, KP, KC, GROUP4), NormW, d_model, eps, KP, KC, GROUP4)
     for item in range(pid, n_items, n_programs):
         next1, next2, next_s1, next_s2 = _qkv_tiles(W, S, item + n_programs, n_items, d_model, n_heads, n_kv_heads,
-                                                    HEAD_DIM, PAIRS, INTERLEAVED, KP, KC, QUANT, GROUP4)
+                                                    HEAD_DIM, PAIRS, INTERLEAVED, KP, KC, INT8, GROUP4)
         next_cos, next_sin = _qkv_item_rope(Cos, Sin, pos, item + n_programs, HEAD_DIM, PAIRS, INTERLEAVED)
         head, freq, first, second = _qkv_rows(item, HEAD_DIM, PAIRS, INTERLEAVED)
-        _qkv_out(_normed_gemv(w1, s1, x, inv_rms, dt, QUANT, GROUP4)[None, :],
-                 _normed_gemv(w2, s2, x, inv_rms, dt, QUANT, GROUP4)[None, :], head, freq, first,
+        _qkv_out(_normed_gemv(w1, s1, x, inv_rms, dt, INT8, GROUP4)[None, :],
+                 _normed_gemv(w2, s2, x, inv_rms, dt, INT8, GROUP4)[None, :], head, freq, first,
                  second, Q, Kc, Vc, cos, sin, Sync, slot, rows, rows < 1, sc_b, sc_h, sc_l, n_heads,
                  n_kv_heads, HEAD_DIM)
         w1, w2, s1, s2, cos, sin = next1, next2, next_s1, next_s2, next_cos, next_sin
@@ -462,7 +462,7 @@ def _attention_stage(Q, Kc, Vc, PartO, PartL, Attn, Arrived, Sync, Slots, Start,
 
 
 @triton.jit
-def _o_proj_tile(W, S, item, d_model, width, TILE: tl.constexpr, HEAD_DIM: tl.constexpr, QUANT: tl.constexpr):
+def _o_proj_tile(W, S, item, d_model, width, TILE: tl.constexpr, HEAD_DIM: tl.constexpr, INT8: tl.constexpr):
     """o_proj's item (head, chunk of TILE output rows): W[rows, head's columns], a (TILE, HEAD_DIM) tile, and the
     rows' scales."""
     chunks = tl.cdiv(d_model, TILE)
@@ -470,37 +470,37 @@ def _o_proj_tile(W, S, item, d_model, width, TILE: tl.constexpr, HEAD_DIM: tl.co
     cols = (item // chunks) * HEAD_DIM + tl.arange(0, HEAD_DIM)
     ok = (rows < d_model)[:, None] & (cols < width)[None, :]
     return (tl.load(W + rows[:, None] * width + cols[None, :], mask=ok, other=0.0, eviction_policy="evict_first"),
-            _row_scales(S, rows, rows < d_model, QUANT))
+            _row_scales(S, rows, rows < d_model, INT8))
 
 
 @triton.jit
 def _o_proj_gemv(W, S, PartO, PartL, Arrived, OAcc, layer, pid, n_programs, d_model, n_heads, n_split,
                  GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SPLIT: tl.constexpr, TILE: tl.constexpr,
-                 DT: tl.constexpr, QUANT: tl.constexpr):
+                 DT: tl.constexpr, INT8: tl.constexpr):
     """o_proj for one sequence without a grid barrier: an item is (head, chunk of output rows). It waits only for
     its kv head's attention splits (their count in Arrived), combines that head's splits itself, and adds its
     share, In[head] @ W[rows, head].T, into OAcc with atomics (the next stages read the residual as X + OAcc).
     Items are taken from the last program down, so the programs with no attention item take them first."""
     chunks = tl.cdiv(d_model, TILE)
     first = n_programs - 1 - pid
-    w, s = _o_proj_tile(W, S, first, d_model, n_heads * HEAD_DIM, TILE, HEAD_DIM, QUANT)
+    w, s = _o_proj_tile(W, S, first, d_model, n_heads * HEAD_DIM, TILE, HEAD_DIM, INT8)
     for item in range(first, n_heads * chunks, n_programs):
-        next_w, next_s = _o_proj_tile(W, S, item + n_programs, d_model, n_heads * HEAD_DIM, TILE, HEAD_DIM, QUANT)
+        next_w, next_s = _o_proj_tile(W, S, item + n_programs, d_model, n_heads * HEAD_DIM, TILE, HEAD_DIM, INT8)
         head = item // chunks
         _wait_until(Arrived + head // GROUP, (layer + 1) * n_split)
         attn = combined_output(PartO, PartL, head, n_split, HEAD_DIM, BLOCK_SPLIT)
         attn = _round(attn, DT)  # rounded as the reference's attention output
         rows = (item % chunks) * TILE + tl.arange(0, TILE)
-        tl.atomic_add(OAcc + rows, _dequantized(tl.sum(as_f32(w) * attn[None, :], 1), s, QUANT),
+        tl.atomic_add(OAcc + rows, _dequantized(tl.sum(as_f32(w) * attn[None, :], 1), s, INT8),
                       mask=rows < d_model, sem="relaxed", scope="gpu")
         w, s = next_w, next_s
 
 
 @triton.jit
 def _matmul_add_stage(X, Out, last, W, S, In, rows, row_ok, pid, n_programs, d_model, width,
-                      BB: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr, QUANT: tl.constexpr):
+                      BB: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr, INT8: tl.constexpr):
     """X[rows] += In[rows] @ W.T, W (d_model, width): o_proj over the attention output, down over the FFN's; where
-    `last`, the sums also go to Out in its dtype (the step's output). QUANT: W is int8 codes, S their rows' scales."""
+    `last`, the sums also go to Out in its dtype (the step's output). INT8: W is int8 codes, S their rows' scales."""
     for item in range(pid, tl.cdiv(d_model, 16), n_programs):
         cols = item * 16 + tl.arange(0, 16)
         col_ok = cols < d_model
@@ -514,7 +514,7 @@ def _matmul_add_stage(X, Out, last, W, S, In, rows, row_ok, pid, n_programs, d_m
             acc = tl.dot(a, tl.trans(w.to(a.dtype)), acc, input_precision=PREC)
         at = rows[:, None] * d_model + cols[None, :]
         ok = row_ok[:, None] & col_ok[None, :]
-        acc = _dequantized(acc, _row_scales(S, cols, col_ok, QUANT)[None, :], QUANT)
+        acc = _dequantized(acc, _row_scales(S, cols, col_ok, INT8)[None, :], INT8)
         total = tl.load(X + at, mask=ok, other=0.0, cache_modifier=".cg") + acc
         tl.store(X + at, total, mask=ok)  # the residual stream stays float32
         tl.store(Out + at, total.to(Out.dtype.element_ty), mask=ok & last)
@@ -527,32 +527,32 @@ def _swiglu(gate, up, dt: tl.constexpr):
 
 @triton.jit
 def _gate_up_stage(X, NormW, W, S, Act, rows, row_ok, pid, n_programs, eps, d_model, d_ff,
-                   BB: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr, QUANT: tl.constexpr):
+                   BB: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr, INT8: tl.constexpr):
     for item in range(pid, tl.cdiv(d_ff, 16), n_programs):
         cols = item * 16 + tl.arange(0, 16)
         col_ok = cols < d_ff
         gate, up = _normed_matmul_pair(X, NormW, W, S, cols, d_ff + cols, col_ok, rows, row_ok, d_model, eps,
-                                       BB, BLOCK_K, PREC, QUANT)
+                                       BB, BLOCK_K, PREC, INT8)
         tl.store(Act + rows[:, None] * d_ff + cols[None, :], _swiglu(gate, up, Act.dtype.element_ty),
                  mask=row_ok[:, None] & col_ok[None, :])
 
 
 @triton.jit
 def _gate_up_tiles(W, S, item, d_model, d_ff, TILE: tl.constexpr, KP: tl.constexpr, KC: tl.constexpr,
-                   QUANT: tl.constexpr, GROUP4: tl.constexpr):
+                   INT8: tl.constexpr, GROUP4: tl.constexpr):
     """A gate/up item's gate and up tiles and their `_scales`."""
     cols = item * TILE + tl.arange(0, TILE)
     ok = cols < d_ff
     width = d_model // (2 if GROUP4 else 1)
     groups = d_model // tl.maximum(GROUP4, 1)
     return (_tile(W, cols, ok, width, KP, KC), _tile(W, d_ff + cols, ok, width, KP, KC),
-            _scales(S, cols, ok, 0, d_ff, groups, KP // KC, QUANT, GROUP4),
-            _scales(S, d_ff + cols, ok, d_ff, d_ff, groups, KP // KC, QUANT, GROUP4))
+            _scales(S, cols, ok, 0, d_ff, groups, KP // KC, INT8, GROUP4),
+            _scales(S, d_ff + cols, ok, d_ff, d_ff, groups, KP // KC, INT8, GROUP4))
 
 
 @triton.jit
 def _gate_up_gemv(X, OAcc, NormW, W, S, Act, pid, n_programs, eps, d_model, d_ff, gate_w, up_w, gate_s, up_s,
-                  TILE: tl.constexpr, KP: tl.constexpr, KC: tl.constexpr, QUANT: tl.constexpr, GROUP4: tl.constexpr):
+                  TILE: tl.constexpr, KP: tl.constexpr, KC: tl.constexpr, INT8: tl.constexpr, GROUP4: tl.constexpr):
     """_gate_up_stage for one sequence, whose residual is X + OAcc (o_proj's sums); gate_w, up_w: the first item's
     tiles, already loading (gate_s, up_s their scales)."""
     dt: tl.constexpr = Act.dtype.element_ty
@@ -560,36 +560,36 @@ def _gate_up_gemv(X, OAcc, NormW, W, S, Act, pid, n_programs, eps, d_model, d_ff
                              eps, KP, KC, GROUP4)
     for item in range(pid, tl.cdiv(d_ff, TILE), n_programs):
         next_gate, next_up, next_gate_s, next_up_s = _gate_up_tiles(W, S, item + n_programs, d_model, d_ff, TILE, KP,
-                                                                    KC, QUANT, GROUP4)
+                                                                    KC, INT8, GROUP4)
         cols = item * TILE + tl.arange(0, TILE)
-        tl.store(Act + cols, _swiglu(_normed_gemv(gate_w, gate_s, x, inv_rms, dt, QUANT, GROUP4),
-                                     _normed_gemv(up_w, up_s, x, inv_rms, dt, QUANT, GROUP4), dt), mask=cols < d_ff)
+        tl.store(Act + cols, _swiglu(_normed_gemv(gate_w, gate_s, x, inv_rms, dt, INT8, GROUP4),
+                                     _normed_gemv(up_w, up_s, x, inv_rms, dt, INT8, GROUP4), dt), mask=cols < d_ff)
         gate_w, up_w, gate_s, up_s = next_gate, next_up, next_gate_s, next_up_s
 
 
 @triton.jit
 def _add_tile(W, S, item, d_model, width, TILE: tl.constexpr, KP: tl.constexpr, KC: tl.constexpr,
-              QUANT: tl.constexpr, GROUP4: tl.constexpr):
+              INT8: tl.constexpr, GROUP4: tl.constexpr):
     """A down (or o_proj) item's tile and its `_scales`."""
     cols = item * TILE + tl.arange(0, TILE)
     ok = cols < d_model
     return (_tile(W, cols, ok, width // (2 if GROUP4 else 1), KP, KC),
-            _scales(S, cols, ok, 0, d_model, width // tl.maximum(GROUP4, 1), KP // KC, QUANT, GROUP4))
+            _scales(S, cols, ok, 0, d_model, width // tl.maximum(GROUP4, 1), KP // KC, INT8, GROUP4))
 
 
 @triton.jit
 def _add_gemv(X, Out, last, OAcc, W, S, In, pid, n_programs, d_model, width, w, s, TILE: tl.constexpr,
-              KP: tl.constexpr, KC: tl.constexpr, QUANT: tl.constexpr, GROUP4: tl.constexpr):
+              KP: tl.constexpr, KC: tl.constexpr, INT8: tl.constexpr, GROUP4: tl.constexpr):
     """_matmul_add_stage for one sequence, also folding o_proj's sums (OAcc) into X; w: the first item's tile,
     already loading (s its scales)."""
     a = _row(In, width, KP, KC, GROUP4)
     for item in range(pid, tl.cdiv(d_model, TILE), n_programs):
-        next_w, next_s = _add_tile(W, S, item + n_programs, d_model, width, TILE, KP, KC, QUANT, GROUP4)
+        next_w, next_s = _add_tile(W, S, item + n_programs, d_model, width, TILE, KP, KC, INT8, GROUP4)
         cols = item * TILE + tl.arange(0, TILE)
         ok = cols < d_model
         residual = tl.load(X + cols, mask=ok, other=0.0, cache_modifier=".cg")
         residual += tl.load(OAcc + cols, mask=ok, other=0.0, cache_modifier=".cg")
-        residual += _product(w, s, a, QUANT, GROUP4)
+        residual += _product(w, s, a, INT8, GROUP4)
         tl.store(X + cols, residual, mask=ok)
         tl.store(Out + cols, residual.to(Out.dtype.element_ty), mask=ok & last)
         w, s = next_w, next_s
@@ -600,7 +600,7 @@ def _residual_matmul(X, Out, last, OAcc, W, S, In, Sync, target, rows, row_ok, p
                      Stamp, BARRIER: tl.constexpr, GEMV: tl.constexpr, TILE: tl.constexpr, KP: tl.constexpr,
                      KC: tl.constexpr, BB: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr,
                      ARRIVE_FIRST: tl.constexpr, PREFETCH: tl.constexpr, TIMELINE: tl.constexpr,
-                     QUANT: tl.constexpr, GROUP4: tl.constexpr):
+                     INT8: tl.constexpr, GROUP4: tl.constexpr):
     """X += In @ W.T (down; o_proj where its items do not wait on counters), the matrix-vector path also folding in
     OAcc, and where `last` also written to Out; opened by a grid barrier (Sync[0] reaching `target`) when BARRIER, and
     stamped at Stamp once open; the first matrix-vector tile's loads are issued before the wait (and, with ARRIVE_FIRST,
@@ -608,17 +608,17 @@ def _residual_matmul(X, Out, last, OAcc, W, S, In, Sync, target, rows, row_ok, p
     if BARRIER and ARRIVE_FIRST:
         _arrive(Sync)
     if GEMV:
-        w, s = _add_tile(W, S, pid, d_model, width, TILE, KP, KC, QUANT, GROUP4)
+        w, s = _add_tile(W, S, pid, d_model, width, TILE, KP, KC, INT8, GROUP4)
     if PREFETCH and BARRIER:
         _prefetch_rows(W, 0, d_model, width // (2 if GROUP4 else 1), pid, n_programs, TILE)
     if BARRIER:
         _grid_barrier(Sync, target, ARRIVE_FIRST)
     _stamp(Stamp, TIMELINE)
     if GEMV:
-        _add_gemv(X, Out, last, OAcc, W, S, In, pid, n_programs, d_model, width, w, s, TILE, KP, KC, QUANT, GROUP4)
+        _add_gemv(X, Out, last, OAcc, W, S, In, pid, n_programs, d_model, width, w, s, TILE, KP, KC, INT8, GROUP4)
     else:
         _matmul_add_stage(X, Out, last, W, S, In, rows, row_ok, pid, n_programs, d_model, width, BB, BLOCK_K, PREC,
-                          QUANT)
+                          INT8)
 
 
 @triton.jit
@@ -631,10 +631,10 @@ def layers_kernel(X, Out, Wqkv, Wo, Wgu, Wd, Scales, Norm1, Norm2, Kc, Vc, Q, Pa
                   KP_ATTN: tl.constexpr, KP_FF: tl.constexpr, C_MODEL: tl.constexpr, C_ATTN: tl.constexpr,
                   C_FF: tl.constexpr, PREFETCH: tl.constexpr, T_QKV: tl.constexpr, T_O: tl.constexpr,
                   T_GU: tl.constexpr, T_D: tl.constexpr, SPLIT_O: tl.constexpr, ARRIVE_FIRST: tl.constexpr,
-                  GATE_UP_EARLY: tl.constexpr, TIMELINE: tl.constexpr, QUANT: tl.constexpr,
+                  GATE_UP_EARLY: tl.constexpr, TIMELINE: tl.constexpr, INT8: tl.constexpr,
                   GROUP4: tl.constexpr):
     """X: the float32 residual stream, updated in place; the launch's last layer also writes it to Out in Out's dtype.
-    QUANT: the four weights hold int8 codes, and Scales (layer, rows of q/k/v, o, gate/up, down) their rows' scales.
+    INT8: the four weights hold int8 codes, and Scales (layer, rows of q/k/v, o, gate/up, down) their rows' scales.
     GROUP4 (> 0, GEMV without SPLIT_O): they hold int4 codes two a byte, and Scales per layer each projection's
     (groups, rows, 2) scales and zeros in the weights' order; KP_* and C_* count bytes. The activations' dtype is the
     norms' (Norm1's).
@@ -682,18 +682,18 @@ def layers_kernel(X, Out, Wqkv, Wo, Wgu, Wd, Scales, Norm1, Norm2, Kc, Vc, Q, Pa
                 _arrive(Sync)
             if GEMV:
                 w1, w2, s1, s2 = _qkv_tiles(wqkv, sqkv, pid, n_qkv_items, d_model, n_heads, n_kv_heads, HEAD_DIM,
-                                            T_QKV, INTERLEAVED, KP_MODEL, C_MODEL, QUANT, GROUP4)
+                                            T_QKV, INTERLEAVED, KP_MODEL, C_MODEL, INT8, GROUP4)
             if STAGE < 0 and layer > layer_lo:
                 _grid_barrier(Sync, arrivals, ARRIVE_FIRST)
             _stamp(stamps, TIMELINE)
             if GEMV:
                 _qkv_gemv(X, Norm1 + at * d_model, wqkv, sqkv, Q, kc, vc, Cos, Sin, Sync, slot, pos, pid, n_programs,
                           n_qkv_items, eps, sc_b, sc_h, sc_l, d_model, n_heads, n_kv_heads, w1, w2, s1, s2, cos,
-                          sin, HEAD_DIM, T_QKV, INTERLEAVED, KP_MODEL, C_MODEL, QUANT, GROUP4)
+                          sin, HEAD_DIM, T_QKV, INTERLEAVED, KP_MODEL, C_MODEL, INT8, GROUP4)
             else:
                 _qkv_stage(X, Norm1 + at * d_model, wqkv, sqkv, Q, kc, vc, Cos, Sin, Sync, Slots, Start, rows, row_ok,
                            pid, n_programs, eps, sc_b, sc_h, sc_l, d_model, n_heads, n_kv_heads,
-                           BB, HEAD_DIM, T_QKV, INTERLEAVED, BLOCK_K, PREC, QUANT)
+                           BB, HEAD_DIM, T_QKV, INTERLEAVED, BLOCK_K, PREC, INT8)
             _stamp(stamps + n_programs, TIMELINE)
         if STAGE < 0 or STAGE == 1:
             _attention_stage(Q, kc, vc, PartO, PartL, Attn, Arrived, Sync, Slots, Start, layer, pid, n_programs,
@@ -703,14 +703,14 @@ def layers_kernel(X, Out, Wqkv, Wo, Wgu, Wd, Scales, Norm1, Norm2, Kc, Vc, Q, Pa
         if STAGE < 0 or STAGE == 2:
             if EARLY_GU:  # while o_proj's items wait on attention
                 gate_w, up_w, gate_s, up_s = _gate_up_tiles(wgu, sgu, pid, d_model, d_ff, T_GU, KP_MODEL, C_MODEL,
-                                                            QUANT, GROUP4)
+                                                            INT8, GROUP4)
             if SPLIT_O:
                 _o_proj_gemv(wo, so, PartO, PartL, Arrived, o_acc, layer, pid, n_programs, d_model, n_heads, n_split,
-                             GROUP, HEAD_DIM, BLOCK_SPLIT, T_O, Norm1.dtype.element_ty, QUANT)
+                             GROUP, HEAD_DIM, BLOCK_SPLIT, T_O, Norm1.dtype.element_ty, INT8)
             else:
                 _residual_matmul(X, Out, False, o_acc, wo, so, Attn, Sync, arrivals + n_programs, rows, row_ok, pid,
                                  n_programs, d_model, width, Times, STAGE < 0, GEMV, T_O, KP_ATTN, C_ATTN, BB, BLOCK_K,
-                                 PREC, ARRIVE_FIRST, False, False, QUANT, GROUP4)
+                                 PREC, ARRIVE_FIRST, False, False, INT8, GROUP4)
             _stamp(stamps + 3 * n_programs, TIMELINE)
         if STAGE < 0 or STAGE == 3:
             if ARRIVE_FIRST and STAGE < 0:
@@ -718,7 +718,7 @@ def layers_kernel(X, Out, Wqkv, Wo, Wgu, Wd, Scales, Norm1, Norm2, Kc, Vc, Q, Pa
             if GEMV:
                 if not EARLY_GU:
                     gate_w, up_w, gate_s, up_s = _gate_up_tiles(wgu, sgu, pid, d_model, d_ff, T_GU, KP_MODEL,
-                                                                C_MODEL, QUANT, GROUP4)
+                                                                C_MODEL, INT8, GROUP4)
                 if PREFETCH and STAGE < 0:
                     _prefetch_rows(wgu, 0, d_ff, d_model // PACK, pid, n_programs, T_GU)
                     _prefetch_rows(wgu, d_ff, d_ff, d_model // PACK, pid, n_programs, T_GU)
@@ -727,14 +727,14 @@ def layers_kernel(X, Out, Wqkv, Wo, Wgu, Wd, Scales, Norm1, Norm2, Kc, Vc, Q, Pa
             _stamp(stamps + 4 * n_programs, TIMELINE)
             if GEMV:
                 _gate_up_gemv(X, o_acc, Norm2 + at * d_model, wgu, sgu, Act, pid, n_programs, eps, d_model, d_ff,
-                              gate_w, up_w, gate_s, up_s, T_GU, KP_MODEL, C_MODEL, QUANT, GROUP4)
+                              gate_w, up_w, gate_s, up_s, T_GU, KP_MODEL, C_MODEL, INT8, GROUP4)
             else:
                 _gate_up_stage(X, Norm2 + at * d_model, wgu, sgu, Act, rows, row_ok, pid, n_programs, eps, d_model,
-                               d_ff, BB, BLOCK_K, PREC, QUANT)
+                               d_ff, BB, BLOCK_K, PREC, INT8)
             _stamp(stamps + 5 * n_programs, TIMELINE)
         if STAGE < 0 or STAGE == 4:
             _residual_matmul(X, Out, layer == layer_hi - 1, o_acc, wd, sd, Act, Sync,
                              arrivals + (BARRIERS - 1) * n_programs, rows, row_ok, pid, n_programs, d_model, d_ff,
                              stamps + 6 * n_programs, STAGE < 0, GEMV, T_D, KP_FF, C_FF, BB, BLOCK_K, PREC,
-                             ARRIVE_FIRST, PREFETCH and GEMV, TIMELINE, QUANT, GROUP4)
+                             ARRIVE_FIRST, PREFETCH and GEMV, TIMELINE, INT8, GROUP4)
             _stamp(stamps + 7 * n_programs, TIMELINE)

@@ -43,7 +43,7 @@ def _round(x, dt: tl.constexpr):
 @triton.jit
 def _normed_head_kernel(X, Gain, W, Scales, Out, n_rows, vocab, d_model, eps, multiplier,
                         ROWS: tl.constexpr, KP: tl.constexpr, KC: tl.constexpr, SCALED: tl.constexpr,
-                        QUANT: tl.constexpr):
+                        INT8: tl.constexpr):
     dt: tl.constexpr = X.dtype.element_ty
     ids = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     ks = tl.arange(0, KP // KC)[:, None] * KC + tl.arange(0, KC)[None, :]  # (chunk, column in the chunk)
@@ -51,14 +51,14 @@ def _normed_head_kernel(X, Gain, W, Scales, Out, n_rows, vocab, d_model, eps, mu
     w = tl.load(W + ids[:, None, None] * d_model + ks[None, :, :], mask=(ids < vocab)[:, None, None] & k_ok[None],
                 other=0.0, eviction_policy="evict_first")
     gain = tl.load(Gain + ks, mask=k_ok, other=0.0).to(tl.float32)
-    if QUANT:
+    if INT8:
         scales = tl.load(Scales + ids, mask=ids < vocab, other=0.0).to(tl.float32)
     for r in range(n_rows):
         x = tl.load(X + r * d_model + ks, mask=k_ok, other=0.0).to(tl.float32)
         inv_rms = tl.math.rsqrt(tl.sum(tl.sum(x * x, 1), 0) / d_model + eps)
         normed = _round(_round(x * inv_rms, dt) * gain, dt)  # rms_norm: normalised, rounded, times the gain
         logits = _round(tl.sum(tl.sum(as_f32(w) * normed[None, :, :], 2), 1), dt)
-        if QUANT:
+        if INT8:
             logits = _round(logits * scales, dt)
         if SCALED:
             logits = _round(logits * multiplier, dt)
@@ -100,7 +100,7 @@ def _normed_head_op(x: torch.Tensor, gain: torch.Tensor, eps: float, weight: tor
     _normed_head_kernel[(triton.cdiv(vocab, ROWS),)](x, gain, weight, gain if scales is None else scales, out,
                                                       x.shape[0], vocab, d_model, eps, multiplier, ROWS=ROWS, KP=kp,
                                                       KC=min(CHUNK, kp), SCALED=multiplier != 1.0,
-                                                      QUANT=scales is not None, num_warps=NUM_WARPS)
+                                                      INT8=scales is not None, num_warps=NUM_WARPS)
     return out
 
 
