@@ -81,7 +81,7 @@ for part in $PARTS; do
                         --prompt 128 --new 256 --repeats 1 --quant ${QUANT-int8 int4} --draft "$D/draft/checkpoints/last.ckpt" \
                         --json "$D/bench-checkpoint.json" 2>&1 | grep --line-buffered -v -i warn \
                         | tee "$D/bench-checkpoint.txt" ;;
-        *) echo "unknown part '$part'; parts: tests bench megakernel quant quant-ab train target draft draft2 checkpoint" \
-                "sweep invariant" >&2; exit 2 ;;
+        *) echo "unknown part '$part'; parts: tests bench megakernel quant quant-ab train target draft draft2" \
+                "checkpoint sweep invariant" >&2; exit 2 ;;
     esac
 done

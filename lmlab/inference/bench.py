@@ -220,7 +220,8 @@ def contender(name: str, model: Transformer):
     """The run function of one engine, built once per model (engines keep their compiled graphs)."""
     key = (name, id(model))
     if key not in _CONTENDERS:
-        builders = {**{engine: (lambda kw=kw: _engine_run(Engine(model, **kw))) for engine, kw in QUANT_ENGINES.items()},
+        builders = {**{engine: (lambda kw=kw: _engine_run(Engine(model, **kw)))
+                       for engine, kw in QUANT_ENGINES.items()},
                     "graphs": lambda: _engine_run(Engine(model, cuda_graphs=True)),
                     "compiled-sdpa": lambda: _engine_run(Engine(model, True, attention_kernel=False)),
                     "compiled-unfolded": lambda: _engine_run(Engine(model, True, folded_norms=False)),
