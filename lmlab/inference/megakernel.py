@@ -32,6 +32,8 @@ from lmlab.nn.transformer import Transformer
 
 
 QUANT_KERNEL = "dequant"  # the quant kernel whose stored layout of codes and scales the megakernel reads
+SUPPORTED_HEAD_DIMS = (32, 64, 128)  # the head sizes the kernel's attention tiles take
+MAX_GROUP = 64  # query heads per kv head it takes
 
 
 @dataclass
@@ -101,6 +103,10 @@ class Megakernel:
                     "shared keys and values (CLA)": attn.kv_source is not None or attn.shares_kv,
                     "biased projections": any(getattr(attn, n).bias is not None
                                               for n in ("q_proj", "k_proj", "v_proj", "o_proj")),
+                    f"head_dim {attn.head_dim} (the kernel takes {', '.join(map(str, SUPPORTED_HEAD_DIMS))})":
+                        attn.head_dim not in SUPPORTED_HEAD_DIMS,
+                    f"{attn.n_heads // attn.n_kv_heads} query heads a kv head (the kernel takes {MAX_GROUP} at most)":
+                        attn.n_heads // attn.n_kv_heads > MAX_GROUP,
                 })
             found = [what for what, present in reasons.items() if present]
             if found:

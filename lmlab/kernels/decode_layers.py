@@ -18,19 +18,15 @@ from __future__ import annotations
 import ctypes
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 import triton
 
+from lmlab.inference.megakernel import MAX_GROUP, SUPPORTED_HEAD_DIMS, StackedWeights
 from lmlab.kernels.decode_attention_triton import INTERPRET, KEYS_PER_SPLIT, LOG2E, sm_count
 from lmlab.kernels.decode_layers_triton import layers_kernel
 
-if TYPE_CHECKING:
-    from lmlab.inference.megakernel import StackedWeights
-
 N_STAGES = 5
-SUPPORTED_HEAD_DIMS = (32, 64, 128)
 # Launch settings of the two paths, the fastest of experiments/inference/sweep_megakernel.py on an H200. Programs per
 # SM: at most what the GPU keeps resident at once (checked at launch), or a grid barrier would wait forever.
 # Tensor-core path (batch > 1): input columns per loop step, warps, programs per SM.
@@ -135,7 +131,7 @@ def unsupported(x: torch.Tensor, weights: StackedWeights, k_cache: torch.Tensor)
         return "x must be a CUDA tensor"
     if weights.head_dim not in SUPPORTED_HEAD_DIMS:
         return f"head_dim={weights.head_dim} (supported: {', '.join(map(str, SUPPORTED_HEAD_DIMS))})"
-    if weights.n_heads % weights.n_kv_heads or weights.n_heads // weights.n_kv_heads > 64:
+    if weights.n_heads % weights.n_kv_heads or weights.n_heads // weights.n_kv_heads > MAX_GROUP:
         return f"{weights.n_heads} query heads over {weights.n_kv_heads} kv heads"
     if x.dtype != torch.float32:
         return f"x is {x.dtype}; it must be the float32 residual stream (updated in place)"

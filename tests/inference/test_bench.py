@@ -55,7 +55,8 @@ def test_quantized_perplexity_is_measured_on_the_validation_split(ckpt):
     assert rows[0]["ppl"] == pytest.approx(perplexity(model, *data.val))
     assert abs(rows[1]["ppl_change"]) < 0.05 and rows[1]["speedup"]["eager"] > 0
     if not torch.cuda.is_available():  # an engine that cannot run is named with its reason, not timed
-        assert "megakernel" not in rows[1]["speedup"] and "CUDA" in rows[1]["not_run"]["megakernel"]
+        # on a CPU: no CUDA; under Triton's interpreter: this model's head_dim of 16
+        assert "megakernel" not in rows[1]["speedup"] and rows[1]["not_run"]["megakernel"]
 
 
 def test_speculative_with_the_target_as_draft_accepts_everything(ckpt):
@@ -101,4 +102,4 @@ def test_bench_cli_prints_each_quantization_on_each_engine(ckpt, tmp_path, capsy
     assert f"eager {rows[1]['decode_tokens_per_s']['eager']:,.0f} tokens/s ({rows[1]['speedup']['eager']:.2f}x)" \
         in printed
     if not torch.cuda.is_available():
-        assert "megakernel not run: megakernel=True needs a CUDA device" in printed
+        assert "megakernel not run: megakernel=True" in printed

@@ -38,6 +38,7 @@ def _model(device="cpu", dtype=torch.float32, **kw) -> Transformer:
     (dict(block="postnorm"), "block layout"),
     (dict(position="alibi"), "position"),
     (dict(loops=2), "looped depth"),
+    (dict(d_model=64, attention={"name": "mha", "n_heads": 4}), "head_dim 16 (the kernel takes 32, 64, 128)"),
 ])
 def test_names_what_it_cannot_run(kw, reason):
     assert reason in Megakernel.unsupported(_model(**kw))
