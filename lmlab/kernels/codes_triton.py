@@ -1,5 +1,5 @@
 """Quantized weight codes to float32 inside Triton kernels: the int8 and int4 of lmlab.inference.quant, read by the
-decode kernels (lmlab.kernels.decode_layers_triton, normed_head_triton).
+decode kernels (lmlab.kernels.decode_tiles_triton, decode_layers_triton, normed_head_triton).
 
 A matrix-vector product at batch 1 converts every weight it reads. The conversion instruction (I2F) runs at a quarter
 of the FMA rate on sm_90, once per weight; here integer byte moves and one subtraction do it: a code c placed in the

@@ -1,5 +1,6 @@
 """One decode step through a whole Llama layer stack in one persistent Triton kernel (a megakernel): the device
-code. `lmlab.kernels.decode_layers` launches it (`decode_layers(...)`, its settings and the scratch it needs).
+code. `lmlab.kernels.decode_layers` launches it (`decode_layers(...)`, its settings and the scratch it needs). Its
+matrix-vector tiles are in lmlab.kernels.decode_tiles_triton, its grid barriers in decode_sync_triton.
 
 `layers_kernel` runs one new token per sequence through every layer of a pre-norm RMSNorm / RoPE / softmax attention
 (MHA, GQA, MQA) / SwiGLU stack whose weights are stacked per kind (`lmlab.inference.megakernel.StackedWeights`:
@@ -48,98 +49,10 @@ import triton.language as tl
 
 from lmlab.kernels.decode_attention_triton import (attend_block, attend_key_range, combined_output, empty_state,
                                                    key_split)
-from lmlab.kernels.codes_triton import as_f32, nibbles_f32
-
-
-@triton.jit
-def _wait_until(Counter, target):
-    """Spin until the counter reaches `target`, reading it with acquire semantics (an add of 0, which compiles to
-    `ld.acquire.gpu`): every write released before the increments that reached it is then visible."""
-    seen = tl.atomic_add(Counter, 0, sem="acquire", scope="gpu")
-    while seen < target:
-        seen = tl.atomic_add(Counter, 0, sem="acquire", scope="gpu")
-
-
-@triton.jit
-def _stamp(Stamp, TIMELINE: tl.constexpr):
-    """With TIMELINE, store the GPU's global timer (ns) at Stamp: each program's stage boundaries, which say where
-    the step's time goes (experiments/inference/timeline_megakernel.py)."""
-    if TIMELINE:
-        tl.store(Stamp, tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64,
-                                                  is_pure=False, pack=1))
-
-
-@triton.jit
-def _prefetch_l2(Start, n_bytes):
-    """Ask the L2 cache for n_bytes from Start (16-byte aligned; a multiple of 16), waiting for nothing: each thread
-    of the program issues one bulk prefetch of up to 4 KiB (the copy engine's `cp.async.bulk.prefetch.L2`, sm_90)."""
-    base = tl.full([1], 0, tl.int64) + Start.to(tl.int64)  # the same in every thread
-    size = tl.full([1], 0, tl.int32) + n_bytes
-    tl.inline_asm_elementwise("""{
-        .reg .pred p;
-        .reg .u32 off, size;
-        .reg .u64 at;
-        mov.u32 off, %tid.x;
-        shl.b32 off, off, 12;
-        setp.lt.u32 p, off, $2;
-        sub.u32 size, $2, off;
-        min.u32 size, size, 4096;
-        cvt.u64.u32 at, off;
-        add.u64 at, at, $1;
-        @p cp.async.bulk.prefetch.L2.global [at], size;
-        mov.u32 $0, 0;
-    }""", "=r,l,r", [base, size], dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
-def _prefetch_rows(W, first, n_rows, width, pid, n_programs, TILE: tl.constexpr):
-    """_prefetch_l2 of the program's items after its first in a stage whose item i is rows [i * TILE, (i + 1) * TILE)
-    of W (n_rows x width, row-major) and starts at row `first`: their tiles then load from L2."""
-    BYTES: tl.constexpr = W.dtype.element_ty.primitive_bitwidth // 8
-    for item in range(pid + n_programs, tl.cdiv(n_rows, TILE), n_programs):
-        row = item * TILE
-        _prefetch_l2(W + (first + row) * width, (tl.minimum(n_rows - row, TILE) * width * BYTES).to(tl.int32))
-
-
-@triton.jit
-def _arrive(Sync):
-    """Count this program in at the grid barrier, released: its writes so far are visible to whoever sees the count."""
-    tl.debug_barrier()  # all of this program's stores are issued
-    tl.atomic_add(Sync, 1, sem="release", scope="gpu")
-
-
-@triton.jit
-def _grid_barrier(Sync, target, ARRIVED: tl.constexpr):
-    """Arrive (unless ARRIVED: the program already has), then wait until every program has (Sync[0] reaches
-    `target`): every program's writes before the barrier are visible to every program after it."""
-    if not ARRIVED:
-        _arrive(Sync)
-    _wait_until(Sync, target)
-    tl.debug_barrier()
-
-
-@triton.jit
-def _round(x, dt: tl.constexpr):
-    return x.to(dt).to(tl.float32)
-
-
-@triton.jit
-def _row_scales(S, rows, ok, INT8: tl.constexpr):
-    """INT8: the int8 weight rows' scales (float32), loaded with their tile; else ones, which `_dequantized` never
-    reads (so the unquantized kernel compiles to what it was before int8)."""
-    if INT8:
-        return tl.load(S + rows, mask=ok, other=0.0).to(tl.float32)
-    else:
-        return tl.full(rows.shape, 1.0, tl.float32)
-
-
-@triton.jit
-def _dequantized(y, scales, INT8: tl.constexpr):
-    """Products with int8 codes times their rows' scales (the per-output-channel int8 of lmlab.inference.quant)."""
-    if INT8:
-        return y * scales
-    else:
-        return y
+from lmlab.kernels.codes_triton import as_f32
+from lmlab.kernels.decode_sync_triton import barrier_arrive, grid_barrier, prefetch_rows, stamp, wait_until
+from lmlab.kernels.decode_tiles_triton import (dequantized, input_row, normed_gemv, normed_input_row, round_to,
+                                               row_scales, scaled_round, tile_product, tile_scales, weight_tile)
 
 
 @triton.jit
@@ -167,18 +80,8 @@ def _normed_matmul_pair(X, NormW, W, S, w_rows1, w_rows2, w_ok, rows, row_ok, d_
     inv_rms = tl.math.rsqrt(squares / d_model + eps)[:, None]
     # rounded to the activations' dtype, as the reference's matmuls round their outputs (and its scales' products)
     dt: tl.constexpr = NormW.dtype.element_ty
-    return (_scaled_round(acc1 * inv_rms, _row_scales(S, w_rows1, w_ok, INT8)[None, :], dt, INT8),
-            _scaled_round(acc2 * inv_rms, _row_scales(S, w_rows2, w_ok, INT8)[None, :], dt, INT8))
-
-
-@triton.jit
-def _scaled_round(y, scales, dt: tl.constexpr, INT8: tl.constexpr):
-    """A normed matmul's products rounded to dt as the reference rounds them: the matmul's output, then with INT8
-    its product with the int8 rows' scales (lmlab.inference.quant's Int8Linear)."""
-    if INT8:
-        return _round(_round(y, dt) * scales, dt)
-    else:
-        return _round(y, dt)
+    return (scaled_round(acc1 * inv_rms, row_scales(S, w_rows1, w_ok, INT8)[None, :], dt, INT8),
+            scaled_round(acc2 * inv_rms, row_scales(S, w_rows2, w_ok, INT8)[None, :], dt, INT8))
 
 
 @triton.jit
@@ -248,107 +151,10 @@ def _qkv_stage(X, NormW, W, S, Q, Kc, Vc, Cos, Sin, Sync, Slots, Start, rows, ro
 
 
 @triton.jit
-def _chunked(KP: tl.constexpr, KC: tl.constexpr):
-    """Offsets 0..KP-1 as (KP / KC, KC): an input row cut into KC-column chunks."""
-    return tl.arange(0, KP // KC)[:, None] * KC + tl.arange(0, KC)[None, :]
-
-
-@triton.jit
-def _tile(W, rows, ok, width, KP: tl.constexpr, KC: tl.constexpr):
-    """W[rows, :width] as a (rows, KP / KC, KC) tile (row, chunk, column in the chunk), zero where masked; streamed
-    once a step, so evicted from L2 first. With KC = one warp's columns (256 at 16 bytes a thread), Triton lays the
-    warps along the rows, so `_gemv`'s sums stay inside each warp; with KC = KP they lie along the columns, and each
-    sum crosses them through shared memory (three CTA barriers; SASS, 2026-12-04)."""
-    ks = _chunked(KP, KC)[None, :, :]
-    return tl.load(W + rows[:, None, None] * width + ks, mask=ok[:, None, None] & (ks < width), other=0.0,
-                   eviction_policy="evict_first")
-
-
-@triton.jit
-def _columns(KP: tl.constexpr, KC: tl.constexpr, GROUP4: tl.constexpr):
-    """The input columns a tile's elements meet: `_chunked`, or with GROUP4 (KP / KC, KC, 2), byte j of chunk c
-    holding columns 2 (c KC + j) and the one after (KP, KC in bytes)."""
-    if GROUP4:
-        return _chunked(KP, KC)[:, :, None] * 2 + tl.arange(0, 2)[None, None, :]
-    else:
-        return _chunked(KP, KC)
-
-
-@triton.jit
-def _row(X, width, KP: tl.constexpr, KC: tl.constexpr, GROUP4: tl.constexpr):
-    """The one sequence's row of a buffer other programs wrote (from L2: an L1 line could be stale), in float32, laid
-    out as the tiles' columns (`_columns`)."""
-    ks = _columns(KP, KC, GROUP4)
-    return tl.load(X + ks, mask=ks < width, other=0.0, cache_modifier=".cg").to(tl.float32)
-
-
-@triton.jit
-def _normed_row(x, NormW, d_model, eps, KP: tl.constexpr, KC: tl.constexpr, GROUP4: tl.constexpr):
-    """x * gain, rounded as the tensor-core path rounds it, and the row's 1 / rms (applied after the matmul)."""
-    ks = _columns(KP, KC, GROUP4)
-    gain = tl.load(NormW + ks, mask=ks < d_model, other=0.0)
-    if GROUP4:
-        squares = tl.sum(tl.sum(tl.sum(x * x, 2), 1), 0)
-    else:
-        squares = tl.sum(tl.sum(x * x, 1), 0)
-    inv_rms = tl.math.rsqrt(squares / d_model + eps)
-    return (x * gain).to(gain.dtype).to(tl.float32), inv_rms
-
-
-@triton.jit
-def _gemv(w, x):
-    """A `_tile` times a `_row`: (rows,) float32."""
-    return tl.sum(tl.sum(as_f32(w) * x[None, :, :], 2), 1)
-
-
-@triton.jit
-def _group_scales(S, rows, ok, start, n, groups, GP: tl.constexpr):
-    """int4: each (row, group)'s scale and zero, (rows, GP, 2) float32, of a projection whose rows start at row
-    `start` of its kind's stack, n rows of `groups` groups: its block, (groups, n, 2) as Int4Linear keeps it, starts at
-    2 * groups * start (the kind's projections before it have `groups` groups too)."""
-    g = tl.arange(0, GP)[None, :, None]
-    at = S + 2 * groups * start + (g * n + (rows - start)[:, None, None]) * 2 + tl.arange(0, 2)[None, None, :]
-    return tl.load(at, mask=ok[:, None, None] & (g < groups), other=0.0).to(tl.float32)
-
-
-@triton.jit
-def _scales(S, rows, ok, start, n, groups, GP: tl.constexpr, INT8: tl.constexpr, GROUP4: tl.constexpr):
-    """A tile's dequantizing factors: `_group_scales` (int4) or `_row_scales` (int8, or ones)."""
-    if GROUP4:
-        return _group_scales(S, rows, ok, start, n, groups, GP)
-    else:
-        return _row_scales(S, rows, ok, INT8)
-
-
-@triton.jit
-def _product(w, scales, x, INT8: tl.constexpr, GROUP4: tl.constexpr):
-    """A `_tile` times a `_row`, dequantized by the tile's `_scales`: (rows,) float32. int4: per group g of a row,
-    scale * sum((code - 8) x) + zero * sum(x)."""
-    if GROUP4:
-        high, low = nibbles_f32(w)  # (rows, groups, bytes): the even columns', the odd ones'
-        x_even, x_odd = tl.split(x)
-        per_group = tl.sum(high * x_even[None, :, :] + low * x_odd[None, :, :], 2)
-        scale, zero = tl.split(scales)
-        return tl.sum(scale * per_group + zero * tl.sum(tl.sum(x, 2), 1)[None, :], 1)
-    else:
-        return _dequantized(_gemv(w, x), scales, INT8)
-
-
-@triton.jit
-def _normed_gemv(w, scales, x, inv_rms, dt: tl.constexpr, INT8: tl.constexpr, GROUP4: tl.constexpr):
-    """`_product` of a normed row, rounded where the reference rounds (int4's dequantizing kernel rounds the weights
-    to dt, then the matmul's output)."""
-    if GROUP4:
-        return _round(_product(w, scales, x, INT8, GROUP4) * inv_rms, dt)
-    else:
-        return _scaled_round(_gemv(w, x) * inv_rms, scales, dt, INT8)
-
-
-@triton.jit
 def _qkv_tiles(W, S, item, n_items, d_model, n_heads, n_kv_heads, HEAD_DIM: tl.constexpr, PAIRS: tl.constexpr,
                INTERLEAVED: tl.constexpr, KP: tl.constexpr, KC: tl.constexpr, INT8: tl.constexpr,
                GROUP4: tl.constexpr):
-    """A q/k/v item's two tiles (the rows each RoPE frequency rotates together) and their `_scales`."""
+    """A q/k/v item's two tiles (the rows each RoPE frequency rotates together) and their `tile_scales`."""
     head, freq, first, second = _qkv_rows(item, HEAD_DIM, PAIRS, INTERLEAVED)
     ok = (freq < HEAD_DIM) & (item < n_items)
     rows1, rows2 = head * HEAD_DIM + first, head * HEAD_DIM + second
@@ -356,10 +162,10 @@ def _qkv_tiles(W, S, item, n_items, d_model, n_heads, n_kv_heads, HEAD_DIM: tl.c
     start = tl.where(head < n_heads, 0, tl.where(head < n_heads + n_kv_heads, n_heads, n_heads + n_kv_heads)) * HEAD_DIM
     n = tl.where(head < n_heads, n_heads, n_kv_heads) * HEAD_DIM
     groups = d_model // tl.maximum(GROUP4, 1)
-    return (_tile(W, rows1, ok, d_model // (2 if GROUP4 else 1), KP, KC),
-            _tile(W, rows2, ok, d_model // (2 if GROUP4 else 1), KP, KC),
-            _scales(S, rows1, ok, start, n, groups, KP // KC, INT8, GROUP4),
-            _scales(S, rows2, ok, start, n, groups, KP // KC, INT8, GROUP4))
+    return (weight_tile(W, rows1, ok, d_model // (2 if GROUP4 else 1), KP, KC),
+            weight_tile(W, rows2, ok, d_model // (2 if GROUP4 else 1), KP, KC),
+            tile_scales(S, rows1, ok, start, n, groups, KP // KC, INT8, GROUP4),
+            tile_scales(S, rows2, ok, start, n, groups, KP // KC, INT8, GROUP4))
 
 
 @triton.jit
@@ -379,14 +185,14 @@ def _qkv_gemv(X, NormW, W, S, Q, Kc, Vc, Cos, Sin, Sync, slot, pos, pid, n_progr
     barrier, not after the products: one round trip to memory off the chain that every attention item waits on)."""
     rows = tl.arange(0, 1)
     dt: tl.constexpr = NormW.dtype.element_ty
-    x, inv_rms = _normed_row(_row(X, d_model, KP, KC, GROUP4), NormW, d_model, eps, KP, KC, GROUP4)
+    x, inv_rms = normed_input_row(input_row(X, d_model, KP, KC, GROUP4), NormW, d_model, eps, KP, KC, GROUP4)
     for item in range(pid, n_items, n_programs):
         next1, next2, next_s1, next_s2 = _qkv_tiles(W, S, item + n_programs, n_items, d_model, n_heads, n_kv_heads,
                                                     HEAD_DIM, PAIRS, INTERLEAVED, KP, KC, INT8, GROUP4)
         next_cos, next_sin = _qkv_item_rope(Cos, Sin, pos, item + n_programs, HEAD_DIM, PAIRS, INTERLEAVED)
         head, freq, first, second = _qkv_rows(item, HEAD_DIM, PAIRS, INTERLEAVED)
-        _qkv_out(_normed_gemv(w1, s1, x, inv_rms, dt, INT8, GROUP4)[None, :],
-                 _normed_gemv(w2, s2, x, inv_rms, dt, INT8, GROUP4)[None, :], head, freq, first,
+        _qkv_out(normed_gemv(w1, s1, x, inv_rms, dt, INT8, GROUP4)[None, :],
+                 normed_gemv(w2, s2, x, inv_rms, dt, INT8, GROUP4)[None, :], head, freq, first,
                  second, Q, Kc, Vc, cos, sin, Sync, slot, rows, rows < 1, sc_b, sc_h, sc_l, n_heads,
                  n_kv_heads, HEAD_DIM)
         w1, w2, s1, s2, cos, sin = next1, next2, next_s1, next_s2, next_cos, next_sin
@@ -435,7 +241,7 @@ def _attention_stage(Q, Kc, Vc, PartO, PartL, Attn, Arrived, Sync, Slots, Start,
         k = tl.load(k_base + keys[:, None] * sc_l + dims[None, :], mask=earlier[:, None], other=0.0)
         v = tl.load(v_base + keys[:, None] * sc_l + dims[None, :], mask=earlier[:, None], other=0.0)
         holds = (k_lo <= slot) & (slot < k_hi)  # the split whose range ends with this step's key
-        _wait_until(Sync + 1 + kv_head, (layer + 1) * qkv_items)
+        wait_until(Sync + 1 + kv_head, (layer + 1) * qkv_items)
         # This step's key and value (vectors, attended on their own after the blocks), then q: loads issued before any
         # is used (when the step's key was merged into the block, the compiled code waited for each load in turn)
         k_new = tl.load(k_base + slot * sc_l + dims, mask=holds & (dims < HEAD_DIM), other=0.0, cache_modifier=".cg")
@@ -470,7 +276,7 @@ def _o_proj_tile(W, S, item, d_model, width, TILE: tl.constexpr, HEAD_DIM: tl.co
     cols = (item // chunks) * HEAD_DIM + tl.arange(0, HEAD_DIM)
     ok = (rows < d_model)[:, None] & (cols < width)[None, :]
     return (tl.load(W + rows[:, None] * width + cols[None, :], mask=ok, other=0.0, eviction_policy="evict_first"),
-            _row_scales(S, rows, rows < d_model, INT8))
+            row_scales(S, rows, rows < d_model, INT8))
 
 
 @triton.jit
@@ -487,11 +293,11 @@ def _o_proj_gemv(W, S, PartO, PartL, Arrived, OAcc, layer, pid, n_programs, d_mo
     for item in range(first, n_heads * chunks, n_programs):
         next_w, next_s = _o_proj_tile(W, S, item + n_programs, d_model, n_heads * HEAD_DIM, TILE, HEAD_DIM, INT8)
         head = item // chunks
-        _wait_until(Arrived + head // GROUP, (layer + 1) * n_split)
+        wait_until(Arrived + head // GROUP, (layer + 1) * n_split)
         attn = combined_output(PartO, PartL, head, n_split, HEAD_DIM, BLOCK_SPLIT)
-        attn = _round(attn, DT)  # rounded as the reference's attention output
+        attn = round_to(attn, DT)  # rounded as the reference's attention output
         rows = (item % chunks) * TILE + tl.arange(0, TILE)
-        tl.atomic_add(OAcc + rows, _dequantized(tl.sum(as_f32(w) * attn[None, :], 1), s, INT8),
+        tl.atomic_add(OAcc + rows, dequantized(tl.sum(as_f32(w) * attn[None, :], 1), s, INT8),
                       mask=rows < d_model, sem="relaxed", scope="gpu")
         w, s = next_w, next_s
 
@@ -514,7 +320,7 @@ def _matmul_add_stage(X, Out, last, W, S, In, rows, row_ok, pid, n_programs, d_m
             acc = tl.dot(a, tl.trans(w.to(a.dtype)), acc, input_precision=PREC)
         at = rows[:, None] * d_model + cols[None, :]
         ok = row_ok[:, None] & col_ok[None, :]
-        acc = _dequantized(acc, _row_scales(S, cols, col_ok, INT8)[None, :], INT8)
+        acc = dequantized(acc, row_scales(S, cols, col_ok, INT8)[None, :], INT8)
         total = tl.load(X + at, mask=ok, other=0.0, cache_modifier=".cg") + acc
         tl.store(X + at, total, mask=ok)  # the residual stream stays float32
         tl.store(Out + at, total.to(Out.dtype.element_ty), mask=ok & last)
@@ -540,14 +346,14 @@ def _gate_up_stage(X, NormW, W, S, Act, rows, row_ok, pid, n_programs, eps, d_mo
 @triton.jit
 def _gate_up_tiles(W, S, item, d_model, d_ff, TILE: tl.constexpr, KP: tl.constexpr, KC: tl.constexpr,
                    INT8: tl.constexpr, GROUP4: tl.constexpr):
-    """A gate/up item's gate and up tiles and their `_scales`."""
+    """A gate/up item's gate and up tiles and their `tile_scales`."""
     cols = item * TILE + tl.arange(0, TILE)
     ok = cols < d_ff
     width = d_model // (2 if GROUP4 else 1)
     groups = d_model // tl.maximum(GROUP4, 1)
-    return (_tile(W, cols, ok, width, KP, KC), _tile(W, d_ff + cols, ok, width, KP, KC),
-            _scales(S, cols, ok, 0, d_ff, groups, KP // KC, INT8, GROUP4),
-            _scales(S, d_ff + cols, ok, d_ff, d_ff, groups, KP // KC, INT8, GROUP4))
+    return (weight_tile(W, cols, ok, width, KP, KC), weight_tile(W, d_ff + cols, ok, width, KP, KC),
+            tile_scales(S, cols, ok, 0, d_ff, groups, KP // KC, INT8, GROUP4),
+            tile_scales(S, d_ff + cols, ok, d_ff, d_ff, groups, KP // KC, INT8, GROUP4))
 
 
 @triton.jit
@@ -556,25 +362,25 @@ def _gate_up_gemv(X, OAcc, NormW, W, S, Act, pid, n_programs, eps, d_model, d_ff
     """_gate_up_stage for one sequence, whose residual is X + OAcc (o_proj's sums); gate_w, up_w: the first item's
     tiles, already loading (gate_s, up_s their scales)."""
     dt: tl.constexpr = Act.dtype.element_ty
-    x, inv_rms = _normed_row(_row(X, d_model, KP, KC, GROUP4) + _row(OAcc, d_model, KP, KC, GROUP4), NormW, d_model,
+    x, inv_rms = normed_input_row(input_row(X, d_model, KP, KC, GROUP4) + input_row(OAcc, d_model, KP, KC, GROUP4), NormW, d_model,
                              eps, KP, KC, GROUP4)
     for item in range(pid, tl.cdiv(d_ff, TILE), n_programs):
         next_gate, next_up, next_gate_s, next_up_s = _gate_up_tiles(W, S, item + n_programs, d_model, d_ff, TILE, KP,
                                                                     KC, INT8, GROUP4)
         cols = item * TILE + tl.arange(0, TILE)
-        tl.store(Act + cols, _swiglu(_normed_gemv(gate_w, gate_s, x, inv_rms, dt, INT8, GROUP4),
-                                     _normed_gemv(up_w, up_s, x, inv_rms, dt, INT8, GROUP4), dt), mask=cols < d_ff)
+        tl.store(Act + cols, _swiglu(normed_gemv(gate_w, gate_s, x, inv_rms, dt, INT8, GROUP4),
+                                     normed_gemv(up_w, up_s, x, inv_rms, dt, INT8, GROUP4), dt), mask=cols < d_ff)
         gate_w, up_w, gate_s, up_s = next_gate, next_up, next_gate_s, next_up_s
 
 
 @triton.jit
 def _add_tile(W, S, item, d_model, width, TILE: tl.constexpr, KP: tl.constexpr, KC: tl.constexpr,
               INT8: tl.constexpr, GROUP4: tl.constexpr):
-    """A down (or o_proj) item's tile and its `_scales`."""
+    """A down (or o_proj) item's tile and its `tile_scales`."""
     cols = item * TILE + tl.arange(0, TILE)
     ok = cols < d_model
-    return (_tile(W, cols, ok, width // (2 if GROUP4 else 1), KP, KC),
-            _scales(S, cols, ok, 0, d_model, width // tl.maximum(GROUP4, 1), KP // KC, INT8, GROUP4))
+    return (weight_tile(W, cols, ok, width // (2 if GROUP4 else 1), KP, KC),
+            tile_scales(S, cols, ok, 0, d_model, width // tl.maximum(GROUP4, 1), KP // KC, INT8, GROUP4))
 
 
 @triton.jit
@@ -582,14 +388,14 @@ def _add_gemv(X, Out, last, OAcc, W, S, In, pid, n_programs, d_model, width, w, 
               KP: tl.constexpr, KC: tl.constexpr, INT8: tl.constexpr, GROUP4: tl.constexpr):
     """_matmul_add_stage for one sequence, also folding o_proj's sums (OAcc) into X; w: the first item's tile,
     already loading (s its scales)."""
-    a = _row(In, width, KP, KC, GROUP4)
+    a = input_row(In, width, KP, KC, GROUP4)
     for item in range(pid, tl.cdiv(d_model, TILE), n_programs):
         next_w, next_s = _add_tile(W, S, item + n_programs, d_model, width, TILE, KP, KC, INT8, GROUP4)
         cols = item * TILE + tl.arange(0, TILE)
         ok = cols < d_model
         residual = tl.load(X + cols, mask=ok, other=0.0, cache_modifier=".cg")
         residual += tl.load(OAcc + cols, mask=ok, other=0.0, cache_modifier=".cg")
-        residual += _product(w, s, a, INT8, GROUP4)
+        residual += tile_product(w, s, a, INT8, GROUP4)
         tl.store(X + cols, residual, mask=ok)
         tl.store(Out + cols, residual.to(Out.dtype.element_ty), mask=ok & last)
         w, s = next_w, next_s
@@ -606,14 +412,14 @@ def _residual_matmul(X, Out, last, OAcc, W, S, In, Sync, target, rows, row_ok, p
     stamped at Stamp once open; the first matrix-vector tile's loads are issued before the wait (and, with ARRIVE_FIRST,
     after the arrival)."""
     if BARRIER and ARRIVE_FIRST:
-        _arrive(Sync)
+        barrier_arrive(Sync)
     if GEMV:
         w, s = _add_tile(W, S, pid, d_model, width, TILE, KP, KC, INT8, GROUP4)
     if PREFETCH and BARRIER:
-        _prefetch_rows(W, 0, d_model, width // (2 if GROUP4 else 1), pid, n_programs, TILE)
+        prefetch_rows(W, 0, d_model, width // (2 if GROUP4 else 1), pid, n_programs, TILE)
     if BARRIER:
-        _grid_barrier(Sync, target, ARRIVE_FIRST)
-    _stamp(Stamp, TIMELINE)
+        grid_barrier(Sync, target, ARRIVE_FIRST)
+    stamp(Stamp, TIMELINE)
     if GEMV:
         _add_gemv(X, Out, last, OAcc, W, S, In, pid, n_programs, d_model, width, w, s, TILE, KP, KC, INT8, GROUP4)
     else:
@@ -679,13 +485,13 @@ def layers_kernel(X, Out, Wqkv, Wo, Wgu, Wd, Scales, Norm1, Norm2, Kc, Vc, Q, Pa
         stamps = Times + (layer - layer_lo) * 8 * n_programs + pid
         if STAGE < 0 or STAGE == 0:
             if ARRIVE_FIRST and STAGE < 0 and layer > layer_lo:
-                _arrive(Sync)
+                barrier_arrive(Sync)
             if GEMV:
                 w1, w2, s1, s2 = _qkv_tiles(wqkv, sqkv, pid, n_qkv_items, d_model, n_heads, n_kv_heads, HEAD_DIM,
                                             T_QKV, INTERLEAVED, KP_MODEL, C_MODEL, INT8, GROUP4)
             if STAGE < 0 and layer > layer_lo:
-                _grid_barrier(Sync, arrivals, ARRIVE_FIRST)
-            _stamp(stamps, TIMELINE)
+                grid_barrier(Sync, arrivals, ARRIVE_FIRST)
+            stamp(stamps, TIMELINE)
             if GEMV:
                 _qkv_gemv(X, Norm1 + at * d_model, wqkv, sqkv, Q, kc, vc, Cos, Sin, Sync, slot, pos, pid, n_programs,
                           n_qkv_items, eps, sc_b, sc_h, sc_l, d_model, n_heads, n_kv_heads, w1, w2, s1, s2, cos,
@@ -694,12 +500,12 @@ def layers_kernel(X, Out, Wqkv, Wo, Wgu, Wd, Scales, Norm1, Norm2, Kc, Vc, Q, Pa
                 _qkv_stage(X, Norm1 + at * d_model, wqkv, sqkv, Q, kc, vc, Cos, Sin, Sync, Slots, Start, rows, row_ok,
                            pid, n_programs, eps, sc_b, sc_h, sc_l, d_model, n_heads, n_kv_heads,
                            BB, HEAD_DIM, T_QKV, INTERLEAVED, BLOCK_K, PREC, INT8)
-            _stamp(stamps + n_programs, TIMELINE)
+            stamp(stamps + n_programs, TIMELINE)
         if STAGE < 0 or STAGE == 1:
             _attention_stage(Q, kc, vc, PartO, PartL, Attn, Arrived, Sync, Slots, Start, layer, pid, n_programs,
                              batch, n_heads, n_kv_heads, n_split, sc_b, sc_h, sc_l, qk_scale,
                              GROUP, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_SPLIT, T_QKV, PREC, not SPLIT_O)
-            _stamp(stamps + 2 * n_programs, TIMELINE)
+            stamp(stamps + 2 * n_programs, TIMELINE)
         if STAGE < 0 or STAGE == 2:
             if EARLY_GU:  # while o_proj's items wait on attention
                 gate_w, up_w, gate_s, up_s = _gate_up_tiles(wgu, sgu, pid, d_model, d_ff, T_GU, KP_MODEL, C_MODEL,
@@ -711,30 +517,30 @@ def layers_kernel(X, Out, Wqkv, Wo, Wgu, Wd, Scales, Norm1, Norm2, Kc, Vc, Q, Pa
                 _residual_matmul(X, Out, False, o_acc, wo, so, Attn, Sync, arrivals + n_programs, rows, row_ok, pid,
                                  n_programs, d_model, width, Times, STAGE < 0, GEMV, T_O, KP_ATTN, C_ATTN, BB, BLOCK_K,
                                  PREC, ARRIVE_FIRST, False, False, INT8, GROUP4)
-            _stamp(stamps + 3 * n_programs, TIMELINE)
+            stamp(stamps + 3 * n_programs, TIMELINE)
         if STAGE < 0 or STAGE == 3:
             if ARRIVE_FIRST and STAGE < 0:
-                _arrive(Sync)
+                barrier_arrive(Sync)
             if GEMV:
                 if not EARLY_GU:
                     gate_w, up_w, gate_s, up_s = _gate_up_tiles(wgu, sgu, pid, d_model, d_ff, T_GU, KP_MODEL,
                                                                 C_MODEL, INT8, GROUP4)
                 if PREFETCH and STAGE < 0:
-                    _prefetch_rows(wgu, 0, d_ff, d_model // PACK, pid, n_programs, T_GU)
-                    _prefetch_rows(wgu, d_ff, d_ff, d_model // PACK, pid, n_programs, T_GU)
+                    prefetch_rows(wgu, 0, d_ff, d_model // PACK, pid, n_programs, T_GU)
+                    prefetch_rows(wgu, d_ff, d_ff, d_model // PACK, pid, n_programs, T_GU)
             if STAGE < 0:
-                _grid_barrier(Sync, arrivals + (BARRIERS - 2) * n_programs, ARRIVE_FIRST)
-            _stamp(stamps + 4 * n_programs, TIMELINE)
+                grid_barrier(Sync, arrivals + (BARRIERS - 2) * n_programs, ARRIVE_FIRST)
+            stamp(stamps + 4 * n_programs, TIMELINE)
             if GEMV:
                 _gate_up_gemv(X, o_acc, Norm2 + at * d_model, wgu, sgu, Act, pid, n_programs, eps, d_model, d_ff,
                               gate_w, up_w, gate_s, up_s, T_GU, KP_MODEL, C_MODEL, INT8, GROUP4)
             else:
                 _gate_up_stage(X, Norm2 + at * d_model, wgu, sgu, Act, rows, row_ok, pid, n_programs, eps, d_model,
                                d_ff, BB, BLOCK_K, PREC, INT8)
-            _stamp(stamps + 5 * n_programs, TIMELINE)
+            stamp(stamps + 5 * n_programs, TIMELINE)
         if STAGE < 0 or STAGE == 4:
             _residual_matmul(X, Out, layer == layer_hi - 1, o_acc, wd, sd, Act, Sync,
                              arrivals + (BARRIERS - 1) * n_programs, rows, row_ok, pid, n_programs, d_model, d_ff,
                              stamps + 6 * n_programs, STAGE < 0, GEMV, T_D, KP_FF, C_FF, BB, BLOCK_K, PREC,
                              ARRIVE_FIRST, PREFETCH and GEMV, TIMELINE, INT8, GROUP4)
-            _stamp(stamps + 7 * n_programs, TIMELINE)
+            stamp(stamps + 7 * n_programs, TIMELINE)

@@ -11,7 +11,7 @@ step after the layer stack. Inductor's fused norm + matrix-vector product took 3
 TB/s), plus a launch of its own for the norm's mean of squares; this kernel took 25.5 us in the same step
 (experiments/inference/h200-2026-12-04d/). Here each program takes ROWS vocabulary rows, computes the input row's norm
 itself (d_model values, from L2), and reads its weight tile once; a tile is cut into 256-column chunks, one warp's
-16-byte loads across each, so every dot product is summed inside one warp (as lmlab.kernels.decode_layers_triton's
+16-byte loads across each, so every dot product is summed inside one warp (as lmlab.kernels.decode_tiles_triton's
 tiles).
 """
 
