@@ -87,10 +87,10 @@ def quant_quality(model: Transformer, data: CheckpointData, quants: list, new: i
     rows = [{"quant": "none", "ppl": perplexity(model, *data.val), "decode_tokens_per_s": speeds, "not_run": not_run}]
     for quant in quants:  # entry names or configs
         _, config = QUANTS.resolve(quant)
+        calibration = data.calibration if QUANTS.build(config).method.calibrated else None
         row = {"decode_tokens_per_s": {}, "not_run": {}}
         for layout, group in by_layout(list(engines)).items():
             quantized = copy.deepcopy(model)
-            calibration = data.calibration if QUANTS.build(config).method.calibrated else None
             report = quantize(quantized, dataclasses.replace(config, **dict(layout)), calibration)
             if "ppl" not in row:
                 row.update(quant=report["quant"], method=report["method"], kernels=report["kernels"],

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from lmlab.inference.megakernel import MAX_GROUP, SUPPORTED_HEAD_DIMS, StackedWeights
+from lmlab.inference.megakernel import MAX_GROUP, SUPPORTED_HEAD_DIMS, Megakernel, StackedWeights
 from lmlab.kernels.decode_attention_triton import INTERPRET, KEYS_PER_SPLIT, LOG2E, sm_count
 from lmlab.kernels.decode_layers_triton import layers_kernel
 
@@ -135,8 +135,8 @@ def unsupported(x: torch.Tensor, weights: StackedWeights, k_cache: torch.Tensor)
         return f"{weights.n_heads} query heads over {weights.n_kv_heads} kv heads"
     if x.dtype != torch.float32:
         return f"x is {x.dtype}; it must be the float32 residual stream (updated in place)"
-    if x.shape[0] > 64:
-        return f"batch {x.shape[0]} > 64 (the matmuls hold the whole batch in one tile)"
+    if x.shape[0] > Megakernel.MAX_BATCH:
+        return f"batch {x.shape[0]} > {Megakernel.MAX_BATCH} (the matmuls hold the whole batch in one tile)"
     if k_cache.stride(-1) != 1 or k_cache.dtype != weights.dtype:
         return "the caches need a contiguous head_dim and the activations' dtype"
     kinds = {w.dtype for w in (weights.qkv, weights.o, weights.gate_up, weights.down)}
@@ -144,8 +144,6 @@ def unsupported(x: torch.Tensor, weights: StackedWeights, k_cache: torch.Tensor)
     if kinds != expected:
         return (f"weights of {', '.join(sorted(map(str, kinds)))} "
                 f"{'with' if weights.scales is not None else 'without'} scales (int8 and int4 codes take scales)")
-    if weights.group_size and x.shape[0] > 1:
-        return f"batch {x.shape[0]} with int4 weights (they run at batch 1, on the matrix-vector path)"
     return None
 
 
