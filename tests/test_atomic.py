@@ -28,6 +28,15 @@ def test_written_files_get_the_umasks_mode(tmp_path, umask_022):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.txt", "b.bin"]
 
 
+def test_a_writer_that_replaces_the_file_does_not_make_it_private(tmp_path, umask_022):
+    def replace_privately(tmp):  # as safetensors' save_file does
+        tmp.unlink()
+        os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT, 0o600))
+
+    atomic_write(tmp_path / "model.safetensors", replace_privately)
+    assert mode(tmp_path / "model.safetensors") == 0o644
+
+
 def test_a_failed_write_leaves_nothing(tmp_path):
     def fail(tmp):
         tmp.write_text("half")

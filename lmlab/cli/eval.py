@@ -85,7 +85,7 @@ def evaluate(cfg: EvalRunConfig, tasks: list, limit: int | None, err=None) -> Pa
     for task in tasks:
         result = task.run(scorer, limit)
         metrics = ", ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v:,}" for k, v in result.metrics.items())
-        print(f"lmlab eval: {result.task}: {metrics} ({result.examples:,} examples, "
+        print(f"lmlab eval: {result.task}: {metrics} ({result.examples:,} {result.unit}, "
               f"{result.examples_per_s:,.1f}/s)", file=err)
         results.append(result)
     meta = {"model": source.setting, "parameters": model.num_parameters(), "device": str(device),

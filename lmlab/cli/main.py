@@ -19,7 +19,7 @@ def cmd_list(args: argparse.Namespace) -> int:
     all_sections = sections()
     section_paths = {s.path for s in all_sections.values()}
     by_name = {**{r.group: r for r in registries.values()}, **registries}
-    wanted = [args.group] if args.group else [*all_sections, *registries]
+    wanted = [args.group] if args.group else list(dict.fromkeys([*all_sections, *registries]))  # `data` is both
     shown = [format_section(all_sections[name], groups, section_paths) for name in wanted if name in all_sections]
     shown += [format_registry(by_name[name]) for name in wanted if name in by_name]
     if not shown:

@@ -3,11 +3,12 @@
     lmlab serve ckpt=outputs/runs/<date>/<time>/checkpoints/last.ckpt port=8000
     lmlab serve ckpt=hf/my-model chat_template=chatml scheduler.max_num_seqs=64 block_size=16
     curl localhost:8000/v1/completions -H 'Content-Type: application/json' \\
-         -d '{"model": "last", "prompt": "def f(x):", "max_tokens": 32}'
+         -d '{"model": "<time>", "prompt": "def f(x):", "max_tokens": 32}'
 
 Requests are batched continuously over a paged KV cache (`scheduler=static` for the baseline), with
-prompt prefixes shared between requests. The model is named by its checkpoint's run folder (or
-model_name=). Overrides are checked as in lmlab-train. Needs the `serve` extra (FastAPI, uvicorn).
+prompt prefixes shared between requests. The model is named by its checkpoint's run folder, <time> above
+(or model_name=); the server prints the name as it starts. Overrides are checked as in lmlab-train. Needs
+the `serve` extra (FastAPI, uvicorn).
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ class ServeConfig:
     scheduler: Any = MISSING  # continuous | static (lmlab list scheduler), with max_num_seqs, max_num_batched_tokens
     chat_template: Any = MISSING  # how /v1/chat/completions renders messages (lmlab list chat_template)
     max_waiting: int = 1024  # requests waiting for admission before new ones get HTTP 429
-    num_blocks: int | None = None  # KV blocks; None: kv_memory_fraction of the free GPU memory (CPU: enough for all)
+    num_blocks: int | None = None  # KV blocks, 1 for padding included; None: kv_memory_fraction of free GPU memory
     block_size: int = 16  # token slots per KV block
     kv_memory_fraction: float = 0.8
     prefix_caching: bool = True  # requests with equal prompt prefixes share their KV blocks

@@ -38,11 +38,12 @@ def check_generation_room(setting: str, max_new_tokens: int, max_len: int) -> No
 class TaskResult:
     task: str
     metrics: dict[str, float]  # the headline numbers: logged as eval/<task>/<metric>
-    examples: int
+    examples: int  # what the task counts, in `unit`s
     seconds: float
     table: list[dict] = field(default_factory=list)  # rows of the task's own table (MMLU: one per subject)
     records: list[dict] = field(default_factory=list)  # one per example: prompt, completion, parsed, correct
     notes: list[str] = field(default_factory=list)  # e.g. how many prompts were cut to fit the context
+    unit: str = "examples"  # perplexity counts tokens
 
     @property
     def examples_per_s(self) -> float:

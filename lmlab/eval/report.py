@@ -24,8 +24,8 @@ def markdown_table(rows: list[dict]) -> str:
 
 
 def markdown(results: list[TaskResult], meta: dict) -> str:
-    summary = [{"task": r.task, "metric": name, "value": value, "examples": r.examples,
-                "examples/s": f"{r.examples_per_s:,.1f}"} for r in results for name, value in r.metrics.items()]
+    summary = [{"task": r.task, "metric": name, "value": value, "examples": f"{r.examples:,} {r.unit}",
+                "per second": f"{r.examples_per_s:,.1f}"} for r in results for name, value in r.metrics.items()]
     parts = [f"# lmlab eval: {meta['model']}", "", markdown_table(summary)]
     for r in results:
         if r.table or r.notes:
@@ -37,7 +37,7 @@ def markdown(results: list[TaskResult], meta: dict) -> str:
 def write_results(results: list[TaskResult], folder: Path, meta: dict) -> Path:
     """Write the three outputs under `folder`; returns it."""
     folder.mkdir(parents=True, exist_ok=True)
-    tasks = {r.task: {"metrics": r.metrics, "examples": r.examples, "seconds": r.seconds,
+    tasks = {r.task: {"metrics": r.metrics, "examples": r.examples, "unit": r.unit, "seconds": r.seconds,
                       "examples_per_s": r.examples_per_s, "table": r.table, "notes": r.notes} for r in results}
     atomic_write_text(folder / "results.json", json.dumps({"meta": meta, "tasks": tasks}, indent=2) + "\n")
     atomic_write_text(folder / "results.md", markdown(results, meta))

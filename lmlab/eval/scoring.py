@@ -9,7 +9,8 @@ cache into one sequence per continuation (`Engine.select`) and runs them all in 
 So the four answer letters of a multiple-choice question cost one forward of the question.
 
 Contexts longer than the model's context are cut from the left (the question stays, the oldest
-few-shot examples go); `truncated` counts how often.
+few-shot examples go); `truncated` counts the distinct prompts so cut (a question scored against four
+answers, or sampled n times, counts once).
 """
 
 from __future__ import annotations
@@ -60,8 +61,13 @@ class Scorer:
         """log p(continuation | context) for each (context ids, continuation ids) pair; `progress` is
         called with the number of requests each batch finished."""
         groups: dict[tuple[int, ...], list[int]] = {}
+        cut = set()
         for i, (context, continuation) in enumerate(requests):
-            groups.setdefault(self._fit(context, continuation), []).append(i)
+            fitted = self._fit(context, continuation)
+            if len(fitted) < len(context):
+                cut.add(tuple(context))
+            groups.setdefault(fitted, []).append(i)
+        self.truncated += len(cut)
         results: list[LogLikelihood | None] = [None] * len(requests)
         contexts = sorted(groups, key=len, reverse=True)
         longest_after = {c: max(len(requests[i][1]) for i in groups[c]) for c in contexts}
@@ -102,10 +108,7 @@ class Scorer:
                 raise ValueError("an empty context needs an end-of-text token to condition on; this tokenizer has none")
             context = [self.tokenizer.eot_id]
         room = self.max_len - len(continuation)
-        if len(context) > room:
-            self.truncated += 1
-            context = context[-room:]
-        return tuple(context)
+        return tuple(context[-room:])
 
     @torch.inference_mode()
     def _score(self, contexts: list[tuple[int, ...]], continuations: list[Sequence[int]],
@@ -173,7 +176,7 @@ class Scorer:
         """Completions of `prompts` (token ids), cut at end-of-text or a stop string, with a progress bar;
         prompts too long for the context keep their last tokens (counted in `truncated`)."""
         room = self.max_len - max_new_tokens
-        self.truncated += sum(len(p) > room for p in prompts)
+        self.truncated += len({tuple(p) for p in prompts if len(p) > room})
         prompts = prepare_prompts(prompts, max_new_tokens, self.max_len, truncate=True)
         texts = []
         with tqdm(total=len(prompts), desc=desc, unit="ex") as bar:

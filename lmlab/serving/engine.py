@@ -48,7 +48,7 @@ class SamplingParams:
 
 @dataclass
 class ServingConfig:
-    num_blocks: int | None = None  # KV blocks in the pool; None: kv_memory_fraction of the free GPU memory
+    num_blocks: int | None = None  # KV blocks, the null block (padding) included; None: kv_memory_fraction of free memory
     block_size: int = 16  # token slots per block
     kv_memory_fraction: float = 0.8  # of the free GPU memory after the weights, for the pool (CUDA, num_blocks=None)
     scheduler: Any = "continuous"  # a `scheduler` registry config: continuous | static, with max_num_seqs, ...

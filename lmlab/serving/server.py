@@ -52,15 +52,16 @@ class SamplingFields(BaseModel):
 
     model_config = ConfigDict(extra="ignore")  # clients send fields lmlab does not use (user, logit_bias: null)
 
+    # Ranges are checked here so that an error names the request's field (`param`), not the sampler's key.
     model: str
-    n: int = 1
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
+    n: int = Field(1, ge=1)
+    temperature: float | None = Field(None, ge=0)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=-1)  # -1 and 0: off, as in vLLM
+    min_p: float | None = Field(None, ge=0, le=1)
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
-    repetition_penalty: float = 1.0
+    repetition_penalty: float = Field(1.0, gt=0)
     seed: int | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] = Field(default_factory=list)

@@ -35,10 +35,14 @@ def train_on_source(source, cfg: BPEConfig, progress: bool = True) -> BPETokeniz
     separator = EOT if EOT in cfg.special_tokens else ""
     with tempfile.TemporaryDirectory(prefix="lmlab-bpe-") as tmp:
         corpus = Path(tmp) / "corpus.txt"
+        text = 0
         with corpus.open("w", encoding="utf-8") as f:
             for doc in source.documents():
+                text += len(doc)
                 f.write(doc)
                 f.write(separator)
+        if not text:  # said before training, which would cache a tokenizer of bytes alone
+            raise ConfigError("the corpus is empty: the data source yielded no text")
         vocab, merges = train_bpe(corpus, cfg.vocab_size, cfg.special_tokens, cfg.num_workers, progress=progress)
     return BPETokenizer(vocab, merges, cfg.special_tokens)
 

@@ -52,7 +52,7 @@ class GracefulStop(L.Callback):
         stop = trainer.strategy.reduce_boolean_decision(self.received is not None, all=False)
         if not stop or trainer.global_step >= self.max_steps:  # the last step ends the run normally anyway
             return
-        trainer.save_checkpoint(self.checkpoint_path)
+        trainer.save_checkpoint(self.checkpoint_path, weights_only=False)  # the full state, to resume from
         name = (self.received or signal.SIGTERM).name  # a rank that saw no signal stops because a peer did
         raise RunInterrupted(f"stopped by {name} after step {trainer.global_step} of {self.max_steps}; "
                              f"checkpoint saved to {self.checkpoint_path}",

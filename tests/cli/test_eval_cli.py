@@ -33,7 +33,9 @@ def test_tasks_run_and_write_their_results_in_the_run_folder(ckpt, capsys):
     results = json.loads((folder / "results.json").read_text())
     assert set(results["tasks"]) == {"perplexity", "mmlu", "gsm8k"}
     assert results["tasks"]["mmlu"]["examples"] == 4 and len(results["tasks"]["mmlu"]["table"]) == 2  # 2 per subject
-    assert 0 < results["tasks"]["perplexity"]["metrics"]["tokens"] and results["meta"]["limit"] == 2
+    perplexity = results["tasks"]["perplexity"]
+    assert 0 < perplexity["metrics"]["tokens"] == perplexity["examples"] and perplexity["unit"] == "tokens"
+    assert results["meta"]["limit"] == 2
     markdown = (folder / "results.md").read_text()
     assert "| abstract_algebra |" in markdown and "| gsm8k | pass@1 |" in markdown
     records = [json.loads(line) for line in (folder / "records" / "gsm8k.jsonl").read_text().splitlines()]

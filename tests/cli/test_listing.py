@@ -60,3 +60,10 @@ def test_list_data_shows_the_shared_fields_then_the_sources_with_their_comments(
 def test_an_unknown_name_gets_the_closest_section_or_group(capsys):
     assert main(["list", "trainr"]) == 2
     assert "Did you mean 'trainer'?" in capsys.readouterr().err
+
+
+def test_list_everything_shows_each_section_and_group_once(capsys):
+    assert main(["list"]) == 0
+    headings = [block.splitlines()[0] for block in capsys.readouterr().out.split("\n\n")]
+    assert len(headings) == len(set(headings))
+    assert sum(h.startswith("data  (") for h in headings) == 2  # the shared fields, then the sources

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from lmlab.eval.scoring import Scorer
+from lmlab.inference.samplers import SAMPLERS
 from lmlab.nn import ModelConfig, Transformer
 from lmlab.tokenizers import ByteTokenizer
 
@@ -73,6 +74,13 @@ def test_long_contexts_with_continuations_of_different_lengths():
     got = scorer.loglikelihoods([(context, short), (context, long), ([7, 8], long)])
     for (c, k), result in zip([(context[-15:], short), (context[-12:], long), ([7, 8], long)], got):
         assert result.logprob == pytest.approx(_reference(model, c, k)[0], abs=1e-4)
+    assert scorer.truncated == 1  # one prompt was cut, whatever its continuations
+
+
+def test_a_prompt_generated_from_many_times_counts_once_as_cut():
+    scorer = Scorer(_model(ATTENTIONS[0], max_seq_len=16), ByteTokenizer(), 16)
+    scorer.generate([list(range(1, 30))] * 3 + [[5, 6]], SAMPLERS.build("greedy"), 4)
+    assert scorer.truncated == 1
 
 
 def test_an_empty_context_conditions_on_end_of_text():

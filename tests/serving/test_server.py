@@ -205,7 +205,6 @@ def test_queue_full_is_raised_before_queueing(model):
     ({"model": "gpt-9", "prompt": "x"}, 404, "does not exist"),
     ({"model": NAME}, 400, "prompt"),
     ({"model": NAME, "prompt": "x", "top_p": 0.5, "top_k": 3}, 400, "set one of top_k, top_p and min_p"),
-    ({"model": NAME, "prompt": "x", "temperature": -1}, 400, "temperature=-1"),
     ({"model": NAME, "prompt": ""}, 400, "prompt is empty"),
 ])
 def test_bad_requests_get_a_json_error_and_the_server_keeps_serving(server, body, status, message):
@@ -215,6 +214,16 @@ def test_bad_requests_get_a_json_error_and_the_server_keeps_serving(server, body
     assert response.status_code == status
     assert message in response.json()["error"]["message"]
     assert httpx.post(f"{url}/v1/completions", json={"model": NAME, "prompt": "ok", "max_tokens": 2}).status_code == 200
+
+
+@pytest.mark.parametrize("field, value", [("temperature", -1), ("top_p", 1.5), ("top_p", 0), ("min_p", 2),
+                                          ("top_k", -2), ("n", 0), ("repetition_penalty", 0)])
+def test_a_sampling_setting_out_of_range_is_named_as_the_request_names_it(server, field, value):
+    url, _ = server
+    response = httpx.post(f"{url}/v1/completions", json={"model": NAME, "prompt": "x", field: value})
+    error = response.json()["error"]
+    assert response.status_code == 400 and error["param"] == field and field in error["message"]
+    assert "sampler." not in error["message"]
 
 
 def test_health_and_prometheus_metrics(server):

@@ -78,6 +78,7 @@ def test_empty_corpus_is_a_clear_error(make_cfg, tiny_overrides, tmp_path):
     (tmp_path / "empty.txt").write_text("")
     with pytest.raises(ConfigError, match="corpus is empty"):
         train(make_cfg([*tiny_overrides, "data=text_files", f"data.paths=[{tmp_path / 'empty.txt'}]"]), tmp_path / "r")
+    assert not (tmp_path / "cache" / "tokenizers").exists()  # said before a tokenizer was trained on nothing
 
 
 def test_wrong_field_type_fails_at_composition(make_cfg, tiny_overrides):

@@ -47,4 +47,4 @@ class Perplexity(EvalTask):
         metrics = {"nll": nll / count, "ppl": math.exp(nll / count), "bpb": nll / math.log(2) / max(text_bytes, 1),
                    "tokens": count}
         return TaskResult("perplexity", metrics, examples=count, seconds=time.perf_counter() - started,
-                          notes=[f"scored {count:,} tokens of {what}"])
+                          notes=[f"scored {count:,} tokens of {what}"], unit="tokens")
