@@ -136,3 +136,21 @@ def test_a_reference_of_another_architecture_is_refused(data, tmp_path):
     other = train_tiny(tmp_path / "other", 2, "model.n_layers=1")
     with pytest.raises(ConfigError, match="has another architecture"):
         run_stage(data, tmp_path, "dpo", f"task.reference={other}")
+
+
+def test_a_command_line_override_of_the_policys_model_is_refused_not_ignored(data, tmp_path, monkeypatch, capsys):
+    from hydra.core.global_hydra import GlobalHydra
+
+    from lmlab.cli.app import run_hydra_app
+    from lmlab.cli.train import _train
+
+    monkeypatch.setattr("sys.argv", ["pytest"])  # run_hydra_app hands its argv to Hydra through sys.argv
+    argv = ["task=sft", f"task.data={data['sft']}", f"init_from={data['policy']}", "model.d_model=64",
+            f"cache_dir={tmp_path / 'cache'}", f"hydra.run.dir={tmp_path / 'run'}"]
+    try:
+        with pytest.raises(SystemExit) as ended:
+            run_hydra_app("lmlab-train", "train", _train, argv)
+    finally:
+        GlobalHydra.instance().clear()
+    assert ended.value.code == 2 and "model.d_model would be ignored" in capsys.readouterr().err
+    assert not (tmp_path / "run" / "checkpoints").exists()

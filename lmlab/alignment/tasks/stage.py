@@ -9,6 +9,7 @@ import copy
 import logging
 import math
 import random
+import re
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -17,6 +18,7 @@ from pathlib import Path
 import lightning as L
 import torch
 import torchmetrics
+from hydra.core.hydra_config import HydraConfig
 from omegaconf import MISSING, DictConfig, OmegaConf
 from torch import nn
 from torch.utils.data import DataLoader
@@ -39,6 +41,19 @@ log = logging.getLogger(__name__)
 # policy's, so a stage's checkpoint loads like the one it started from.
 STAGE_GROUPS = ("task", "optim", "sched", "loss", "rl_loss", "pref_loss", "reward", "trainer", "logger", "seed",
                 "init_from")
+POLICY_GROUPS = ("model", "tokenizer", "data")  # init_from's; a stage reads its examples from task.data
+
+
+def check_policy_overrides(name: str) -> None:
+    """Refuse command-line overrides of the policy's groups, which the stage would ignore (lmlab-train's
+    own overrides, under Hydra; a config passed in Python is the caller's)."""
+    if not HydraConfig.initialized():
+        return
+    keys = [o.split("=", 1)[0].lstrip("+~") for o in HydraConfig.get().overrides.task]
+    ignored = [k for k in keys if re.split(r"[./]", k)[0] in POLICY_GROUPS]
+    if ignored:
+        raise ConfigError(f"task={name} trains init_from's model with its tokenizer, so {', '.join(ignored)} would be "
+                          "ignored; drop it (the stage's examples come from task.data)")
 
 
 @dataclass
@@ -72,6 +87,7 @@ class PostTraining(Task):
         if not cfg.init_from:
             raise ConfigError(f"task={name} starts from a trained model: set init_from=PATH/TO/last.ckpt")
         check_single_process(cfg)
+        check_policy_overrides(name)
         if not Path(self.cfg.data).is_file():
             raise ConfigError(f"task.data={self.cfg.data} is not a file")
         self.check(cfg)
