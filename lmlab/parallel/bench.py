@@ -300,10 +300,11 @@ def report(r: dict) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="lmlab bench parallel", description=__doc__.splitlines()[0])
     parser.add_argument("--world-size", type=int, default=2)
-    parser.add_argument("--strategies", nargs="+", default=list(STRATEGIES), choices=list(STRATEGIES))
+    parser.add_argument("--strategies", nargs="+", choices=list(STRATEGIES),
+                        help="default: every one that runs the model (ep only with --experts)")
     parser.add_argument("--d-model", type=int, default=256)
     parser.add_argument("--n-layers", type=int, default=4)
     parser.add_argument("--n-heads", type=int, default=4)
@@ -315,6 +316,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--top-k", type=int, default=2, help="experts per token, with --experts")
     parser.add_argument("--json", type=Path, help="also write the results here")
     args = parser.parse_args(argv)
+    args.strategies = args.strategies or [name for name in STRATEGIES if name != "ep" or args.experts]
     if args.world_size < 2 or args.batch % args.world_size or args.steps < 3:
         parser.error("--world-size must be >= 2 and divide --batch, and --steps must be >= 3")
     if "pp" in args.strategies and args.n_layers < args.world_size:
@@ -323,6 +325,11 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"cp cuts each sequence into 2 x {args.world_size} chunks: --seq must be a multiple of that")
     if "ep" in args.strategies and (not args.experts or args.experts % args.world_size):
         parser.error("ep spreads the experts over the ranks: --experts must be a multiple of --world-size")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     model_cfg = {"d_model": args.d_model, "n_layers": args.n_layers, "max_seq_len": args.seq, "norm": "rmsnorm",
                  "ffn": "swiglu", "position": "rope", "attention": {"name": "mha", "n_heads": args.n_heads},
                  "block": "prenorm"}

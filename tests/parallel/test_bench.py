@@ -96,3 +96,11 @@ def test_strategies_that_ran_out_of_memory_are_rows_and_the_rest_still_run(monke
     text = bench.report(result)
     assert "single            1   out of memory: CUDA out of memory." in text
     assert "32000.0/32000.0" in text and "5.0/5.0" in text
+
+
+def test_bare_command_runs_every_strategy_the_model_allows():
+    assert "ep" not in bench.parse_args([]).strategies  # a dense model: nothing for expert parallelism to spread
+    assert bench.parse_args([]).strategies == [name for name in bench.STRATEGIES if name != "ep"]
+    assert "ep" in bench.parse_args(["--experts", "4"]).strategies
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--strategies", "ep"])
