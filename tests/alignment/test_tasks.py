@@ -117,6 +117,7 @@ def test_gsm8k_answers_keep_the_final_number(tmp_path):
     ("grpo", ["task.max_new_tokens=30"], "prompts are longer than 2 tokens"),
     ("grpo", ["trainer.accumulate_grad_batches=2"], "accumulates with task.micro_batch_size"),
     ("sft", ["init_from=null"], "set init_from="),
+    ("sft", ["init_from=/nonexistent.ckpt"], "init_from=/nonexistent.ckpt is not a file"),
     ("sft", ["task.data=/nonexistent.jsonl"], "is not a file"),
 ])
 def test_bad_input_fails_before_any_work(data, tmp_path, task, overrides, match):

@@ -27,7 +27,7 @@ from lmlab.alignment.chat import CHAT_TEMPLATES, ChatTemplate
 from lmlab.checks import in_open_interval
 from lmlab.errors import ConfigError
 from lmlab.tokenizers.base import Tokenizer, pack_tokenizer
-from lmlab.training.checkpoints import CONFIG_KEY, TOKENIZER_KEY, load
+from lmlab.training.checkpoints import CONFIG_KEY, TOKENIZER_KEY, load, read_checkpoint
 from lmlab.training.loggers import build_logger
 from lmlab.training.module import METRICS_KEY, optimizer_and_schedule
 from lmlab.training.progress import quiet_library_noise
@@ -86,6 +86,7 @@ class PostTraining(Task):
         name = cfg.task.name
         if not cfg.init_from:
             raise ConfigError(f"task={name} starts from a trained model: set init_from=PATH/TO/last.ckpt")
+        read_checkpoint(cfg.init_from, "init_from")  # a missing or foreign file, named by its setting
         check_single_process(cfg)
         check_policy_overrides(name)
         if not Path(self.cfg.data).is_file():
