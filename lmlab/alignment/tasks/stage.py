@@ -19,6 +19,7 @@ import lightning as L
 import torch
 import torchmetrics
 from hydra.core.hydra_config import HydraConfig
+from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import MISSING, DictConfig, OmegaConf
 from torch import nn
 from torch.utils.data import DataLoader
@@ -49,11 +50,11 @@ def check_policy_overrides(name: str) -> None:
     own overrides, under Hydra; a config passed in Python is the caller's)."""
     if not HydraConfig.initialized():
         return
-    keys = [o.split("=", 1)[0].lstrip("+~") for o in HydraConfig.get().overrides.task]
-    ignored = [k for k in keys if re.split(r"[./]", k)[0] in POLICY_GROUPS]
+    overrides = OverridesParser.create().parse_overrides(list(HydraConfig.get().overrides.task))
+    ignored = [o.key_or_group for o in overrides if re.split(r"[./]", o.key_or_group)[0] in POLICY_GROUPS]
     if ignored:
         raise ConfigError(f"task={name} trains init_from's model with its tokenizer, so {', '.join(ignored)} would be "
-                          "ignored; drop it (the stage's examples come from task.data)")
+                          "ignored; drop the override (the stage's examples come from task.data)")
 
 
 @dataclass
