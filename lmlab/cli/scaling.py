@@ -188,7 +188,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
                                     "method=joint] [inference_tokens=1e12] [lmlab-train overrides of the model to size]")
     law, source, cfg, vocab = _law_and_config(settings, overrides)
     print(f"law: {source}")
-    print(plan(law, settings["flops"], cfg, vocab, settings.get("inference_tokens", 0.0), _shape_rule(settings)))
+    print(plan(law, settings["flops"], cfg, vocab, settings.get("inference_tokens", 0.0), _shape_rule(settings),
+               overrides))
     return 0
 
 

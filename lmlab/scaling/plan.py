@@ -6,6 +6,8 @@ loss (Sardana et al. 2024, "Beyond Chinchilla-Optimal")."""
 from __future__ import annotations
 
 import math
+import shlex
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -133,8 +135,8 @@ def overtrain(law: JointLaw, flops: float, inference_tokens: float, points: int 
 
 
 def plan(law: ComputeOptimal, flops: float, cfg: DictConfig, vocab_size: int, inference_tokens: float = 0.0,
-         rule: ShapeRule = ShapeRule()) -> str:
-    """The planner's report (see the module doc)."""
+         rule: ShapeRule = ShapeRule(), overrides: Sequence[str] = ()) -> str:
+    """The planner's report (see the module doc). `overrides` made `cfg`: its lmlab-train lines repeat them."""
     if not flops > 0:
         raise ConfigError(f"flops must be a positive FLOP count, got {flops}")
     if inference_tokens < 0:
@@ -145,7 +147,7 @@ def plan(law: ComputeOptimal, flops: float, cfg: DictConfig, vocab_size: int, in
     n, d = float(law.n_opt(flops)), float(law.d_opt(flops))
     lines = [f"budget {flops:.3g} FLOPs: N* = {n:.3g} parameters (without the token embedding), D* = {d:.3g} tokens "
              f"({d / n:.1f} per parameter), predicted loss {float(law.predicted_loss(flops)):.4f}"]
-    lines += _config_lines(cfg, vocab_size, n, d, tokens_per_step, rule)
+    lines += _config_lines(cfg, vocab_size, n, d, tokens_per_step, rule, overrides)
     if inference_tokens:
         best = overtrain(law, flops, inference_tokens)
         optimal_total = flops + INFERENCE_FLOPS_PER_PARAM * n * inference_tokens
@@ -153,12 +155,12 @@ def plan(law: ComputeOptimal, flops: float, cfg: DictConfig, vocab_size: int, in
                      f"({best.d / best.n:.1f} per parameter) for the same loss; training {best.training_flops:.3g} + "
                      f"inference {best.inference_flops:.3g} = {best.total:.3g} FLOPs against {optimal_total:.3g} for "
                      f"N* ({100 * (best.total / optimal_total - 1):+.1f}%)")
-        lines += _config_lines(cfg, vocab_size, best.n, best.d, tokens_per_step, rule)
+        lines += _config_lines(cfg, vocab_size, best.n, best.d, tokens_per_step, rule, overrides)
     return "\n".join(lines)
 
 
 def _config_lines(cfg: DictConfig, vocab_size: int, n: float, d: float, tokens_per_step: int,
-                  rule: ShapeRule) -> list[str]:
+                  rule: ShapeRule, overrides: Sequence[str]) -> list[str]:
     """The lmlab model nearest N parameters and the steps that spend 6ND FLOPs by lmlab's cost model (which
     also counts attention's products, so the run sees somewhat fewer tokens than D)."""
     shape = model_shape(cfg, vocab_size, n, rule)
@@ -168,4 +170,4 @@ def _config_lines(cfg: DictConfig, vocab_size: int, n: float, d: float, tokens_p
             f"{shape.params:.3g} parameters without the token embedding ({shape.params_total:.3g} in all), "
             f"{shape.flops_per_token:.3g} training FLOPs per token; {steps:,} steps of {tokens_per_step:,} tokens = "
             f"{tokens:.3g} tokens ({tokens / d:.0%} of D)",
-            "  lmlab-train " + " ".join([*shape.overrides(), f"trainer.max_steps={steps}"])]
+            "  " + shlex.join(["lmlab-train", *overrides, *shape.overrides(), f"trainer.max_steps={steps}"])]

@@ -205,10 +205,10 @@ class LanguageModelTask(L.LightningModule):
             self.log("train/skipped_steps", float(self.guard.skipped))
 
     def on_train_batch_end(self, outputs, batch, batch_idx: int) -> None:
-        """Ask Lightning to validate after the last step when val_every does not land on it, so the
-        run's final numbers come from a validation inside fit (and show on the progress bar)."""
-        t = self.trainer_cfg
-        if not self._micro_terms and self.global_step >= t.max_steps and self.global_step % t.val_every:
+        """Stop at the last step: Lightning then writes its scalars to the loggers even when log_every does not
+        land on it, and validates after it (once, when val_every also lands there), so the run's final numbers
+        come from a validation inside fit (and show on the progress bar)."""
+        if not self._micro_terms and self.global_step >= self.trainer_cfg.max_steps:
             self.trainer.should_stop = True
 
     def _log_moe_stats(self) -> None:

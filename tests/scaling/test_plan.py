@@ -67,6 +67,7 @@ def test_plan_cli_from_a_fit_file(tmp_path, capsys):
     assert main(["scaling", "plan", "flops=1e15", f"fit={tmp_path / 'fits.json'}", "method=isoflop",
                  "model.vocab_size=1024"]) == 0
     out = capsys.readouterr().out
+    assert "  lmlab-train model.vocab_size=1024 model.d_model=" in out  # the line trains the model planned
     fits = json.loads((tmp_path / "fits.json").read_text())
     n_opt = law_from_json(fits["isoflop"]["law"]).n_opt(1e15)
     assert f"N* = {n_opt:.3g}" in out

@@ -32,7 +32,9 @@ def test_library_noise_is_dropped(caplog):
 
 def test_training_scalars_are_logged_on_logging_steps_and_the_last_only(make_cfg, tiny_overrides, tmp_path,
                                                                            monkeypatch):
-    """`self.log` costs a small model's step its own length in host time: steps whose scalars no logger takes skip it."""
+    """`self.log` costs a small model's step its own length in host time: steps whose scalars no logger takes skip it.
+    The last step's reach the logger even when log_every does not land on it; the run validates once there."""
+    from lmlab.cli.compare import read_csv
     from lmlab.training.module import LanguageModelTask
 
     logged_at = []
@@ -44,7 +46,14 @@ def test_training_scalars_are_logged_on_logging_steps_and_the_last_only(make_cfg
         return log(self, name, value, *args, **kwargs)
 
     monkeypatch.setattr(LanguageModelTask, "log", recording)
-    results = train(make_cfg([*tiny_overrides, "trainer.max_steps=10", "trainer.val_every=10", "trainer.log_every=4"]),
-                    tmp_path / "run")
+    results = train(make_cfg([*tiny_overrides, "trainer.max_steps=10", "trainer.val_every=10", "trainer.log_every=4",
+                              "logger=csv"]), tmp_path / "run")
     assert logged_at == [4, 8, 10]
     assert results["train_loss"] > 0
+    scalars = read_csv(next((tmp_path / "run").rglob("metrics.csv")))
+    for tag in "train/loss", "train/grad_norm", "lr", "perf/tokens_per_s":  # Lightning counts steps from 0
+        assert [step for step, _ in scalars[tag]] == [3, 7, 9], tag
+    tokens_per_s = [value for _, value in scalars["perf/tokens_per_s"]]
+    assert tokens_per_s[2] != tokens_per_s[1]  # the last window's own figure
+    assert scalars["train/loss"][-1][1] == results["train_loss"]
+    assert [step for step, _ in scalars["val/loss"]] == [0, 9]
