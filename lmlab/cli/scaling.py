@@ -30,10 +30,10 @@ from lmlab.scaling.plots import plot_envelope, plot_frontier, plot_isoflop, plot
 from lmlab.scaling.points import Point, read_points, write_points
 
 
-def fits_and_draws(points: list[Point], samples: int, seed: int) -> tuple[dict, dict[str, list], dict[str, str]]:
-    """(fits by method, their bootstrap refits, why a method did not apply). IsoFLOP runs only on rows with a
-    budget and redraws each budget's residuals; the joint law resamples points, envelope and Kaplan whole
-    runs' curves."""
+def fits_and_draws(points: list[Point], samples: int, seed: int) -> tuple[dict, dict[str, list], dict[str, str], str]:
+    """(fits by method, their bootstrap refits, why a method did not apply, which points each method read).
+    IsoFLOP runs only on rows with a budget and redraws each budget's residuals; the joint law resamples points,
+    envelope and Kaplan whole runs' curves."""
     fits, draws, skipped = {}, {}, {}
     curves = list(curves_of(points).values())
     planned = [p for p in points if not math.isnan(p.budget)]
@@ -60,15 +60,17 @@ def fits_and_draws(points: list[Point], samples: int, seed: int) -> tuple[dict, 
                 draws[name] = refits(fits[name], data)
             except ConfigError as err:  # the fit stands; only its intervals are missing
                 skipped[f"{name} intervals"] = str(err)
-    return fits, draws, skipped
+    read = ", ".join(f"{name} {len(data)}" for name, (_, data, _) in methods.items())
+    final_only = " (joint: each run's final point)" if len(methods["joint"][1]) < len(points) else ""
+    return fits, draws, skipped, f"{len(points)} points of {len(curves)} runs; read by {read}{final_only}"
 
 
 def _with_interval(value: float, interval: tuple[float, float] | None) -> str:
     return f"{value:.3f}" + (f" [{interval[0]:.3f}, {interval[1]:.3f}]" if interval else "")
 
 
-def report(fits: dict, intervals_of: dict, skipped: dict[str, str], at: float, loss_ci: dict) -> str:
-    lines = [f"{'method':<9} {'N* ~ C^a':<24} {'D* ~ C^b':<24} {'N*':>10} {'D*':>10} {'D*/N*':>7} "
+def report(fits: dict, intervals_of: dict, skipped: dict[str, str], at: float, loss_ci: dict, read: str) -> str:
+    lines = [read, f"{'method':<9} {'N* ~ C^a':<24} {'D* ~ C^b':<24} {'N*':>10} {'D*':>10} {'D*/N*':>7} "
              f"{'loss':<22}   (at C = {at:.3g} FLOPs; 95% bootstrap intervals)"]
     for name, fit in fits.items():
         params, ci = fit.params(), intervals_of.get(name, {})
@@ -90,13 +92,13 @@ def report(fits: dict, intervals_of: dict, skipped: dict[str, str], at: float, l
 
 def cmd_fit(args: argparse.Namespace) -> int:
     points = read_points(args.points)
-    fits, draws, skipped = fits_and_draws(points, args.bootstrap, args.seed)
+    fits, draws, skipped, read = fits_and_draws(points, args.bootstrap, args.seed)
     if not fits:
         raise ConfigError("no fit applies to these points:\n" + "\n".join(f"  {k}: {v}" for k, v in skipped.items()))
     at = args.at or 10 * max(p.flops for p in points)
     ci = {name: intervals(d) for name, d in draws.items()}
     loss_ci = {name: loss_interval(d, at) for name, d in draws.items()}
-    text = report(fits, ci, skipped, at, loss_ci)
+    text = report(fits, ci, skipped, at, loss_ci, read)
     print(text)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "fit.txt").write_text(text + "\n")
