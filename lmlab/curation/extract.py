@@ -103,7 +103,8 @@ class WarcHtml:
 class WarcStats:
     records: int = 0
     html: int = 0
-    skipped: int = 0  # responses that are not HTML, or not HTTP 200
+    not_ok: int = 0  # responses whose HTTP status is not 200 (redirects, 404s, errors)
+    not_html: int = 0  # 200 responses of another content type (images, scripts, PDFs)
     corrupt: int = 0  # truncated or unreadable records (the rest of the file is skipped)
 
 
@@ -138,8 +139,11 @@ def iter_warc_html(path: str | Path, stats: WarcStats | None = None) -> Iterator
             return False
         content_type = (record.http_headers.get_header("Content-Type") or "") if record.http_headers else ""
         status = record.http_headers.get_statuscode() if record.http_headers else None
-        if status != "200" or content_type.split(";")[0].strip().lower() not in HTML_TYPES:
-            stats.skipped += 1
+        if status != "200":
+            stats.not_ok += 1
+            return False
+        if content_type.split(";")[0].strip().lower() not in HTML_TYPES:
+            stats.not_html += 1
             return False
         stats.html += 1
         return True

@@ -7,7 +7,7 @@
 - `text`: a plain text file is one document.
 
 A reader counts what it reads into its stage statistics: records in, documents out, the bytes it read, and why
-a record gave no document (corrupt record, not HTML, undecodable bytes, no text).
+a record gave no document (corrupt record, HTTP status not 200, not HTML, undecodable bytes, no text).
 """
 
 from __future__ import annotations
@@ -55,9 +55,10 @@ class WarcReader:
                 stats.drop("empty")
             else:
                 yield Document(_id(path, warc.html - 1), text, {"url": page.url, "date": page.date})
-        # records that hold no page count as read and dropped: requests, metadata, other content types
-        stats.docs_in += warc.skipped + warc.corrupt
-        stats.drop("not_html", warc.skipped)
+        # responses that hold no page count as read and dropped: other statuses, other content types
+        stats.docs_in += warc.not_ok + warc.not_html + warc.corrupt
+        stats.drop("http_status", warc.not_ok)
+        stats.drop("not_html", warc.not_html)
         stats.drop("corrupt_record", warc.corrupt)
 
 

@@ -33,7 +33,7 @@ def test_warc_yields_only_ok_html_responses_with_url_and_date(tmp_path):
     pages = list(iter_warc_html(path, stats))
     assert [p.url for p in pages] == ["https://a.example/", "https://b.example/x"]
     assert pages[0].date and "Café" in extract_text_from_html_bytes(pages[0].html)
-    assert (stats.html, stats.skipped, stats.corrupt) == (2, 2, 0)
+    assert (stats.html, stats.not_ok, stats.not_html, stats.corrupt) == (2, 1, 1, 0)
 
 
 def test_a_truncated_warc_keeps_what_came_before_and_counts_the_damage(tmp_path):

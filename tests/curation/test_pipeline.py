@@ -151,13 +151,14 @@ def test_web_pipeline_reads_warc_and_writes_shards_stats_and_funnel(tmp_path, ca
     records = [(f"https://example.org/{i}", "200 OK", "text/html", PAGE.format(body).encode())
                for i, body in enumerate(english + [english[0], german])]
     records.append(("https://example.org/logo.png", "200 OK", "image/png", b"\x89PNG"))
+    records.append(("https://example.org/moved", "301 Moved Permanently", "text/html", b"<p>see elsewhere</p>"))
     (tmp_path / "crawl").mkdir()
     (tmp_path / "crawl" / "a.warc.gz").write_bytes(warc_bytes(records[:4]))
     (tmp_path / "crawl" / "b.warc.gz").write_bytes(warc_bytes(records[4:]))
     out = tmp_path / "clean"
     assert main(["data", "run", "pipeline=web", f"input={tmp_path}/crawl/*.warc.gz", f"output={out}"]) == 0
     stats = json.loads((out / "stats.json").read_text())
-    assert stats["read"]["docs_in"] == 7 and stats["read"]["dropped"] == {"not_html": 1}
+    assert stats["read"]["docs_in"] == 8 and stats["read"]["dropped"] == {"not_html": 1, "http_status": 1}
     assert stats["language"]["dropped"] == {"label": 1} and stats["exact_dedup"]["dropped"] == {"duplicate": 1}
     docs = output(out)
     assert sorted(d["url"] for d in docs) == [f"https://example.org/{i}" for i in range(4)]
