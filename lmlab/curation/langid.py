@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import lru_cache
+from pathlib import Path
 
 from lmlab.errors import ConfigError
 from lmlab.registry import Registry
@@ -67,11 +68,17 @@ class FastTextLangId:
     class Config:
         model: str = ""  # lid.176.bin or lid.176.ftz
 
+    SOURCE = ("download https://dl.fbaipublicfiles.com/fasttext/supervised-models/lid.176.bin (or the smaller "
+              "lid.176.ftz beside it) and give its path; in a pipeline, a stage {name: language, identifier: "
+              "{name: fasttext, model: PATH}}")
+
     def __init__(self, cfg: Config):
         from lmlab.curation.classifier import FastTextClassifier
 
         if not cfg.model:
-            raise ConfigError("langid 'fasttext' needs model=PATH: fastText's lid.176.bin or lid.176.ftz")
+            raise ConfigError(f"langid 'fasttext' needs model=PATH, fastText's lid.176 model: {self.SOURCE}")
+        if not Path(cfg.model).expanduser().is_file():
+            raise ConfigError(f"langid 'fasttext': model file {cfg.model} does not exist: {self.SOURCE}")
         self.model = FastTextClassifier(cfg.model)
 
     def __call__(self, text: str) -> tuple[str, float]:

@@ -83,5 +83,7 @@ def test_fasttext_bin_models_load_as_classifier_and_language_identifier(tmp_path
     keep_german = FILTERS.build({"name": "language", "languages": ["de"], "min_probability": 0.5,
                                  "identifier": {"name": "fasttext", "model": str(path)}})
     assert keep_german("der Hund lief über die Straße").keep and not keep_german("the cat sat on the mat").keep
-    with pytest.raises(ConfigError, match="does not exist"):
+    with pytest.raises(ConfigError, match="does not exist: download https://.*/lid.176.bin"):
         LANGUAGE_IDS.build({"name": "fasttext", "model": str(tmp_path / "lid.176.bin")})
+    with pytest.raises(ConfigError, match="needs model=PATH.*identifier: {name: fasttext, model: PATH}"):
+        LANGUAGE_IDS.build("fasttext")
