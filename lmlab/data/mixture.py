@@ -168,13 +168,16 @@ class Mixture(TextSource):
         train_sizes = {n: float(sum(map(len, d))) for n, d in train.items()}
         takes = self.mixing(train_sizes, budget)
         rng, stream, held_out = random.Random(self.cfg.seed), [], []
+        first_pass = not self.epochs  # the tokenizer's training reads the documents before their encoding does
         for name, d in train.items():
             self.epochs[name] = takes[name] / train_sizes[name]
             stream += _take(d, takes[name], rng)
             held_out += docs[name][cuts[name]:]
         rng.shuffle(stream)
-        print("data=mixture: " + ", ".join(f"{name} {self.epochs[name]:.2f} epochs ({takes[name] / 1e6:.3g}M "
-                                           f"characters of {sizes[name] / 1e6:.3g}M)" for name in docs), file=sys.stderr)
+        if first_pass:
+            print("data=mixture: " + ", ".join(f"{name} {self.epochs[name]:.2f} epochs ({takes[name] / 1e6:.3g}M "
+                                               f"characters of {sizes[name] / 1e6:.3g}M)" for name in docs),
+                  file=sys.stderr)
         yield from stream
         yield from held_out
 

@@ -32,7 +32,7 @@ def _jsonl(path, prefix, n, words):
     return str(path)
 
 
-def test_mixture_repeats_small_sources_up_to_the_cap_and_holds_out_unseen_documents(tmp_path):
+def test_mixture_repeats_small_sources_up_to_the_cap_and_holds_out_unseen_documents(tmp_path, capsys):
     small, big = _jsonl(tmp_path / "s.jsonl", "small", 20, 20), _jsonl(tmp_path / "b.jsonl", "big", 200, 20)
     cfg = {"name": "mixture", "sources": {"small": {"name": "text_files", "paths": [small]},
                                           "big": {"name": "text_files", "paths": [big]}},
@@ -49,6 +49,8 @@ def test_mixture_repeats_small_sources_up_to_the_cap_and_holds_out_unseen_docume
     assert val and not train & val  # validation documents are never trained on
     assert {d.split()[0][:3] for d in val} == {"sma", "big"}  # both sources are in validation
     assert docs == list(SOURCES.build(cfg).documents())  # the seed fixes the order
+    assert list(source.documents()) == docs  # a second read (the tokenizer's, then the encoding's) ...
+    assert capsys.readouterr().err.count("data=mixture: small 3.00 epochs") == 2  # ... reports once per source
     other = SOURCES.build({**cfg, "mixing": "proportional"})
     assert other.fingerprint() != source.fingerprint()
 
