@@ -19,7 +19,7 @@ from lmlab.errors import ConfigError
 from lmlab.data.batches import evenly_spaced_windows
 from lmlab.inference.bench import QUANT_ENGINES, by_layout
 from lmlab.inference.engine import Engine
-from lmlab.inference.quant import QUANTS, quantize
+from lmlab.inference.quant import QUANTS, quantize, set_kernels
 from lmlab.inference.speculative import check_draft, speculative_generate
 from lmlab.nn.transformer import Transformer
 from lmlab.timing import sync
@@ -78,8 +78,8 @@ def quant_quality(model: Transformer, data: CheckpointData, quants: list, new: i
                   engines: tuple[str, ...] = ("compiled",)) -> list[dict]:
     """Per quant entry (and the unquantized weights first): validation perplexity and batch-1 decode
     tokens/s on each of `engines` (QUANT_ENGINES), and its speed-up over the unquantized weights on the same
-    engine; entries that calibrate use the training split. Engines that need another stored layout of the codes
-    (QUANT_LAYOUT) get a copy quantized so; the perplexity is the first copy's."""
+    engine; entries that calibrate use the training split. Each entry quantizes once; engines that need another
+    stored layout of the codes (QUANT_LAYOUT) get a copy re-packed so; the perplexity is the first copy's."""
     if unknown := sorted(set(engines) - set(QUANT_ENGINES)):
         raise ValueError(f"unknown engine {', '.join(unknown)}; choose from {', '.join(QUANT_ENGINES)}")
     prompt = data.prompts(1, min(128, data.context // 2))[0]
@@ -89,16 +89,19 @@ def quant_quality(model: Transformer, data: CheckpointData, quants: list, new: i
         _, config = QUANTS.resolve(quant)
         calibration = data.calibration if QUANTS.build(config).method.calibrated else None
         row = {"decode_tokens_per_s": {}, "not_run": {}}
+        readable = copy.deepcopy(model)  # in the layout that gives its codes back, for each engine's re-packing
+        report = quantize(readable, dataclasses.replace(config, kernel="dequant"), calibration)
+        row.update(quant=report["quant"], method=report["method"])
         for layout, group in by_layout(list(engines)).items():
-            quantized = copy.deepcopy(model)
-            report = quantize(quantized, dataclasses.replace(config, **dict(layout)), calibration)
+            quantized = copy.deepcopy(readable)
+            kernels = set_kernels(quantized, dict(layout).get("kernel", config.kernel))
             if "ppl" not in row:
-                row.update(quant=report["quant"], method=report["method"], kernels=report["kernels"],
-                           ppl=perplexity(quantized, *data.val))
+                row.update(kernels=kernels, ppl=perplexity(quantized, *data.val))
             speeds, not_run = _batch1_speeds(quantized, prompt, new, tuple(group))
             row["decode_tokens_per_s"].update(speeds)
             row["not_run"].update(not_run)
             del quantized
+        del readable
         rows.append(row)
     base = rows[0]["decode_tokens_per_s"]
     for row in rows[1:]:

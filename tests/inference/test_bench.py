@@ -47,10 +47,15 @@ def test_kv_bytes_shrink_from_mha_to_mqa_and_linear_is_constant(ckpt):
     assert per_token["cla (kv_share=2, mha)"] == per_token["mha"] / 2
 
 
-def test_quantized_perplexity_is_measured_on_the_validation_split(ckpt):
+def test_quantized_perplexity_is_measured_on_the_validation_split(ckpt, monkeypatch):
+    from lmlab.inference import bench_checkpoint
+
     model, _, _ = lmlab.load(ckpt)
     data = CheckpointData(ckpt)
+    calls = []
+    monkeypatch.setattr(bench_checkpoint, "quantize", lambda *a: calls.append(a) or quantize(*a))
     rows = quant_quality(model, data, ["int8"], new=4, engines=("eager", "megakernel"))
+    assert len(calls) == 1  # one quantization (a calibration, for GPTQ) re-packed for both engines' layouts
     assert [r["quant"] for r in rows] == ["none", "int8"]
     assert rows[0]["ppl"] == pytest.approx(perplexity(model, *data.val))
     assert abs(rows[1]["ppl_change"]) < 0.05 and rows[1]["speedup"]["eager"] > 0

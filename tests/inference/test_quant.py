@@ -1,6 +1,9 @@
 """Weight-only quantization: rounding error bounds, the quantized modules against their dequantized
 weights, GPTQ against round-to-nearest, `quantize` on small models, and bad input."""
 
+import copy
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -8,7 +11,7 @@ from torch import nn
 
 from lmlab.errors import ConfigError
 from lmlab.inference.engine import Engine
-from lmlab.inference.quant import QUANTS, Int4Linear, Int8Linear, quantize
+from lmlab.inference.quant import QUANTS, Int4Linear, Int8Linear, quantize, set_kernels
 from lmlab.inference.quant.gptq import collect_hessians, gptq
 from lmlab.inference.quant.grid import INT4, INT8, round_to_nearest
 from lmlab.nn import ModelConfig, Transformer
@@ -131,6 +134,29 @@ def test_quantize_int8_replaces_every_layer_linear_and_the_head_and_keeps_logits
         assert rel_error(model(ids), ref) < 0.02
 
 
+def test_set_kernels_repacks_the_same_codes_for_another_kernel_without_quantizing_again():
+    model = tiny_model()
+    quantize(model, {"name": "int8", "method": "rtn"})
+    ids = token_batches(1, seed=3)[0]
+    with torch.no_grad():
+        before = model(ids)
+    codes = {n: m.weight.clone() for n, m in model.named_modules() if isinstance(m, Int8Linear)}
+    assert set_kernels(model, "int8pack_mm") == {"int8pack_mm": 15}
+    assert all(torch.equal(m.weight, codes[n]) for n, m in model.named_modules() if isinstance(m, Int8Linear))
+    assert set_kernels(model) == {"dequant": 15}  # auto on a CPU
+    with torch.no_grad():
+        assert torch.equal(model(ids), before)
+
+
+def test_set_kernels_refuses_a_layout_that_does_not_give_its_codes_back(monkeypatch):
+    linear = Int4Linear(torch.randint(0, 16, (8, 64)), torch.ones(8, 2), torch.zeros(8, 2), 32, None, "dequant")
+    assert linear.set_kernel("dequant", "layers.0.mlp.up_proj") == "dequant"
+    monkeypatch.setitem(Int4Linear.kernels, "dequant",  # as tinygemm's packed layout is
+                        dataclasses.replace(Int4Linear.kernels["dequant"], unpack=None))
+    with pytest.raises(ConfigError, match="layers.0.mlp.up_proj: the dequant kernel's layout does not give its codes"):
+        linear.set_kernel("dequant", "layers.0.mlp.up_proj")
+
+
 def test_quantize_int4_keeps_the_head_and_logits_near_and_gptq_beats_rtn_on_held_out_tokens():
     ids = token_batches(1, seed=3)[0]  # calibration batches come from other seeds
     errors = {}
@@ -227,4 +253,10 @@ def test_packed_cuda_kernels_match_the_dequantizing_path():
     packed, plain = (Int8Linear(codes, scale[:, 0].to(torch.bfloat16), None, k) for k in ("int8pack_mm", "dequant"))
     assert rel_error(packed(x), plain(x)) < 1e-2
     model = tiny_model().to("cuda", torch.bfloat16)
+    readable = copy.deepcopy(model)
     assert quantize(model, {"name": "int4", "group_size": 32, "method": "rtn"})["kernels"] == {"int4pack_mm": 14}
+    # one quantization in the codes' own layout, re-packed for tinygemm: the same stored weights
+    quantize(readable, {"name": "int4", "group_size": 32, "method": "rtn", "kernel": "dequant"})
+    assert set_kernels(readable) == {"int4pack_mm": 14}
+    for (name, a), b in zip(model.state_dict().items(), readable.state_dict().values()):
+        assert torch.equal(a, b), name

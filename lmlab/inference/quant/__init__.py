@@ -13,7 +13,7 @@ so an output y_n = sum_k x_k W_nk is off by at most sum_k |x_k| * scale_nk / 2.
 """
 
 from lmlab.inference.quant.linear import Int4Linear, Int8Linear, QuantLinear
-from lmlab.inference.quant.quantize import quantize
+from lmlab.inference.quant.quantize import quantize, set_kernels
 from lmlab.inference.quant.registry import QUANTS
 
-__all__ = ["QUANTS", "Int4Linear", "Int8Linear", "QuantLinear", "quantize"]
+__all__ = ["QUANTS", "Int4Linear", "Int8Linear", "QuantLinear", "quantize", "set_kernels"]

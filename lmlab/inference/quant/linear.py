@@ -33,6 +33,8 @@ class Kernel:
     unfit: Callable[[int, int, torch.device, torch.dtype], str | None]  # (N, K, ...) -> why it cannot run; None: it can
     pack: Callable[[torch.Tensor], torch.Tensor] = lambda codes: codes  # codes (N, K) -> the stored weight
     dequantize: Callable[[nn.Module], torch.Tensor] | None = None  # module -> weight (N, K) in float32 or bf16
+    # the stored weight -> codes (N, K); None where the layout is the kernel's own and does not give them back
+    unpack: Callable[[torch.Tensor], torch.Tensor] | None = lambda weight: weight
 
 
 def _runs_anywhere(n: int, k: int, device: torch.device, dtype: torch.dtype) -> str | None:
@@ -67,6 +69,20 @@ class QuantLinear(nn.Module):
         y = y.view(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias.to(x.dtype)
 
+    def set_kernel(self, kernel: str, name: str = "") -> str:
+        """Store the weight for `kernel` (with "auto", the first of `auto` that runs it) instead: the same codes
+        re-packed, exactly, not quantized again. Returns the kernel; `name` is the Linear's, for errors."""
+        unpack = self.kernels[self.kernel].unpack
+        if unpack is None:
+            raise ConfigError(f"{name or 'a Linear'}: the {self.kernel} kernel's layout does not give its codes back "
+                              "to re-pack; quantize with quant.kernel=dequant")
+        # the kernels' checks read the replaced weight's shape, device and dtype: a broadcast scalar has them
+        like = torch.empty((), dtype=self.dtype, device=self.weight.device).expand(self.out_features, self.in_features)
+        kernel = choose_kernel(self.kernels, self.auto, kernel, name, like)
+        self.weight = self.kernels[kernel].pack(unpack(self.weight))
+        self.kernel = kernel
+        return kernel
+
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, kernel={self.kernel}"
 
@@ -96,6 +112,11 @@ class Int8Linear(QuantLinear):
         super().__init__(*codes.shape, bias, kernel)
         self.register_buffer("weight", codes.to(torch.int8))
         self.register_buffer("scales", scales)  # (N,), in the replaced weight's dtype
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The replaced weight's dtype."""
+        return self.scales.dtype
 
     def dequantize(self) -> torch.Tensor:
         return self.weight.to(self.scales.dtype) * self.scales[:, None]
@@ -160,8 +181,8 @@ class Int4Linear(QuantLinear):
     """Group-wise asymmetric int4 weight: W[n, k] = (code - 8) * scale + zero of the group of column k."""
 
     kernels = {
-        "dequant": Kernel(_int4_dequant_mm, _runs_anywhere, pack_nibbles, _dequantize_nibbles),
-        "int4pack_mm": Kernel(_tinygemm_mm, _tinygemm_unfit, _tinygemm_pack, _tinygemm_dequantize),
+        "dequant": Kernel(_int4_dequant_mm, _runs_anywhere, pack_nibbles, _dequantize_nibbles, unpack_nibbles),
+        "int4pack_mm": Kernel(_tinygemm_mm, _tinygemm_unfit, _tinygemm_pack, _tinygemm_dequantize, unpack=None),
     }
     auto = ("int4pack_mm", "dequant")
 
@@ -172,6 +193,11 @@ class Int4Linear(QuantLinear):
         self.register_buffer("weight", self.kernels[kernel].pack(codes))
         # (groups, N, 2) in the replaced weight's dtype: tinygemm's layout, also read by dequant.
         self.register_buffer("scales_and_zeros", torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous())
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The replaced weight's dtype."""
+        return self.scales_and_zeros.dtype
 
     def dequantize(self) -> torch.Tensor:
         return self.kernels[self.kernel].dequantize(self).to(self.scales_and_zeros.dtype)

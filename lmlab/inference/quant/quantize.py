@@ -12,6 +12,7 @@ from tqdm import tqdm
 
 from lmlab.errors import ConfigError
 from lmlab.inference.quant.gptq import collect_hessians
+from lmlab.inference.quant.linear import QuantLinear
 from lmlab.inference.quant.registry import QUANTS
 from lmlab.nn.moe import MoELayer
 from lmlab.nn.transformer import Transformer
@@ -60,6 +61,14 @@ def quantize(model: Transformer, cfg: Any, calibration: Iterable[torch.Tensor] |
     return {"quant": entry.name, "method": quant.cfg.method, "layers": len(targets),
             "kernels": dict(Counter(kernel for _, kernel in plan.values())), "bytes_before": before,
             "bytes_after": after}
+
+
+def set_kernels(model: nn.Module, kernel: str = "auto") -> dict[str, int]:
+    """Re-pack every quantized Linear of `model` for `kernel` (with "auto", each for the first of its kernels that
+    runs it), in place; the model must have been quantized with quant.kernel=dequant, whose layout gives the codes
+    back. One calibration so serves engines that read different layouts. Returns how many Linears run each kernel."""
+    return dict(Counter(module.set_kernel(kernel, name) for name, module in model.named_modules()
+                        if isinstance(module, QuantLinear)))
 
 
 def quantize_targets(model: Transformer, quantize_head: bool) -> dict[str, nn.Linear]:
