@@ -74,7 +74,7 @@ def isoflop_jobs(law: ComputeOptimal, budgets: Sequence[float], n_sizes: int, cf
         shapes = _shapes(cfg, vocab_size, _sizes(law, budget, n_sizes, spread), rule)
         fitting = [(s, _steps(s, budget, tokens_per_step)) for s in shapes]
         fitting = [(s, steps) for s, steps in fitting if steps >= MIN_STEPS]
-        _check_budget(budget, len(fitting))
+        _check_budget(budget, len(fitting), len(shapes), float(law.n_opt(budget)), spread)
         for shape, steps in fitting:
             jobs.append(_job(f"isoflop/C{budget:.0e}/N{shape.params:.2e}", shape, steps, budget, tokens_per_step,
                              validations))
@@ -88,7 +88,8 @@ def wsd_jobs(law: ComputeOptimal, budgets: Sequence[float], n_sizes: int, cfg: D
     low, high = min(budgets), max(budgets)
     targets = np.logspace(math.log10(law.n_opt(low) / spread), math.log10(law.n_opt(high) * spread), n_sizes)
     jobs, counts = [], dict.fromkeys(budgets, 0)
-    for shape in _shapes(cfg, vocab_size, targets, rule):
+    shapes = _shapes(cfg, vocab_size, targets, rule)
+    for shape in shapes:
         plan = sorted((steps, budget) for budget in budgets
                       if (steps := _steps(shape, budget, tokens_per_step)) >= MIN_STEPS)
         if not plan:
@@ -110,7 +111,7 @@ def wsd_jobs(law: ComputeOptimal, budgets: Sequence[float], n_sizes: int, cfg: D
                              after=f"{name}/C{longest:.0e}"))
             counts[budget] += 1
     for budget, count in counts.items():
-        _check_budget(budget, count)
+        _check_budget(budget, count, len(shapes), float(law.n_opt(budget)), spread)
     return jobs
 
 
@@ -138,11 +139,19 @@ def _job(name: str, shape: Shape, steps: int, budget: float, tokens_per_step: in
                       f"trainer.val_every={max(1, steps // validations)}"), budget, flops, steps, after)
 
 
-def _check_budget(budget: float, sizes: int) -> None:
-    if sizes < 3:
-        raise ConfigError(f"budget {budget:.3g} FLOPs leaves {sizes} model sizes of at least {MIN_STEPS} steps (3 are "
-                          "needed for a parabola): the budget is too small for the smallest model; raise it or "
-                          "lower data.batch_size / data.context_length")
+def _check_budget(budget: float, sizes: int, shapes: int, n_opt: float, spread: float) -> None:
+    """A budget needs 3 sizes of at least MIN_STEPS steps; the advice depends on which of the two ran short."""
+    if sizes >= 3:
+        return
+    if shapes < 3:  # the law's sizes near this budget's N* fall below the smallest model, or round to one shape
+        why = (f"the sizes within {spread:g}x of its N* = {n_opt:.3g} give {shapes} distinct lmlab model(s): the budget "
+               "is too small for the smallest model; raise it, widen spread=, or allow narrower models (head_dim=, "
+               "aspect=, aspect_tolerance=)")
+    else:
+        why = (f"{shapes - sizes} of the {shapes} models would train fewer steps: raise the budget or lower "
+               "data.batch_size / data.context_length")
+    raise ConfigError(f"budget {budget:.3g} FLOPs leaves {sizes} model sizes of at least {MIN_STEPS} steps (3 are "
+                      f"needed for a parabola): {why}")
 
 
 def script(jobs: Sequence[Job], out: Path, base: Sequence[str], parallel: int = 1) -> str:

@@ -78,8 +78,11 @@ def test_a_wsd_decay_runs_from_the_stable_runs_checkpoint(tmp_path, monkeypatch)
 
 
 def test_too_small_a_budget_is_one_clear_error(tmp_path, capsys):
-    with pytest.raises(ConfigError, match="too small for the smallest model"):
+    with pytest.raises(ConfigError, match="give 0 distinct lmlab model.*too small for the smallest model"):
         isoflop_jobs(CHINCHILLA, [1e6], 5, compose_config(BASE), 320)
+    # models exist, but a large batch leaves the larger ones too few steps: the advice names the batch
+    with pytest.raises(ConfigError, match="2 of the 3 models would train fewer steps: .* lower data.batch_size"):
+        isoflop_jobs(CHINCHILLA, [3e11], 5, compose_config([*BASE, "data.batch_size=512"]), 320)
     assert main(["scaling", "sweep", "budgets=[3e11,1e12,3e12]", "n_sizes=5", "aspect=32", f"out={tmp_path}",
                  *BASE]) == 0
     script = (tmp_path / "sweep.sh").read_text()
