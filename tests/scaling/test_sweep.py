@@ -61,7 +61,7 @@ def test_wsd_decays_resume_checkpoints_that_the_stable_run_writes():
 def test_a_wsd_decay_runs_from_the_stable_runs_checkpoint(tmp_path, monkeypatch):
     # budgets a test trains in seconds, too small for a parabola's 3 sizes: this test is about resuming
     monkeypatch.setattr("lmlab.scaling.sweep.MIN_STEPS", 5)
-    monkeypatch.setattr("lmlab.scaling.sweep._check_budget", lambda budget, sizes: None)
+    monkeypatch.setattr("lmlab.scaling.sweep._check_budget", lambda *args: None)
     jobs = wsd_jobs(CHINCHILLA, [3e9, 1.2e10], 4, compose_config(BASE), 320, rule=ShapeRule(aspect=32))
     name = min((j for j in jobs if j.after), key=lambda j: j.flops).after  # the smallest model's stable run
     stable = next(j for j in jobs if j.name == name)
