@@ -6,7 +6,7 @@
 
 A variant is `NAME=VALUE[,NAME=VALUE...]` of `lmlab.kernels.decode_layers`' module settings (those that
 sweep_megakernel.py sweeps, and O_ACC_ALIGN), and optionally `quant=ENTRY`: its copy of the weights quantized by that
-`quant` entry (round to nearest, int4 in groups of 128; `none` leaves them). A machine or a process moves the layer
+`quant` entry (round to nearest, int4 in the largest group dividing every width, 64 for llama400m; `none` leaves them). A machine or a process moves the layer
 stack's time by 1-2% (experiments/inference/README.md), as much as the changes compared, so every variant runs in the
 same process, on its own copy of the same weights, and the variants take turns. Each variant's engine captures its
 CUDA graphs under the variant's settings (a launch reads them as it is captured), which then hold for every replay.
@@ -25,7 +25,7 @@ import statistics
 import torch
 from sweep_megakernel import middle_step  # this folder's: the step its generation profile shows
 
-from lmlab.inference.bench import DEFAULT_OVERRIDES, QUANT_LAYOUT, build_model
+from lmlab.inference.bench import DEFAULT_OVERRIDES, QUANT_FIT, QUANT_LAYOUT, build_model
 from lmlab.inference.engine import Engine
 from lmlab.inference.quant import QUANTS, quantize
 from lmlab.kernels import decode_layers as dl
@@ -48,7 +48,8 @@ def weights(model, quant: str):
     unless it is "none"."""
     copied = copy.deepcopy(model)
     if quant != "none":
-        quantize(copied, {"name": quant, "method": "rtn", **QUANT_LAYOUT["megakernel"]})
+        fit = QUANT_FIT[quant](model) if quant in QUANT_FIT else {}  # int4: the largest group dividing every width
+        quantize(copied, {"name": quant, "method": "rtn", **fit, **QUANT_LAYOUT["megakernel"]})
     return copied
 
 

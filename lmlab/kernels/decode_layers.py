@@ -68,6 +68,10 @@ O_ACC_ALIGN = 4
 # (llama400m int8: 116 bytes with this, 1,016 with o_proj's widened too, 2,764 with every tile widened;
 # experiments/inference/megakernel_resources.py)
 GEMV_QUANT_GATE_UP_TILE_ELEMS = 8192
+# int4's warps per program on the matrix-vector path: its tiles' unpacking spills registers at 4 (220 bytes in the
+# sm_90 compile); at 8 the llama400m int4 step made 1,280 tokens/s against 785 (one process, in turns; 1 program per
+# SM at 4 warps: 1,181; experiments/inference/h200-2026-12-05/)
+GEMV_INT4_NUM_WARPS = 8
 GEMV_MAX_WIDTH = 8192  # wider inputs take the tensor-core path (a whole row per tile would not fit in registers)
 NUM_STAGES = 3
 
@@ -246,7 +250,7 @@ def launch_plan(x, qkv, o, gate_up, down, scales, norm_attn, norm_ffn, k_cache, 
                 BLOCK_M=max(16, triton.next_power_of_2(group)), BLOCK_N=32,
                 BLOCK_SPLIT=triton.next_power_of_2(split), BLOCK_K=BLOCK_K, INTERLEAVED=interleaved,
                 PREC="ieee" if dtype == torch.float32 else "tf32", num_stages=NUM_STAGES,
-                num_warps=GEMV_NUM_WARPS if gemv else NUM_WARPS,
+                num_warps=(GEMV_INT4_NUM_WARPS if group_size else GEMV_NUM_WARPS) if gemv else NUM_WARPS,
                 GEMV=gemv, KP_MODEL=kp_model // pack, KP_ATTN=kp_attn // pack, KP_FF=kp_ff // pack,
                 C_MODEL=_chunk(kp_model, min(tiles["T_QKV"], tiles["T_GU"]), group_size),
                 C_ATTN=_chunk(kp_attn, tiles["T_O"], group_size), C_FF=_chunk(kp_ff, tiles["T_D"], group_size),
