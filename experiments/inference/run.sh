@@ -5,7 +5,7 @@
 #          compiled (CUDA graphs) and Hugging Face generate at batch 1, 8, 32, 128 with a 128-token
 #          prompt and 256 new tokens, then lmlab eager at batch 1
 #   quant  the compiled engine and the megakernel at batch 1 on the weights and on int8 and int4 (group 64) copies
-#   quant-ab  the megakernel at batch 1 on bf16, int8 and int4 (group 128) copies in turns in one process, one step
+#   quant-ab  the megakernel at batch 1 on bf16, int8 and int4 (group 64 for llama400m) copies in turns in one process, one step
 #          of each profiled (ab_megakernel_steps.py)
 #   megakernel  the decode megakernel's GPU tests (and the flash-decoding and normed-head kernels', which share its
 #          loop and its code conversion), then the bench at batch 1, 8 and 32: the megakernel, its stages launched
