@@ -6,8 +6,9 @@
 
 A variant is `NAME=VALUE[,NAME=VALUE...]` of `lmlab.kernels.decode_layers`' module settings (those that
 sweep_megakernel.py sweeps, and O_ACC_ALIGN), and optionally `quant=ENTRY`: its copy of the weights quantized by that
-`quant` entry (round to nearest, int4 in the largest group dividing every width, 64 for llama400m; `none` leaves them). A machine or a process moves the layer
-stack's time by 1-2% (experiments/inference/README.md), as much as the changes compared, so every variant runs in the
+`quant` entry (round to nearest, int4 in the largest group dividing every width, 64 for llama400m; `none` leaves
+them). A machine or a process moves the layer stack's time by 1-2% (experiments/inference/README.md), as much as the
+changes compared, so every variant runs in the
 same process, on its own copy of the same weights, and the variants take turns. Each variant's engine captures its
 CUDA graphs under the variant's settings (a launch reads them as it is captured), which then hold for every replay.
 Per variant: decode tokens/s of a greedy generation (llama400m, random weights, bf16, 128-token prompt, 256 new
