@@ -26,7 +26,7 @@ import statistics
 import torch
 from sweep_megakernel import middle_step  # this folder's: the step its generation profile shows
 
-from lmlab.inference.bench import DEFAULT_OVERRIDES, QUANT_FIT, QUANT_LAYOUT, build_model
+from lmlab.inference.bench import DEFAULT_OVERRIDES, QUANT_LAYOUT, build_model, quant_config
 from lmlab.inference.engine import Engine
 from lmlab.inference.quant import QUANTS, quantize
 from lmlab.kernels import decode_layers as dl
@@ -49,8 +49,7 @@ def weights(model, quant: str):
     unless it is "none"."""
     copied = copy.deepcopy(model)
     if quant != "none":
-        fit = QUANT_FIT[quant](model) if quant in QUANT_FIT else {}  # int4: the largest group dividing every width
-        quantize(copied, {"name": quant, "method": "rtn", **fit, **QUANT_LAYOUT["megakernel"]})
+        quantize(copied, {**quant_config(quant, model), "method": "rtn", **QUANT_LAYOUT["megakernel"]})
     return copied
 
 

@@ -133,11 +133,12 @@ class TextClassifier:
         return clf
 
 
-def existing_model(path: str | Path, what: str) -> Path:
-    """The model file's path; a missing file is one clear error saying where models come from."""
+def existing_model(path: str | Path, what: str, sources: str = "") -> Path:
+    """The model file's path; a missing file is one clear error saying where models come from (`sources`, else
+    MODEL_SOURCES)."""
     path = Path(path).expanduser()
     if not path.is_file():
-        raise ConfigError(f"{what} model file {path} does not exist: {MODEL_SOURCES}")
+        raise ConfigError(f"{what} model file {path} does not exist: {sources or MODEL_SOURCES}")
     return path
 
 
@@ -148,8 +149,9 @@ MODEL_SOURCES = ("train a classifier with `lmlab data train-classifier`, or give
 class FastTextClassifier:
     """A fastText `.bin` (or `.ftz`) model through the `fasttext` package (pip install fasttext-wheel)."""
 
-    def __init__(self, path: str | Path):
-        path = existing_model(path, "fastText")
+    def __init__(self, path: str | Path, sources: str = ""):
+        """`sources`: where such a model comes from, for the error a missing file gives (MODEL_SOURCES by default)."""
+        path = existing_model(path, "fastText", sources or MODEL_SOURCES)
         try:
             import fasttext
         except ImportError:

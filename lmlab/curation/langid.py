@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import lru_cache
-from pathlib import Path
 
 from lmlab.errors import ConfigError
 from lmlab.registry import Registry
@@ -77,9 +76,7 @@ class FastTextLangId:
 
         if not cfg.model:
             raise ConfigError(f"langid 'fasttext' needs model=PATH, fastText's lid.176 model: {self.SOURCE}")
-        if not Path(cfg.model).expanduser().is_file():
-            raise ConfigError(f"langid 'fasttext': model file {cfg.model} does not exist: {self.SOURCE}")
-        self.model = FastTextClassifier(cfg.model)
+        self.model = FastTextClassifier(cfg.model, self.SOURCE)
 
     def __call__(self, text: str) -> tuple[str, float]:
         return self.model.predict(text)

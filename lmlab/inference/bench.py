@@ -313,7 +313,8 @@ def build_model(overrides: list[str], ckpt: str | None, device: torch.device, dt
     return model.to(device, dtype).eval(), cfg
 
 
-def _quant_config(name: str, model: Transformer) -> dict:
+def quant_config(name: str, model: Transformer) -> dict:
+    """The quant entry `name` with the settings that make it fit `model` (QUANT_FIT)."""
     fit = QUANT_FIT.get(name)
     return {"name": name, **(fit(model) if fit else {})}
 
@@ -321,7 +322,7 @@ def _quant_config(name: str, model: Transformer) -> dict:
 def checkpoint_quant(model: Transformer, data, args) -> list[dict]:
     from lmlab.inference.bench_checkpoint import quant_quality
 
-    quants = [_quant_config(name, model) for name in args.quant]
+    quants = [quant_config(name, model) for name in args.quant]
     rows = quant_quality(model, data, quants, args.new, tuple(args.quant_engines))
     for row in rows:
         change = f"{row['ppl_change']:+.2%}" if "ppl_change" in row else "reference"
@@ -411,7 +412,7 @@ def main(argv: list[str]) -> int:
         for name in [] if args.ckpt else args.quant:
             for layout, quant_engines in by_layout(args.quant_engines).items():
                 quantized = copy.deepcopy(model)
-                report = quantize(quantized, {**_quant_config(name, model), "method": "rtn", **dict(layout)})
+                report = quantize(quantized, {**quant_config(name, model), "method": "rtn", **dict(layout)})
                 print(f"{name}: {report['layers']} layers, kernels {report['kernels']}", flush=True)
                 result["rows"] += run_benchmark(quantized, _runnable(quant_engines, quantized), args.batch,
                                                 args.prompt, args.new, args.repeats, label=f"+{name}")["rows"]

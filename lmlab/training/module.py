@@ -33,6 +33,7 @@ from lmlab.training.fp8 import FP8
 from lmlab.training.losses import LOSSES
 from lmlab.training.noise_scale import NoiseScale
 from lmlab.training.objective import model_terms, takes_hidden
+from lmlab.training.progress import is_log_step
 from lmlab.training.step_guard import StepGuard
 
 log = logging.getLogger(__name__)
@@ -142,8 +143,7 @@ class LanguageModelTask(L.LightningModule):
         """Whether this optimizer step's scalars reach the logger: Lightning writes every log_every_n_steps-th
         step's, and the run's results read the last step's. Other steps skip `self.log`, whose bookkeeping
         costs a small model's step as much host time as the step itself (trainer.cuda_graphs)."""
-        step = self.global_step + 1
-        return step % self.trainer.log_every_n_steps == 0 or step >= self.trainer_cfg.max_steps
+        return is_log_step(self.global_step + 1, self.trainer.log_every_n_steps, self.trainer_cfg.max_steps)
 
     def _log_learning_rates(self) -> None:
         """`lr` is the first group's; with several optimizers (Muon + AdamW) also `lr/<optimizer>`."""

@@ -20,6 +20,12 @@ log = logging.getLogger(__name__)
 LIGHTNING_RANK_ZERO_LOGGER = "lightning.pytorch.utilities.rank_zero"
 
 
+def is_log_step(step: int, log_every: int, max_steps: int) -> bool:
+    """Whether optimizer step `step` (counted from 1) is one whose scalars the loggers write and the plain progress
+    lines show: every `log_every`-th, and the last (the module stops the run there, so Lightning writes it too)."""
+    return step % log_every == 0 or step >= max_steps
+
+
 def _not_an_advert(record: logging.LogRecord) -> bool:
     return not record.getMessage().startswith("💡 Tip")
 
@@ -75,7 +81,7 @@ class StepProgress(L.Callback):
         if self._bar is not None:
             self._bar.update(step - self._shown_step)
             self._bar.set_postfix_str(self._postfix(trainer), refresh=False)
-        elif step % self.log_every == 0 or step == self.max_steps:
+        elif is_log_step(step, self.log_every, self.max_steps):
             line = ", ".join(_fmt(k, v) for k, v in _metrics(trainer).items() if not k.startswith("val/"))
             log.info("step %d/%d: %s", step, self.max_steps, line)
         self._shown_step = step

@@ -12,6 +12,7 @@ import torch
 
 from lmlab.parallel.strategies import data_parallel_rank
 from lmlab.training.hardware import peak_flops
+from lmlab.training.progress import is_log_step
 
 
 class Throughput(L.Callback):
@@ -48,9 +49,8 @@ class Throughput(L.Callback):
         self._tokens += batch[0].numel() * data_parallel_rank(trainer)[1]  # ranks of a tensor-parallel group share rows
         step = trainer.global_step
         # With gradient accumulation several batches end at one step: log once, after its optimizer step. The last
-        # step, whose scalars the loggers also take, logs the window since the previous figure.
-        window_ends = step % self.log_every == 0 or step >= trainer.max_steps
-        if window_ends and step > self._logged_step and self._seconds > 0:
+        # step logs the window since the previous figure.
+        if is_log_step(step, self.log_every, trainer.max_steps) and step > self._logged_step and self._seconds > 0:
             self._logged_step = step
             self.last_tokens_per_s = self._tokens / self._seconds
             module.log("perf/tokens_per_s", self.last_tokens_per_s)
