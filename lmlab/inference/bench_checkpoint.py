@@ -92,8 +92,10 @@ def quant_quality(model: Transformer, data: CheckpointData, quants: list, new: i
         readable = copy.deepcopy(model)  # in the layout that gives its codes back, for each engine's re-packing
         report = quantize(readable, dataclasses.replace(config, kernel="dequant"), calibration)
         row.update(quant=report["quant"], method=report["method"])
-        for layout, group in by_layout(list(engines)).items():
-            quantized = copy.deepcopy(readable)
+        layouts = list(by_layout(list(engines)).items())
+        for i, (layout, group) in enumerate(layouts):
+            # a copy per layout but the last, which re-packs `readable` itself
+            quantized = copy.deepcopy(readable) if i < len(layouts) - 1 else readable
             kernels = set_kernels(quantized, dict(layout).get("kernel", config.kernel))
             if "ppl" not in row:
                 row.update(kernels=kernels, ppl=perplexity(quantized, *data.val))
