@@ -50,6 +50,7 @@ class Tokenizer(ABC):
     def __init__(self, special_tokens: list[str]):
         self.special_tokens = list(dict.fromkeys(special_tokens))
         self._special_split = special_splitter(self.special_tokens)
+        self._byte_lengths: np.ndarray | None = None  # byte_lengths(), built on first use
 
     @property
     @abstractmethod
@@ -96,6 +97,26 @@ class Tokenizer(ABC):
 
     def encode_array(self, text: str) -> np.ndarray:
         return np.asarray(self.encode(text), dtype=np.int64)
+
+    def byte_lengths(self) -> np.ndarray:
+        """UTF-8 bytes of text each id stands for (int64, one per id), special tokens 0: they mark boundaries, not
+        text, as the corpus's byte count (lmlab.data.cache) leaves them out too."""
+        if self._byte_lengths is None:
+            specials = {self.special_id(t) for t in self.special_tokens}
+            lengths = np.zeros(self.vocab_size, dtype=np.int64)
+            try:
+                pieces = self.to_bpe().vocab
+            except ConfigError:  # no byte-level form (a plugin's tokenizer): each id's text on its own
+                pieces = {i: self.decode([i]).encode("utf-8") for i in range(self.vocab_size)}
+            for i, piece in pieces.items():
+                if i not in specials and i < len(lengths):
+                    lengths[i] = len(piece)
+            self._byte_lengths = lengths
+        return self._byte_lengths
+
+    def text_bytes(self, ids) -> int:
+        """UTF-8 bytes of the text `ids` encode (special tokens count 0): the denominator of bits per byte."""
+        return int(self.byte_lengths()[np.asarray(ids, dtype=np.int64)].sum())
 
     @property
     def eot_id(self) -> int | None:

@@ -231,7 +231,7 @@ class LanguageModelTask(L.LightningModule):
 
     def on_validation_epoch_end(self) -> None:
         loss = self.val_loss.compute()
-        bytes_per_token = self.trainer.datamodule.bytes_per_token
+        bytes_per_token = self.trainer.datamodule.val_bytes_per_token
         self.log_dict({
             "val/loss": loss,
             "val/ppl": loss.exp(),  # of the same mean over tokens

@@ -197,8 +197,9 @@ def train(cfg: DictConfig, output_dir: str | Path) -> dict[str, float]:
              task.model.num_parameters() / 1e6, task.model.num_parameters(exclude_embeddings=True) / 1e6,
              flops_per_token / 1e6)
 
-    log.info("corpus: %d training tokens, %d validation tokens, %.2f bytes/token",
-             len(datamodule.train_tokens), len(datamodule.val_tokens), datamodule.bytes_per_token)
+    log.info("corpus: %d training tokens, %d validation tokens, %.2f bytes/token (%.2f in the validation windows, "
+             "val/bpb's)", len(datamodule.train_tokens), len(datamodule.val_tokens), datamodule.bytes_per_token,
+             datamodule.val_bytes_per_token)
 
     t = cfg.trainer
     throughput = Throughput(t.log_every, flops_per_token)

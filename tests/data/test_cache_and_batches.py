@@ -77,3 +77,22 @@ def test_evenly_spaced_windows_stay_inside_a_corpus_past_float32_precision():
     inputs, targets = evenly_spaced_windows(tokens, 64, 512)
     assert inputs.shape == (64, 512)
     assert targets[-1, -1] == int(tokens[-1]) and inputs[0, 0] == int(tokens[0])
+
+
+def test_val_bpb_counts_the_bytes_of_the_validation_tokens_themselves(tmp_path):
+    from lmlab.data.datamodule import LMDataModule
+    from lmlab.data.sources import DataConfig
+
+    # one-byte text first, two-byte text last: the validation split (the end) has more bytes per token than the
+    # corpus on average, so the corpus's mean would understate its bits per byte
+    (tmp_path / "a.txt").write_text("plain ascii text " * 40)
+    (tmp_path / "b.txt").write_text("двухбайтовый текст " * 20)
+    source = SOURCES.build({"name": "text_files", "paths": [str(tmp_path / "*.txt")]})
+    tok = TOKENIZERS.build({"name": "bpe", "vocab_size": 300}, source=source, cache_dir=tmp_path / "cache",
+                           progress=False)
+    cfg = DataConfig(context_length=16, batch_size=4, val_fraction=0.2)
+    data = LMDataModule(source, tok, cfg, tmp_path / "cache", seed=0, val_batches=2, progress=False)
+    targets = torch.cat([y for _, y in data.val_dataloader()])
+    text = tok.decode(targets.flatten().tolist()).replace("<|endoftext|>", "")
+    assert data.val_bytes_per_token == pytest.approx(len(text.encode()) / targets.numel(), rel=0.02)
+    assert data.val_bytes_per_token > 1.2 * data.bytes_per_token

@@ -134,6 +134,17 @@ def test_perplexity_of_a_file_in_bits_per_byte(tmp_path):
     assert result.metrics["ppl"] == pytest.approx(math.exp(nll / count))
 
 
+def test_perplexity_counts_no_bytes_for_end_of_text(tmp_path):
+    """As training's val/bpb: an end-of-text token marks a boundary; its 13 characters are not text."""
+    text = "The quick brown fox.<|endoftext|>The lazy dog. " * 4
+    (tmp_path / "t.txt").write_text(text)
+    scorer = _scorer(max_seq_len=64)
+    result = EVAL_TASKS.build({"name": "perplexity", "path": str(tmp_path / "t.txt")}).run(scorer, None)
+    nll, _ = scorer.rolling_nll(scorer.tokenizer.encode(text), None)
+    text_bytes = len(text.replace("<|endoftext|>", "")) - 1  # the first token is not scored
+    assert result.metrics["bpb"] == pytest.approx(nll / math.log(2) / text_bytes)
+
+
 @pytest.mark.parametrize("cfg, match", [
     ({"name": "mmlu"}, "eval.mmlu.path"),
     ({"name": "mmlu", "path": str(FIXTURES / "mmlu"), "shots": 6}, "has 5"),

@@ -30,6 +30,14 @@ def test_round_trip_multilingual_and_emoji(trained):
     assert len(ids) < len(MULTILINGUAL.encode())  # merges apply
 
 
+def test_text_bytes_counts_the_text_and_not_the_special_tokens(trained):
+    tok = BPETokenizer(*trained, special_tokens=[EOT])
+    ids = tok.encode(MULTILINGUAL)
+    assert tok.text_bytes(ids) == len(MULTILINGUAL.replace(EOT, "").encode())
+    # split mid-character: each part counts the bytes it holds, so the parts add up
+    assert tok.text_bytes(ids[:7]) + tok.text_bytes(ids[7:]) == tok.text_bytes(ids)
+
+
 def test_tiktoken_and_pure_python_give_identical_ids(trained):
     pytest.importorskip("tiktoken")
     from tests.tokenizers.conftest import sample_text

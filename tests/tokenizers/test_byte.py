@@ -1,3 +1,4 @@
+from lmlab.errors import ConfigError
 from lmlab.tokenizers import EOT, TOKENIZERS, ByteTokenizer
 
 
@@ -25,3 +26,12 @@ def test_fingerprint_depends_on_special_tokens(tmp_path):
     b = ByteTokenizer(ByteTokenizer.Config(special_tokens=[]))
     assert a.fingerprint() != b.fingerprint() and b.eot_id is None
     assert EOT in a.save(tmp_path).read_text()
+
+
+def test_text_bytes_without_a_byte_level_form_reads_each_ids_text():
+    class Words(ByteTokenizer):  # a plugin's tokenizer whose ids are not byte pieces
+        def to_bpe(self):
+            raise ConfigError("no byte-level form")
+
+    tok = Words()
+    assert tok.text_bytes(tok.encode("plain " + EOT + "text")) == len("plain text")

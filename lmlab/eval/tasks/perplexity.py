@@ -43,7 +43,7 @@ class Perplexity(EvalTask):
             raise ConfigError(f"{what} has {len(tokens)} tokens; perplexity needs at least 2")
         started = time.perf_counter()
         nll, count = scorer.rolling_nll(tokens, self.cfg.stride)
-        text_bytes = len(scorer.tokenizer.decode(tokens[1:]).encode("utf-8"))  # the bytes of the scored tokens
+        text_bytes = scorer.tokenizer.text_bytes(tokens[1:])  # the scored tokens' text, as val/bpb counts it
         metrics = {"nll": nll / count, "ppl": math.exp(nll / count), "bpb": nll / math.log(2) / max(text_bytes, 1),
                    "tokens": count}
         return TaskResult("perplexity", metrics, examples=count, seconds=time.perf_counter() - started,
