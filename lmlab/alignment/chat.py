@@ -141,14 +141,20 @@ def _single_token(tokenizer, token: str) -> bool:
     return len(tokenizer.encode(token, add_special_tokens=False)) == 1
 
 
-def tokenize_chat(turns: Sequence[Turn], tokenizer, template: ChatTemplate,
-                  add_generation_prompt: bool = False) -> tuple[list[int], list[bool]]:
-    """Token ids of the rendered conversation and, per id, whether SFT trains on it."""
+def check_template_tokens(tokenizer, template: ChatTemplate) -> None:
+    """One clear error where the template's special tokens are not single tokens of the tokenizer: its markers
+    would be read as plain text, and its stop string would never come as a token."""
     missing = [t for t in template.special_tokens if not _single_token(tokenizer, t)]
     if missing:
         raise ConfigError(f"chat_template={type(template).__name__} needs the special tokens {', '.join(missing)}, "
                           "which the tokenizer does not have as single tokens; add them to the tokenizer's "
                           "special_tokens or use chat_template=plain")
+
+
+def tokenize_chat(turns: Sequence[Turn], tokenizer, template: ChatTemplate,
+                  add_generation_prompt: bool = False) -> tuple[list[int], list[bool]]:
+    """Token ids of the rendered conversation and, per id, whether SFT trains on it."""
+    check_template_tokens(tokenizer, template)
     ids: list[int] = []
     trained: list[bool] = []
     for text, learn in template.segments(turns, add_generation_prompt):

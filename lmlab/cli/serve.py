@@ -21,7 +21,7 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, OmegaConf
 
-from lmlab.alignment.chat import CHAT_TEMPLATES
+from lmlab.alignment.chat import CHAT_TEMPLATES, check_template_tokens
 from lmlab.cli.compose import compose_config
 from lmlab.cli.generate import device_and_dtype, open_model
 from lmlab.cli.listing import Section, format_section
@@ -54,6 +54,9 @@ class ServeConfig:
             raise ConfigError(f"max_waiting must be >= 1, got {self.max_waiting}")
         if not 0 < self.kv_memory_fraction <= 1:
             raise ConfigError(f"kv_memory_fraction must be in (0, 1], got {self.kv_memory_fraction}")
+        if self.num_blocks is not None and self.num_blocks < 2:
+            raise ConfigError(f"num_blocks must be >= 2 (one is kept for padding), got {self.num_blocks}; or leave "
+                              "it unset to size the pool from kv_memory_fraction")
 
 
 ConfigStore.instance().store(name="serve_schema", node=ServeConfig)
@@ -84,6 +87,7 @@ def build_server(cfg: ServeConfig):
     device, dtype = device_and_dtype(cfg)
     template = CHAT_TEMPLATES.build(cfg.chat_template)
     source = open_model(cfg.ckpt, "ckpt")
+    check_template_tokens(source.tokenizer, template)  # before the weights load
     model = source.load().to(device, dtype)
     serving = ServingConfig(num_blocks=cfg.num_blocks, block_size=cfg.block_size,
                             kv_memory_fraction=cfg.kv_memory_fraction, scheduler=cfg.scheduler,

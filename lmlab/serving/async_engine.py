@@ -33,6 +33,10 @@ class QueueFull(RuntimeError):
     """The waiting queue holds max_waiting requests; the client should retry later (HTTP 429)."""
 
 
+class EngineStopped(RuntimeError):
+    """The engine thread ended on an error: no request can run any more (HTTP 503)."""
+
+
 class RequestStream:
     """The events of one request, in order, ending after its last sequence finishes."""
 
@@ -84,7 +88,7 @@ class AsyncEngine:
     def submit(self, prompt: list[int], params: SamplingParams, request_id: str | None = None) -> RequestStream:
         """Queue a request; a bad one raises ConfigError, a full queue QueueFull, before anything is queued."""
         if self.error is not None:
-            raise RuntimeError(f"the serving engine stopped: {self.error}")
+            raise EngineStopped(f"the serving engine stopped: {self.error}")
         self.engine.check(prompt, params)
         SAMPLERS.build(params.sampler)  # its fields are checked here, in the caller's thread
         if self.waiting() >= self.max_waiting:

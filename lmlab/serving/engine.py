@@ -128,6 +128,9 @@ class ServingEngine:
             raise ConfigError(f"max_tokens must be >= 1, got {params.max_tokens}")
         if params.n < 1:
             raise ConfigError(f"n must be >= 1, got {params.n}")
+        vocab = self.model.vocab_size
+        if (bad := next((t for t in prompt if not 0 <= t < vocab), None)) is not None:
+            raise ConfigError(f"the prompt holds token id {bad}, outside the model's vocabulary (0..{vocab - 1})")
         if len(prompt) >= self.max_seq_len:
             raise ConfigError(f"the prompt has {len(prompt)} tokens; the model's context is {self.max_seq_len} "
                               "tokens, prompt and completion together")

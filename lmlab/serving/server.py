@@ -4,11 +4,13 @@
                                 frequency/presence penalties, stream (server-sent events); vLLM's top_k, min_p,
                                 repetition_penalty, ignore_eos
     POST /v1/chat/completions   messages rendered with the server's chat template; the same settings
-    GET  /v1/models, /health, /metrics (Prometheus)
+    GET  /v1/models, /v1/models/{model}, /health, /metrics (Prometheus)
 
-Errors are OpenAI's JSON ({"error": {"message", "type", "param", "code"}}) with a 4xx status: 400 for a
-malformed body or a request the model cannot run, 404 for an unknown model, 429 when the waiting queue
-is full. A client that disconnects, streaming or not, has its request cancelled and its blocks freed.
+Errors are OpenAI's JSON ({"error": {"message", "type", "param", "code"}}) on every route: 400 for a malformed
+body, a request the model cannot run (a prompt and max_tokens past the context: code context_length_exceeded; token
+ids outside the vocabulary) or an OpenAI field lmlab does not implement (logprobs, logit_bias, tools, ...), 404 for
+an unknown model or route, 429 when the waiting queue is full, 503 once the engine has stopped. A client that
+disconnects, streaming or not, has its request cancelled and its blocks freed.
 """
 
 from __future__ import annotations
@@ -24,12 +26,13 @@ from typing import Any, Literal
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException
 from pydantic import BaseModel, ConfigDict, Field
 
 from lmlab.alignment.chat import Turn
 from lmlab.alignment.tokens import encode
 from lmlab.errors import ConfigError
-from lmlab.serving.async_engine import AsyncEngine, QueueFull, RequestStream
+from lmlab.serving.async_engine import AsyncEngine, EngineStopped, QueueFull, RequestStream
 from lmlab.serving.engine import SamplingParams
 from lmlab.serving.metrics import ServerMetrics
 
@@ -47,6 +50,13 @@ class APIError(Exception):
             "message": self.message, "type": self.kind, "param": self.param, "code": self.code}})
 
 
+# The values of each unsupported field that ask for nothing (what clients send by default)
+UNSET: dict[str, tuple] = {"logprobs": (None, False, 0), "top_logprobs": (None, 0), "logit_bias": (None, {}),
+                           "echo": (None, False), "suffix": (None, ""), "best_of": (None, 1), "tools": (None, []),
+                           "tool_choice": (None, "none"), "functions": (None, []), "function_call": (None, "none"),
+                           "response_format": (None, {"type": "text"})}
+
+
 class SamplingFields(BaseModel):
     """OpenAI's sampling settings, and vLLM's extensions."""
 
@@ -54,13 +64,13 @@ class SamplingFields(BaseModel):
 
     # Ranges are checked here so that an error names the request's field (`param`), not the sampler's key.
     model: str
-    n: int = Field(1, ge=1)
-    temperature: float | None = Field(None, ge=0)
+    n: int = Field(1, ge=1, le=128)  # OpenAI's limit
+    temperature: float | None = Field(None, ge=0)  # no upper limit, as in vLLM (OpenAI's is 2)
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: int | None = Field(None, ge=-1)  # -1 and 0: off, as in vLLM
     min_p: float | None = Field(None, ge=0, le=1)
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
+    frequency_penalty: float = Field(0.0, ge=-2, le=2)  # OpenAI's and vLLM's range
+    presence_penalty: float = Field(0.0, ge=-2, le=2)
     repetition_penalty: float = Field(1.0, gt=0)
     seed: int | None = None
     stop: str | list[str] | None = None
@@ -69,7 +79,24 @@ class SamplingFields(BaseModel):
     include_stop_str_in_output: bool = False
     stream: bool = False
     stream_options: dict[str, Any] | None = None
+    # OpenAI's fields that lmlab's server does not implement: refused when set (`refuse_unsupported`), so that no
+    # client gets output that silently ignored them
     logprobs: Any = None
+    top_logprobs: Any = None
+    logit_bias: Any = None
+    echo: Any = None
+    suffix: Any = None
+    best_of: Any = None
+    tools: Any = None
+    tool_choice: Any = None
+    functions: Any = None
+    function_call: Any = None
+    response_format: Any = None
+
+    def refuse_unsupported(self) -> None:
+        for name, unset in UNSET.items():
+            if getattr(self, name) not in unset:
+                raise APIError(400, f"{name} is not supported by lmlab's server", param=name)
 
     def sampler(self) -> dict[str, Any]:
         """The `sampler` registry entry these settings select: one truncation at most, greedy at temperature 0."""
@@ -90,8 +117,6 @@ class SamplingFields(BaseModel):
         return {"name": name, **shared, **fields}
 
     def params(self, max_tokens: int, extra_stops: list[str] = ()) -> SamplingParams:
-        if self.logprobs not in (None, False, 0):
-            raise APIError(400, "logprobs are not supported by lmlab's server", param="logprobs")
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         return SamplingParams(max_tokens=max_tokens, sampler=self.sampler(), n=self.n,
                               stop=[*stops, *extra_stops], stop_token_ids=self.stop_token_ids,
@@ -100,22 +125,21 @@ class SamplingFields(BaseModel):
 
 class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = 16
-    echo: bool = False
+    max_tokens: int | None = 16  # OpenAI's default; null: the rest of the context (vLLM)
 
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     role: Literal["system", "user", "assistant", "developer"]
-    content: str | list[dict[str, Any]] | None = None
+    content: str | list[dict[str, Any]]  # required: a message without content (tool calls) is not supported
 
     def text(self) -> str:
         if isinstance(self.content, list):  # content parts: lmlab's models read only the text ones
             if any(part.get("type") != "text" for part in self.content):
                 raise APIError(400, "only text content parts are supported", param="messages")
             return "".join(part.get("text", "") for part in self.content)
-        return self.content or ""
+        return self.content
 
 
 class ChatRequest(SamplingFields):
@@ -147,42 +171,76 @@ def build_app(engine: AsyncEngine, model_name: str, tokenizer, chat_template, ma
         return APIError(400, f"invalid request body: {where + ': ' if where else ''}{first.get('msg', err)}",
                         param=where or None).response()
 
+    @app.exception_handler(HTTPException)
+    async def http_error(_: Request, err: HTTPException):  # unknown routes and methods, in OpenAI's form too
+        return APIError(err.status_code, str(err.detail)).response()
+
+    @app.exception_handler(Exception)
+    async def server_error(_: Request, err: Exception):  # a bug: still OpenAI's JSON, and logged by the server
+        return APIError(500, f"internal error: {type(err).__name__}: {err}", kind="server_error").response()
+
     @app.get("/health")
     async def health():
         if engine.error is not None:
             raise APIError(503, f"the serving engine stopped: {engine.error}", kind="server_error")
         return {"status": "ok"}
 
+    card = {"id": model_name, "object": "model", "created": created, "owned_by": "lmlab", "max_model_len": max_seq_len}
+
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
-                                            "owned_by": "lmlab", "max_model_len": max_seq_len}]}
+        return {"object": "list", "data": [card]}
+
+    @app.get("/v1/models/{model:path}")
+    async def model(model: str):
+        check_model(model)
+        return card
 
     @app.get("/metrics")
     async def prometheus():
         return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    def check_model(body: SamplingFields) -> None:
-        if body.model != model_name:
-            raise APIError(404, f"the model `{body.model}` does not exist; this server serves `{model_name}`",
+    def check_model(name: str) -> None:
+        if name != model_name:
+            raise APIError(404, f"the model `{name}` does not exist; this server serves `{model_name}`",
                            code="model_not_found", param="model")
+
+    def check_request(body: SamplingFields) -> None:
+        check_model(body.model)
+        body.refuse_unsupported()
+
+    def budget(prompt: list[int], requested: int | None, param: str, prompt_param: str) -> int:
+        """The tokens a completion may make: `requested`, or when unset the rest of the context. A request that
+        does not fit the context is refused, as OpenAI and vLLM do, rather than cut short."""
+        if requested is not None and requested < 1:
+            raise APIError(400, f"{param} must be >= 1, got {requested}", param=param)
+        room = max_seq_len - len(prompt)
+        if room < 1:
+            raise APIError(400, f"the prompt has {len(prompt)} tokens; the model's context is {max_seq_len} tokens, "
+                                "prompt and completion together", param=prompt_param, code="context_length_exceeded")
+        if requested is not None and requested > room:
+            raise APIError(400, f"the model's context is {max_seq_len} tokens, and this request asks for "
+                                f"{len(prompt) + requested}: {len(prompt)} in the prompt and {requested} in the "
+                                f"completion; lower {param} to {room} or less", param=param,
+                           code="context_length_exceeded")
+        return room if requested is None else requested
 
     def submit(prompt: list[int], params: SamplingParams) -> RequestStream:
         try:
             return engine.submit(prompt, params)
         except QueueFull as err:
             raise APIError(429, str(err), kind="rate_limit_error") from None
+        except EngineStopped as err:
+            raise APIError(503, str(err), kind="server_error") from None
         except ConfigError as err:
             raise APIError(400, str(err)) from None
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
-        check_model(body)
-        if body.echo:
-            raise APIError(400, "echo is not supported by lmlab's server", param="echo")
+        check_request(body)
         prompts = _prompt_ids(body.prompt, tokenizer)
-        params = body.params(body.max_tokens if body.max_tokens is not None else 16)
-        streams = [submit(p, params) for p in prompts]
+        limits = [budget(p, body.max_tokens, "max_tokens", "prompt") for p in prompts]
+        streams = [submit(p, body.params(limit)) for p, limit in zip(prompts, limits)]
         reply = _Reply("cmpl", "text_completion", model_name, body.n, sum(map(len, prompts)))
         if body.stream:
             return _sse(reply.completion_chunks(streams, _usage_wanted(body)), streams, engine)
@@ -192,7 +250,7 @@ def build_app(engine: AsyncEngine, model_name: str, tokenizer, chat_template, ma
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatRequest, request: Request):
-        check_model(body)
+        check_request(body)
         if not body.messages:
             raise APIError(400, "messages is empty", param="messages")
         turns = [Turn("system" if m.role == "developer" else m.role, m.text()) for m in body.messages]
@@ -201,7 +259,10 @@ def build_app(engine: AsyncEngine, model_name: str, tokenizer, chat_template, ma
         except ConfigError as err:
             raise APIError(400, str(err), param="messages") from None
         prompt = encode(tokenizer, text, special_tokens=True)
-        limit = body.max_completion_tokens or body.max_tokens or max(max_seq_len - len(prompt), 1)
+        if body.max_completion_tokens is not None:  # OpenAI's newer name wins over max_tokens
+            limit = budget(prompt, body.max_completion_tokens, "max_completion_tokens", "messages")
+        else:
+            limit = budget(prompt, body.max_tokens, "max_tokens", "messages")
         params = body.params(limit, extra_stops=[chat_template.stop])
         streams = [submit(prompt, params)]
         reply = _Reply("chatcmpl", "chat.completion", model_name, body.n, len(prompt))
@@ -221,8 +282,11 @@ def _prompt_ids(prompt, tokenizer) -> list[list[int]]:
     if not prompt:
         raise APIError(400, "the prompt is empty", param="prompt")
     if all(isinstance(p, int) for p in prompt):
-        return [list(prompt)]
-    return [encode(tokenizer, p, special_tokens=True) if isinstance(p, str) else list(p) for p in prompt]
+        prompt = [prompt]
+    ids = [encode(tokenizer, p, special_tokens=True) if isinstance(p, str) else list(p) for p in prompt]
+    if not all(ids):
+        raise APIError(400, "a prompt is empty: generation needs at least one token to start from", param="prompt")
+    return ids
 
 
 def _usage_wanted(body: SamplingFields) -> bool:

@@ -48,6 +48,7 @@ def test_the_server_answers_what_generate_prints(ckpt):
     (["ckpt=x", "scheduler.max_num_seqs=0"], "max_num_seqs must be >= 1"),
     (["ckpt=x", "chat_template=vicuna"], "vicuna"),
     (["ckpt=x", "blocksize=8"], "blocksize"),
+    (["ckpt=x", "num_blocks=1"], "num_blocks must be >= 2"),
     (["serve"], "unexpected argument 'serve'"),
 ])
 def test_bad_command_lines_fail_before_loading(args, message):
@@ -58,3 +59,9 @@ def test_bad_command_lines_fail_before_loading(args, message):
 def test_a_missing_checkpoint_is_one_clear_error(capsys):
     assert main(["serve", "ckpt=/missing.ckpt"]) == 2
     assert capsys.readouterr().err == "lmlab serve: error: ckpt=/missing.ckpt is not a file\n"
+
+
+def test_a_chat_template_whose_markers_the_tokenizer_lacks_is_refused_at_start(ckpt, capsys):
+    """The tiny run's tokenizer has no <|im_start|>: ChatML's markers would be read as plain text."""
+    assert main(["serve", f"ckpt={ckpt}", "chat_template=chatml"]) == 2
+    assert "needs the special tokens <|im_start|>, <|im_end|>" in capsys.readouterr().err

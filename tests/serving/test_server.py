@@ -206,6 +206,16 @@ def test_queue_full_is_raised_before_queueing(model):
     ({"model": NAME}, 400, "prompt"),
     ({"model": NAME, "prompt": "x", "top_p": 0.5, "top_k": 3}, 400, "set one of top_k, top_p and min_p"),
     ({"model": NAME, "prompt": ""}, 400, "prompt is empty"),
+    ({"model": NAME, "prompt": ["ok", ""]}, 400, "prompt is empty"),
+    # token ids outside the vocabulary: once these stopped the engine, and every later request failed
+    ({"model": NAME, "prompt": [1, 10**6]}, 400, "token id 1000000"),
+    ({"model": NAME, "prompt": [[1], [-1]]}, 400, "token id -1"),
+    # past the context with max_tokens: refused as OpenAI and vLLM do, not cut short
+    ({"model": NAME, "prompt": "x" * (CONTEXT - 8), "max_tokens": 16}, 400, "lower max_tokens to 8"),
+    ({"model": NAME, "prompt": "x", "logit_bias": {"5": 100}}, 400, "logit_bias is not supported"),
+    ({"model": NAME, "prompt": "x", "logprobs": 2}, 400, "logprobs is not supported"),
+    ({"model": NAME, "prompt": "x", "echo": True}, 400, "echo is not supported"),
+    ({"model": NAME, "prompt": "x", "suffix": "end"}, 400, "suffix is not supported"),
 ])
 def test_bad_requests_get_a_json_error_and_the_server_keeps_serving(server, body, status, message):
     url, _ = server
@@ -214,10 +224,67 @@ def test_bad_requests_get_a_json_error_and_the_server_keeps_serving(server, body
     assert response.status_code == status
     assert message in response.json()["error"]["message"]
     assert httpx.post(f"{url}/v1/completions", json={"model": NAME, "prompt": "ok", "max_tokens": 2}).status_code == 200
+    assert httpx.get(f"{url}/health").status_code == 200
+
+
+def test_a_completion_past_the_context_names_its_fields(server):
+    url, _ = server
+    error = httpx.post(f"{url}/v1/completions", json={"model": NAME, "prompt": "x" * (CONTEXT - 8),
+                                                      "max_tokens": 16}).json()["error"]
+    assert (error["param"], error["code"]) == ("max_tokens", "context_length_exceeded")
+    error = httpx.post(f"{url}/v1/completions", json={"model": NAME, "prompt": "x" * CONTEXT}).json()["error"]
+    assert (error["param"], error["code"]) == ("prompt", "context_length_exceeded")
+    # max_tokens null: the rest of the context, as vLLM gives
+    done = httpx.post(f"{url}/v1/completions", json={"model": NAME, "prompt": "x" * (CONTEXT - 3), "max_tokens": None,
+                                                     "ignore_eos": True, "temperature": 0}).json()
+    assert done["usage"]["completion_tokens"] == 3 and done["choices"][0]["finish_reason"] == "length"
+
+
+@pytest.mark.parametrize("fields, status, param", [
+    ({"max_tokens": 0}, 400, "max_tokens"),  # once read as "not set", and the reply ran to the context's end
+    ({"max_completion_tokens": 0}, 400, "max_completion_tokens"),
+    ({"max_completion_tokens": CONTEXT}, 400, "max_completion_tokens"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
+    ({"response_format": {"type": "json_object"}}, 400, "response_format"),
+    ({"response_format": {"type": "text"}, "max_completion_tokens": 2, "max_tokens": 50}, 200, None),
+])
+def test_chat_limits_and_unsupported_fields(server, fields, status, param):
+    url, _ = server
+    response = httpx.post(f"{url}/v1/chat/completions",
+                          json={"model": NAME, "messages": [{"role": "user", "content": "Hi"}], **fields})
+    assert response.status_code == status
+    if status == 200:
+        assert response.json()["usage"]["completion_tokens"] <= 2
+    else:
+        assert response.json()["error"]["param"] == param
+
+
+def test_a_message_without_content_is_refused(server):
+    url, _ = server
+    response = httpx.post(f"{url}/v1/chat/completions", json={"model": NAME, "messages": [{"role": "user"}]})
+    assert response.status_code == 400 and "content" in response.json()["error"]["message"]
+
+
+def test_routes_answer_in_openais_form(server):
+    url, _ = server
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="none")
+    assert client.models.retrieve(NAME).id == NAME
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-9")
+    for response, status in ((httpx.get(f"{url}/v1/nowhere"), 404), (httpx.get(f"{url}/v1/completions"), 405)):
+        assert response.status_code == status and response.json()["error"]["message"]
+
+
+def test_a_stopped_engine_answers_503_in_json(model):
+    with running_server(model) as (url, engine):
+        engine.error = RuntimeError("a failed step")
+        response = httpx.post(f"{url}/v1/completions", json={"model": NAME, "prompt": "ok"})
+        assert response.status_code == 503 and "a failed step" in response.json()["error"]["message"]
 
 
 @pytest.mark.parametrize("field, value", [("temperature", -1), ("top_p", 1.5), ("top_p", 0), ("min_p", 2),
-                                          ("top_k", -2), ("n", 0), ("repetition_penalty", 0)])
+                                          ("top_k", -2), ("n", 0), ("n", 129), ("repetition_penalty", 0),
+                                          ("frequency_penalty", 2.5), ("presence_penalty", -3)])
 def test_a_sampling_setting_out_of_range_is_named_as_the_request_names_it(server, field, value):
     url, _ = server
     response = httpx.post(f"{url}/v1/completions", json={"model": NAME, "prompt": "x", field: value})
