@@ -35,6 +35,8 @@ def export(ckpt: str | Path, out: str | Path) -> Path:
     from lmlab.tokenizers.hf_files import save_hf_tokenizer
     from lmlab.training.checkpoints import load
 
+    if Path(out).exists() and not Path(out).is_dir():
+        raise ConfigError(f"out={out} is a file; give a folder (new, or one to write the files into)")
     model, tokenizer, _ = load(ckpt)
     to_hf_llama(model)  # a model with non-Llama parts fails here, before anything is written
     tokenizer.to_bpe()  # and so does a tokenizer with no GPT-2 form

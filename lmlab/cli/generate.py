@@ -328,7 +328,7 @@ def generate(cfg: GenerateConfig, out=None, err=None) -> None:
     out, err = out or sys.stdout, err or sys.stderr
     sampler = SAMPLERS.build(cfg.sampler)  # checks temperature, p, ...
     device, dtype = device_and_dtype(cfg)
-    for flag in (*CUDA_KERNEL_FLAGS, "head_kernel"):
+    for flag in (*CUDA_KERNEL_FLAGS, "head_kernel", "cuda_graphs"):
         if getattr(cfg, flag) and device.type != "cuda":
             raise ConfigError(f"{flag}=true needs a CUDA device (device={cfg.device} is {device.type})")
     texts = read_prompts(cfg)

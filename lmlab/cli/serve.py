@@ -85,6 +85,8 @@ def build_server(cfg: ServeConfig):
     from lmlab.serving.server import build_app
 
     device, dtype = device_and_dtype(cfg)
+    if cfg.cuda_graphs and device.type != "cuda":
+        raise ConfigError(f"cuda_graphs=true needs a CUDA device (device={cfg.device} is {device.type})")
     template = CHAT_TEMPLATES.build(cfg.chat_template)
     source = open_model(cfg.ckpt, "ckpt")
     check_template_tokens(source.tokenizer, template)  # before the weights load

@@ -77,6 +77,13 @@ def test_bad_arguments_are_one_error(argv, match):
         main(argv)
 
 
+def test_an_out_that_is_a_file_is_one_error_before_loading(tmp_path):
+    (tmp_path / "afile").write_text("keep me")
+    with pytest.raises(ConfigError, match="is a file; give a folder"):
+        main(["ckpt=/missing.ckpt", f"out={tmp_path / 'afile'}"])
+    assert (tmp_path / "afile").read_text() == "keep me"
+
+
 def test_help(capsys):
     assert main(["--help"]) == 0
     assert "lmlab export-hf ckpt=PATH out=DIR" in capsys.readouterr().out

@@ -186,6 +186,8 @@ BAD = {  # case -> (extra arguments, the error)
                                r"batch_invariant=true needs a CUDA device \(device=cpu is cpu\)"),
     "head kernel on cpu": (["ckpt={ckpt}", "prompt=a", "device=cpu", "head_kernel=true"],
                            r"head_kernel=true needs a CUDA device \(device=cpu is cpu\)"),
+    "cuda graphs on cpu": (["ckpt={ckpt}", "prompt=a", "device=cpu", "cuda_graphs=true"],
+                           r"cuda_graphs=true needs a CUDA device \(device=cpu is cpu\)"),
     "batch-invariant compiled": (["ckpt={ckpt}", "prompt=a", "batch_invariant=true", "compile=true"],
                                  "batch_invariant=true runs its own kernels in eager steps"),
 }

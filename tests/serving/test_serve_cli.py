@@ -65,3 +65,8 @@ def test_a_chat_template_whose_markers_the_tokenizer_lacks_is_refused_at_start(c
     """The tiny run's tokenizer has no <|im_start|>: ChatML's markers would be read as plain text."""
     assert main(["serve", f"ckpt={ckpt}", "chat_template=chatml"]) == 2
     assert "needs the special tokens <|im_start|>, <|im_end|>" in capsys.readouterr().err
+
+
+def test_cuda_graphs_on_a_cpu_is_refused(ckpt):
+    with pytest.raises(ConfigError, match=r"cuda_graphs=true needs a CUDA device \(device=cpu is cpu\)"):
+        build_server(parse_config([f"ckpt={ckpt}", "device=cpu", "cuda_graphs=true"]))
