@@ -102,6 +102,13 @@ class Transformer(nn.Module):
         self.embed_tokens = nn.Embedding(self.vocab_size, cfg.d_model)
         self.position = POSITIONS.build(cfg.position, cfg.max_seq_len, cfg.d_model, head_dim, n_heads)
         self.layers = nn.ModuleList(BLOCKS.build(cfg.block, cfg, layer_idx=i) for i in range(cfg.n_layers))
+        # A bidirectional layer lets each position read the token it is trained to predict: the loss falls towards
+        # zero and the model learns nothing it could generate with. causal=false is for encoders (lmlab.multimodal).
+        if bidirectional := [i for i, block in enumerate(self.layers)
+                             if not getattr(getattr(block, "self_attn", None), "causal", True)]:
+            raise ConfigError(f"layer {bidirectional[0]}'s attention has causal=false, but a decoder-only language "
+                              "model must not see the tokens it predicts; set model.attention.causal=true "
+                              "(causal=false is for encoders such as vision_encoder=vit)")
         self.loops, self.loop_inject = cfg.loops, cfg.loop_inject
         if cfg.kv_share > 1:
             self._share_kv(cfg.kv_share)
