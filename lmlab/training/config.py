@@ -6,8 +6,9 @@ chosen entry brings its own typed node; everything else is checked by this schem
 
 from __future__ import annotations
 
+import difflib
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, get_args
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
@@ -15,6 +16,23 @@ from omegaconf import MISSING
 from lmlab.checks import at_least
 from lmlab.errors import ConfigError
 from lmlab.nn.transformer import ModelConfig
+
+
+def check_lightning_names(precision: str, accelerator: str) -> None:
+    """trainer.precision and trainer.accelerator against Lightning's own lists, so that a typo fails before the data
+    is tokenized and the model built (Lightning checks them only as its Trainer starts)."""
+    if precision == "auto" and accelerator == "auto":
+        return
+    from lightning.fabric.connector import _PRECISION_INPUT_STR, _PRECISION_INPUT_STR_ALIAS
+    from lightning.pytorch.accelerators import AcceleratorRegistry
+
+    for key, value, known in (
+            ("precision", precision, ["auto", *get_args(_PRECISION_INPUT_STR), *get_args(_PRECISION_INPUT_STR_ALIAS)]),
+            ("accelerator", accelerator, ["auto", "gpu", *AcceleratorRegistry.keys()])):
+        if value not in known:
+            hint = difflib.get_close_matches(value, known, n=1)
+            raise ConfigError(f"trainer.{key}={value} is not one of Lightning's: {', '.join(known)}"
+                              + (f". Did you mean '{hint[0]}'?" if hint else ""))
 
 
 @dataclass
@@ -57,6 +75,7 @@ class TrainerConfig:
             raise ConfigError("trainer.cuda_graphs replays one forward per backward: each replay reuses the memory that "
                               "holds the last one's gradients, so micro-batches cannot accumulate. Set "
                               "trainer.accumulate_grad_batches=1 or trainer.cuda_graphs=false")
+        check_lightning_names(self.precision, self.accelerator)
         if self.grad_noise_scale and self.accumulate_grad_batches < 2:
             raise ConfigError("trainer.grad_noise_scale compares one micro-batch's gradient with the step's: set "
                               "trainer.accumulate_grad_batches to 2 or more")
