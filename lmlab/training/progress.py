@@ -31,12 +31,15 @@ def _not_an_advert(record: logging.LogRecord) -> bool:
 
 
 def quiet_library_noise() -> None:
-    """Drop what a user cannot act on: Lightning's advert for its cloud logger and torch's deprecation
-    of a class Lightning still uses internally."""
+    """Drop what a user cannot act on: Lightning's advert for its cloud logger, torch's deprecation
+    of a class Lightning still uses internally, and Lightning's notes on resuming into another run folder (its
+    checkpoint callback's folder is named after the run, so the resumed run's never matches the checkpoint's)."""
     rank_zero = logging.getLogger(LIGHTNING_RANK_ZERO_LOGGER)
     if _not_an_advert not in rank_zero.filters:
         rank_zero.addFilter(_not_an_advert)
     warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated", category=FutureWarning)
+    warnings.filterwarnings("ignore", message=r"Be aware that when using `ckpt_path`, callbacks used to create")
+    warnings.filterwarnings("ignore", message=r"The dirpath has changed from")
 
 
 # Post-training adds its own: the rollouts' mean reward, held-out accuracy, the preference accuracy.

@@ -7,7 +7,9 @@ import logging
 import math
 from pathlib import Path
 
+import lightning as L
 from omegaconf import DictConfig
+from torch.optim.lr_scheduler import LambdaLR
 
 from lmlab.training.checkpoints import read_checkpoint
 from lmlab.training.module import METRICS_KEY
@@ -50,3 +52,20 @@ def finished_run(ckpt_path: str, max_steps: int) -> dict[str, float] | None:
             "val_bpb": metrics.get("val/bpb", math.nan), "train_loss": metrics.get("train/loss", math.nan),
             "train_lm_loss": metrics.get("train/lm_loss", metrics.get("train/loss", math.nan)),
             "tokens_per_s": math.nan, "skipped_steps": 0}
+
+
+class ScheduleFromResumedStep(L.Callback):
+    """A resumed run's optimizer comes back holding the learning rates its checkpoint's schedule gave: with another
+    trainer.max_steps or sched, its first step ran at the old schedule's rate (a 6-step run resumed to 12 took its
+    first step at the 6-step floor, then jumped). Here each group starts at this run's schedule at the resumed step,
+    as every later step is; a fresh run is unchanged (its scheduler set the same rates)."""
+
+    def on_train_start(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+        for config in trainer.lr_scheduler_configs:
+            scheduler = config.scheduler
+            if isinstance(scheduler, LambdaLR):
+                rates = [base * rate(scheduler.last_epoch) for base, rate in zip(scheduler.base_lrs,
+                                                                                 scheduler.lr_lambdas)]
+                for group, lr in zip(scheduler.optimizer.param_groups, rates):
+                    group["lr"] = lr
+                scheduler._last_lr = rates

@@ -33,7 +33,7 @@ from lmlab.training.module import LanguageModelTask, step_guard_for
 from lmlab.training.interrupt import GracefulStop
 from lmlab.training.profile import StepProfiler
 from lmlab.training.progress import StepProgress, quiet_library_noise
-from lmlab.training.resume import finished_run, resolve_auto_resume
+from lmlab.training.resume import ScheduleFromResumedStep, finished_run, resolve_auto_resume
 from lmlab.training.throughput import Throughput
 
 log = logging.getLogger(__name__)
@@ -264,6 +264,7 @@ def build_trainer(cfg: DictConfig, output_dir: Path, logger, strategy, before: l
                             every_n_train_steps=t.checkpoint_every, save_top_k=-1),
             StepProgress(t.max_steps, t.log_every, bar=t.progress_bar),
             GracefulStop(output_dir / "checkpoints" / "last.ckpt", t.max_steps),
+            ScheduleFromResumedStep(),
             *after,
         ],
         enable_progress_bar=False,  # StepProgress counts steps; Lightning's bar counts epochs and batches

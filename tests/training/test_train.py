@@ -32,6 +32,22 @@ def test_resume_continues_exactly(make_cfg, tiny_overrides, tmp_path):
         torch.testing.assert_close(a[key], b[key], rtol=0, atol=0, msg=key)
 
 
+def test_a_resumed_run_follows_its_own_schedule_from_its_first_step(make_cfg, tiny_overrides, tmp_path):
+    """Resumed with a longer max_steps, the first step's rate is the new schedule's, not the checkpoint's."""
+    from lmlab.cli.compare import read_csv
+    from lmlab.optim import SCHEDULERS
+
+    short = tmp_path / "short"
+    train(make_cfg([*tiny_overrides, "trainer.max_steps=10"]), short)
+    longer = [*tiny_overrides, "trainer.max_steps=20", "trainer.log_every=1", "logger=csv"]
+    cfg = make_cfg([*longer, f"ckpt_path={short / 'checkpoints' / 'last.ckpt'}"])
+    train(cfg, tmp_path / "resumed")
+    logged = dict(read_csv(next((tmp_path / "resumed").rglob("metrics.csv")))["lr"])
+    lr_at = SCHEDULERS.build(cfg.sched, cfg.optim.lr, 20)
+    assert logged[10] == pytest.approx(lr_at(10)) and logged[11] == pytest.approx(lr_at(11))
+    assert lr_at(10) > 2 * SCHEDULERS.build(cfg.sched, cfg.optim.lr, 10)(10)  # the old schedule's floor
+
+
 def test_checkpoint_from_another_model_is_rejected_before_training(make_cfg, tiny_overrides, tmp_path):
     first = tmp_path / "first"
     train(make_cfg([*tiny_overrides, "trainer.max_steps=10"]), first)
