@@ -14,7 +14,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from lmlab.cli.app import run_hydra_app
 from lmlab.errors import RunInterrupted
-from lmlab.training.resume import AUTO
+from lmlab.training.resume import AUTO, check_fresh_folder
 
 MAX_RUN_NAME = 200  # characters; a folder name may have 255 bytes
 
@@ -55,6 +55,7 @@ def _train(cfg: DictConfig, output_dir: str) -> float:
     from lmlab.training.tasks import TASKS
 
     check_installed(cfg.logger)
+    check_fresh_folder(cfg, Path(output_dir))
     hydra_cfg = HydraConfig.get()
     if not cfg.logger.run_name:  # here: Hydra's state is gone in the processes a parallel run spawns
         cfg.logger.run_name = sweep_run_name(hydra_cfg)

@@ -11,6 +11,7 @@ import lightning as L
 from omegaconf import DictConfig
 from torch.optim.lr_scheduler import LambdaLR
 
+from lmlab.errors import ConfigError
 from lmlab.training.checkpoints import read_checkpoint
 from lmlab.training.module import METRICS_KEY
 
@@ -36,6 +37,20 @@ def resolve_auto_resume(cfg: DictConfig, output_dir: Path) -> DictConfig:
     cfg.ckpt_path = None if latest is None else str(latest)
     log.info("ckpt_path=auto: %s", f"resuming from {latest}" if latest else f"no checkpoint in {output_dir}, starting")
     return cfg
+
+
+# What a run writes into its folder besides Hydra's own files: checkpoints and each logger's folder
+RUN_OUTPUTS = ("checkpoints", "tb", "csv", "wandb", "mlruns")
+
+
+def check_fresh_folder(cfg: DictConfig, output_dir: Path) -> None:
+    """A new run (no ckpt_path) in a folder that holds an earlier run's checkpoints or logs would add its curves to
+    that run's (two step 0s in one plot) and overwrite its checkpoints: one clear error instead, before any work."""
+    if cfg.ckpt_path:
+        return
+    if earlier := [name for name in RUN_OUTPUTS if (output_dir / name).is_dir() and any((output_dir / name).iterdir())]:
+        raise ConfigError(f"{output_dir} already holds a run ({', '.join(f'{name}/' for name in earlier)}): resume it "
+                          f"with ckpt_path={AUTO}, or give this run a folder of its own (hydra.run.dir=...)")
 
 
 def finished_run(ckpt_path: str, max_steps: int) -> dict[str, float] | None:

@@ -6,6 +6,7 @@ import signal
 
 import pytest
 import torch
+from omegaconf import OmegaConf
 
 from lmlab.errors import RunInterrupted
 from lmlab.training import module as module_lib
@@ -59,3 +60,19 @@ def test_auto_resume_without_a_checkpoint_starts_and_a_finished_run_has_nothing_
     assert "nothing to do" in caplog.text
     assert again["val_loss"] == pytest.approx(first["val_loss"]) and again["train_loss"] == pytest.approx(first["train_loss"])
     assert sorted((run / "tb").rglob("events.*")) == events  # no new, empty run in TensorBoard
+
+
+def test_a_new_run_in_a_folder_that_holds_a_run_is_refused(tmp_path):
+    from lmlab.errors import ConfigError
+    from lmlab.training.resume import check_fresh_folder
+
+    fresh, resumed = OmegaConf.create({"ckpt_path": None}), OmegaConf.create({"ckpt_path": "auto"})
+    (tmp_path / ".hydra").mkdir()
+    (tmp_path / "tb").mkdir()  # Hydra's files and an empty logger folder: nothing of a run yet
+    check_fresh_folder(fresh, tmp_path)
+    (tmp_path / "checkpoints").mkdir()
+    (tmp_path / "checkpoints" / "last.ckpt").write_bytes(b"")
+    (tmp_path / "tb" / "events.out.tfevents.1").write_bytes(b"")
+    with pytest.raises(ConfigError, match=r"already holds a run \(checkpoints/, tb/\): resume it with ckpt_path=auto"):
+        check_fresh_folder(fresh, tmp_path)
+    check_fresh_folder(resumed, tmp_path)
