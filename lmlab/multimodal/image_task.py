@@ -114,8 +114,9 @@ def fit(cfg: DictConfig, output_dir: Path, module: L.LightningModule, datamodule
     logger = build_logger(cfg.logger, output_dir)
     trainer = build_trainer(cfg, output_dir, logger, "auto")
     trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.ckpt_path)
-    # The last step validates too (and a run resumed when already finished, which trained no step).
-    if trainer.global_step % cfg.trainer.val_every or sweep_metric not in trainer.callback_metrics:
+    # The last step validated inside fit (build_trainer's StopAtLastStep); a run resumed when already finished
+    # trained no step, so validates here.
+    if sweep_metric not in trainer.callback_metrics:
         trainer.validate(module, datamodule=datamodule, verbose=False)
     trainer.save_checkpoint(output_dir / "checkpoints" / "last.ckpt", weights_only=False)
     results = {k: float(v) for k, v in trainer.callback_metrics.items() if v.numel() == 1}

@@ -204,13 +204,6 @@ class LanguageModelTask(L.LightningModule):
         if logs:
             self.log("train/skipped_steps", float(self.guard.skipped))
 
-    def on_train_batch_end(self, outputs, batch, batch_idx: int) -> None:
-        """Stop at the last step: Lightning then writes its scalars to the loggers even when log_every does not
-        land on it, and validates after it (once, when val_every also lands there), so the run's final numbers
-        come from a validation inside fit (and show on the progress bar)."""
-        if not self._micro_terms and self.global_step >= self.trainer_cfg.max_steps:
-            self.trainer.should_stop = True
-
     def _log_moe_stats(self) -> None:
         """Expert loads and router statistics, straight to the logger on the steps whose scalars it
         writes (`_logs_this_step`) only: a deep MoE has hundreds of them, and reading them costs a device sync."""

@@ -238,6 +238,20 @@ def train(cfg: DictConfig, output_dir: str | Path) -> dict[str, float]:
     return results
 
 
+class StopAtLastStep(L.Callback):
+    """Stop at the last optimizer step through `should_stop`, before Lightning's own max_steps check ends the loop:
+    Lightning then validates after that step (once, when val_every also lands there) and writes its scalars to the
+    loggers even when log_every does not land on it, so every task's final numbers come from a validation inside fit
+    (and show on the progress bar). Mid-accumulation global_step is still below max_steps."""
+
+    def __init__(self, max_steps: int):
+        self.max_steps = max_steps
+
+    def on_train_batch_end(self, trainer: L.Trainer, module: L.LightningModule, outputs, batch, batch_idx: int) -> None:
+        if trainer.global_step >= self.max_steps:
+            trainer.should_stop = True
+
+
 def build_trainer(cfg: DictConfig, output_dir: Path, logger, strategy, before: list = (), after: list = ()) -> L.Trainer:
     """The Lightning Trainer of every task: step-counted validation, checkpoints every
     trainer.checkpoint_every steps and on Ctrl-C/SIGTERM, lmlab's step progress; callbacks `before` run
@@ -264,6 +278,7 @@ def build_trainer(cfg: DictConfig, output_dir: Path, logger, strategy, before: l
                             every_n_train_steps=t.checkpoint_every, save_top_k=-1),
             StepProgress(t.max_steps, t.log_every, bar=t.progress_bar),
             GracefulStop(output_dir / "checkpoints" / "last.ckpt", t.max_steps),
+            StopAtLastStep(t.max_steps),
             ScheduleFromResumedStep(),
             *after,
         ],

@@ -103,6 +103,39 @@ def test_rl_stages_log_every_metric_the_issue_names(data, tmp_path, task, extra)
     assert load(ckpt)[2].task.name == task
 
 
+def test_rl_epochs_stop_at_exactly_max_steps_optimizer_steps(data, tmp_path):
+    """Two optimizer steps per rollout batch and trainer.max_steps=3: the second batch takes one, so the
+    optimizer, the schedule (built for 3 steps) and the step counter all end at 3, not 4."""
+    _, ckpt = run_stage(data, tmp_path, "grpo", "task.epochs=2", "task.rollout_batch_size=8", "task.group_size=4",
+                        "task.micro_batch_size=4", "task.max_new_tokens=4", "rl_loss.kl=k3", "rl_loss.kl_coef=0.05",
+                        "trainer.max_steps=3", "trainer.val_every=2")
+    saved = torch.load(ckpt, weights_only=False)
+    assert saved["global_step"] == 3
+    assert saved["lr_schedulers"][0]["last_epoch"] == 3
+    assert {float(s["step"]) for s in saved["optimizer_states"][0]["state"].values()} == {3.0}
+
+
+# Every task's fit stops itself at the last step (build_trainer's StopAtLastStep), so Lightning validates there.
+@pytest.mark.parametrize("task,overrides,expected", [
+    ("sft", ["task.batch_size=4", "trainer.max_steps=5", "trainer.val_every=3"], [3, 5]),
+    # val_every counts rollout batches: 2 batches of 2 steps reach max_steps=3 before the 5th batch.
+    ("grpo", ["task.epochs=2", "task.rollout_batch_size=8", "task.group_size=4", "task.max_new_tokens=4",
+              "trainer.max_steps=3", "trainer.val_every=5"], [3]),
+])
+def test_the_last_step_of_a_stage_validates(data, tmp_path, monkeypatch, task, overrides, expected):
+    from lmlab.alignment.tasks.stage import StageModule
+
+    validated, end = [], StageModule.on_validation_epoch_end
+
+    def recording(module):
+        validated.append(module.global_step)
+        end(module)
+
+    monkeypatch.setattr(StageModule, "on_validation_epoch_end", recording)
+    run_stage(data, tmp_path, task, *overrides)
+    assert validated == expected
+
+
 def test_gsm8k_answers_keep_the_final_number(tmp_path):
     path = tmp_path / "gsm8k.jsonl"
     path.write_text(json.dumps({"question": "How many?", "answer": "2 + 3 = 5\n#### 1,005"}) + "\n")
@@ -115,6 +148,10 @@ def test_gsm8k_answers_keep_the_final_number(tmp_path):
     ("grpo", ["rl_loss=ppo"], "task=ppo takes rl_loss=ppo"),
     ("ppo", [], "task=ppo takes rl_loss=ppo"),
     ("grpo", ["task.max_new_tokens=30"], "prompts are longer than 2 tokens"),
+    # No room for a prompt (TINY's context is 32): the setting and the context, not "longer than 0 tokens".
+    ("grpo", ["task.max_new_tokens=32"], "task.max_new_tokens=32 must be below the model's context, model.max_seq_len=32"),
+    ("grpo", ["task.max_new_tokens=40"], "task.max_new_tokens=40 must be below the model's context, model.max_seq_len=32"),
+    ("dpo", ["task.reference=/nonexistent.ckpt"], "^task.reference=/nonexistent.ckpt is not a file"),
     ("grpo", ["trainer.accumulate_grad_batches=2"], "accumulates with task.micro_batch_size"),
     ("sft", ["init_from=null"], "set init_from="),
     ("sft", ["init_from=/nonexistent.ckpt"], "init_from=/nonexistent.ckpt is not a file"),

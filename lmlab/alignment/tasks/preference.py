@@ -101,6 +101,8 @@ class DPO(PreferenceStage):
 
     def check(self, cfg: DictConfig) -> None:
         PREFERENCE_LOSSES.build(cfg.pref_loss)
+        if self.cfg.reference is not None:  # a missing or foreign file, named by its setting, before any weights load
+            read_checkpoint(self.cfg.reference, "task.reference")
 
     def build(self, cfg: DictConfig, policy, tokenizer, template: ChatTemplate):
         reference = frozen_copy(policy) if self.cfg.reference is None else _reference(cfg, tokenizer)

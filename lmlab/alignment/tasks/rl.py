@@ -30,6 +30,7 @@ from lmlab.errors import ConfigError
 from lmlab.inference.engine import Engine
 from lmlab.inference.samplers import SAMPLERS
 from lmlab.jsonl import json_lines
+from lmlab.training.checkpoints import CONFIG_KEY, read_checkpoint
 from lmlab.training.tasks import TASKS
 
 FINAL_ANSWER = "####"  # GSM8K's marker before the final answer
@@ -115,10 +116,12 @@ class RLModule(StageModule):
                 ref = get_response_log_probs(self.reference, rb.tensors["input_ids"], rb.tensors["labels"],
                                              temperature=rb.temperature)["log_probs"]
         extra = self.prepare(rb)
-        update = policy_update(self.model, self.optimizers(), rb, self.loss, t.epochs, t.micro_batch_size,
+        # trainer.max_steps counts optimizer steps (the schedule's length): the last batch takes only those left.
+        epochs = min(t.epochs, self.cfg.trainer.max_steps - self.global_step)
+        update = policy_update(self.model, self.optimizers(), rb, self.loss, epochs, t.micro_batch_size,
                                self.cfg.trainer.grad_clip, ref, extra_loss=extra, backward=self.manual_backward,
                                parameters=list(self.trainable().parameters()))
-        for _ in range(t.epochs):
+        for _ in range(epochs):
             self.lr_schedulers().step()
         tokens = float(rb.tensors["response_mask"].sum())
         logged = {**rb.metrics, **update, "rollout_tokens_per_s": tokens / seconds}
@@ -175,6 +178,10 @@ class RLStage(PostTraining):
             raise ConfigError(f"rl_loss={cfg.rl_loss.name} with task={cfg.task.name}: task=ppo takes rl_loss=ppo (it "
                               "needs the critic), task=grpo any other rl_loss entry")
         REWARDS.resolve(cfg.reward)  # the name and fields; the module builds it (a reward model loads once)
+        context = read_checkpoint(cfg.init_from, "init_from")[CONFIG_KEY]["model"]["max_seq_len"]
+        if self.cfg.max_new_tokens >= context:  # no room left for a prompt of even one token
+            raise ConfigError(f"task.max_new_tokens={self.cfg.max_new_tokens} must be below the model's context, "
+                              f"model.max_seq_len={context} (init_from's), to leave room for the prompt")
 
     def build(self, cfg: DictConfig, policy, tokenizer, template: ChatTemplate):
         t = self.cfg
