@@ -44,7 +44,8 @@ def _own_field_comments(cls: type) -> dict[str, str]:
         return {}
     names = {f.name for f in dataclasses.fields(cls)}
     comments: dict[str, str] = {}
-    depth, at_statement_start, field_name = 0, True, None
+    above: list[str] = []  # the comment lines just above the next statement: a field's, if its line has none
+    depth, at_statement_start, field_name, previous = 0, True, None, None
     for tok in tokenize.generate_tokens(io.StringIO(source).readline):
         if tok.type in (tokenize.INDENT, tokenize.DEDENT):
             depth += 1 if tok.type == tokenize.INDENT else -1
@@ -52,9 +53,18 @@ def _own_field_comments(cls: type) -> dict[str, str]:
             at_statement_start, field_name = True, None
         elif tok.type == tokenize.COMMENT:
             if field_name:
-                comments.setdefault(field_name, tok.string.lstrip("#").strip())
-        elif tok.type != tokenize.NL and at_statement_start:
+                comments[field_name] = tok.string.lstrip("#").strip()  # its own line's comment wins
+            elif at_statement_start:
+                above.append(tok.string.lstrip("#").strip())
+        elif tok.type == tokenize.NL:
+            if previous is None or previous.type != tokenize.COMMENT:  # a blank line parts a comment from a field
+                above.clear()
+        elif at_statement_start:
             at_statement_start = False
             # A field is a statement of the class body (depth 1, not inside a method) that starts with its name.
             field_name = tok.string if depth == 1 and tok.type == tokenize.NAME and tok.string in names else None
+            if field_name and above:
+                comments[field_name] = " ".join(above)
+            above = []
+        previous = tok
     return comments

@@ -24,11 +24,20 @@ def test_field_comments_are_read_from_the_dataclass_source():
         )  # a field over several lines
         d: int = 0
 
+        # documented above its line: read when the line has no comment,
+        # the lines joined
+        e: bool = False
+        # parted from f by a blank line: not f's
+
+        f: int = 1
+
         def method(self):
             d: int = 2  # a local variable, not the field
             return d
 
-    assert field_comments(Child) == {"a": "the a", "b": "child b", "c": "a field over several lines"}
+    assert field_comments(Child) == {"a": "the a", "b": "child b", "c": "a field over several lines",
+                                     "e": "documented above its line: read when the line has no comment, the lines "
+                                          "joined"}
 
 
 def test_list_trainer_shows_every_field_with_type_default_and_comment(capsys):
@@ -67,3 +76,19 @@ def test_list_everything_shows_each_section_and_group_once(capsys):
     headings = [block.splitlines()[0] for block in capsys.readouterr().out.split("\n\n")]
     assert len(headings) == len(set(headings))
     assert sum(h.startswith("data  (") for h in headings) == 2  # the shared fields, then the sources
+
+
+def test_list_pipeline_and_experiment_show_the_conf_folders_lmlab_train_lists_as_groups(capsys):
+    """Hydra's help lists every folder of conf/ as a group (the verbs share it), pipeline and experiment included."""
+    assert main(["list", "pipeline"]) == 0
+    pipeline = capsys.readouterr().out
+    assert pipeline.startswith("pipeline  (a data pipeline of `lmlab data run`")
+    assert re.search(r"\n  stages: list\[Any\] = \[\] +entries of `lmlab list filter`", pipeline)
+    assert "\n  presets in conf/pipeline/ (pipeline=NAME):\n    text  Text that is already extracted" in pipeline
+    assert re.search(r"\n    web +Web pages as Common Crawl serves them", pipeline)
+    assert main(["list", "experiment"]) == 0
+    experiment = capsys.readouterr().out
+    assert re.search(r"\n    architecture_ablations  Norms x FFNs x positions", experiment)
+    assert "@package" not in experiment
+    assert main(["list", "model"]) == 0
+    assert re.search(r"\n    tiny +~1.1M parameters", capsys.readouterr().out)  # a section's presets too

@@ -92,8 +92,15 @@ class MMLU(EvalTask):
             prompt = encode(self.data.prompt(q))
             requests += [(prompt, encode(text)) for text in texts]
         truncated = scorer.truncated
+        scored = 0  # options; the bar counts whole questions (a fraction reads "64.0/285" in a log)
+
+        def progress(n: int) -> None:
+            nonlocal scored
+            scored += n
+            bar.update(scored // len(MMLU_LETTERS) - bar.n)
+
         with tqdm(total=len(questions), desc=self.task, unit="q") as bar:
-            scores = iter(scorer.loglikelihoods(requests, progress=lambda n: bar.update(n / len(MMLU_LETTERS))))
+            scores = iter(scorer.loglikelihoods(requests, progress=progress))
         correct, correct_norm, records = [], [], []
         for q, texts in zip(questions, options):
             logprobs = [next(scores).logprob for _ in texts]
