@@ -72,9 +72,9 @@ def cmd_run(args: argparse.Namespace) -> int:
 def cmd_train_classifier(args: argparse.Namespace) -> int:
     from lmlab.curation.classifier import ClassifierConfig, TextClassifier, read_labelled
 
+    cfg = ClassifierConfig(**{f.name: getattr(args, f.name) for f in fields(ClassifierConfig)})  # checked first
     examples = read_labelled(args.train)
     valid = read_labelled(args.valid) if args.valid else []
-    cfg = ClassifierConfig(**{f.name: getattr(args, f.name) for f in fields(ClassifierConfig)})
     start = time.perf_counter()
     clf = TextClassifier.train(examples, cfg)
     print(f"trained on {len(examples)} examples of labels {', '.join(clf.labels)} in {time.perf_counter() - start:.1f} s;"

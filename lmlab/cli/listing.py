@@ -1,14 +1,18 @@
 """`lmlab list`: the registries and the config sections that are not registries (the top level,
-model sizes, the settings every data source shares, the trainer), each field with its type,
-default and the comment that documents it in the dataclass."""
+model sizes, the settings every data source shares, the trainer, `lmlab data run`'s pipeline), each field
+with its type, default and the comment that documents it in the dataclass; then the preset files of
+the section's or group's folder in conf/ (`model=tiny`, `pipeline=web`, `experiment=NAME`), each with
+the first line of its header comment."""
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from pathlib import Path
 
 from omegaconf import MISSING
 
+from lmlab.cli.overrides import CONF_DIR
 from lmlab.cli.schema import field_comments, type_name
 from lmlab.registry import Entry, Registry
 
@@ -16,12 +20,13 @@ from lmlab.registry import Entry, Registry
 @dataclass(frozen=True)
 class Section:
     name: str  # what `lmlab list NAME` takes
-    schema: type
-    path: str  # where its keys are in the config ("" for the top level)
+    schema: type | None  # None: a folder of presets with no schema of its own (experiment)
+    path: str  # where its keys are in the config ("" for the top level); conf/PATH/ holds its presets
     doc: str
 
 
 def sections() -> dict[str, Section]:
+    from lmlab.curation.pipeline import PipelineConfig
     from lmlab.data.sources import DataConfig
     from lmlab.nn.transformer import ModelConfig
     from lmlab.training.config import TrainConfig, TrainerConfig
@@ -31,7 +36,33 @@ def sections() -> dict[str, Section]:
         Section("model", ModelConfig, "model", "model sizes: model.FIELD=VALUE; its parts are the model/* groups"),
         Section("data", DataConfig, "data", "what every data source has: data.FIELD=VALUE"),
         Section("trainer", TrainerConfig, "trainer", "the training loop: trainer.FIELD=VALUE"),
+        # folders of conf/ that are no registry: Hydra lists them among lmlab-train's groups, as the verbs share conf/
+        Section("pipeline", PipelineConfig, "pipeline",
+                "a data pipeline of `lmlab data run`: pipeline=NAME, pipeline.FIELD=VALUE"),
+        Section("experiment", None, "experiment",
+                "named studies, each a set of overrides: lmlab-train -m experiment=NAME"),
     )}
+
+
+def _header(path: Path) -> str:
+    """The first line of a YAML file's leading comment (Hydra's `# @package` line skipped)."""
+    for line in path.read_text(encoding="utf-8").splitlines():
+        if not line.startswith("#"):
+            break
+        text = line.lstrip("#").strip()
+        if text and not text.startswith("@package"):
+            return text.rstrip(":")
+    return ""
+
+
+def preset_lines(group: str) -> list[str]:
+    """The presets in conf/GROUP/ that GROUP=NAME selects, each with its header; none: no lines."""
+    presets = sorted((CONF_DIR / group).glob("*.yaml")) if group else []
+    if not presets:
+        return []
+    width = max(len(p.stem) for p in presets)
+    return [f"  presets in conf/{group}/ ({group}=NAME):"] + [f"    {p.stem:<{width}}  {_header(p)}".rstrip()
+                                                            for p in presets]
 
 
 def _default(f: dataclasses.Field):
@@ -69,17 +100,19 @@ def format_registry(registry: Registry) -> str:
     entries = list(registry)
     width = max((len(e.name) for e in entries), default=0)
     header = f"{registry.name}  (config group '{registry.group}': {registry.doc})"
-    return "\n".join([header] + [line for e in entries for line in format_entry(e, width)])
+    lines = [line for e in entries for line in format_entry(e, width)]
+    return "\n".join([header, *lines, *preset_lines(registry.group)])
 
 
 def format_section(section: Section, groups: set[str], section_paths: set[str]) -> str:
     """The section's own fields, then the config groups and sections inside it, which are listed on their own."""
-    inside = {}
-    for f in dataclasses.fields(section.schema):
-        path = f"{section.path}.{f.name}" if section.path else f.name
-        if path.replace(".", "/") in groups or path in section_paths:
-            inside[f.name] = path.replace(".", "/")
-    lines = [f"{section.name}  ({section.doc})", *_aligned(_field_rows(section.schema, skip=frozenset(inside)), "  ")]
+    inside, lines = {}, [f"{section.name}  ({section.doc})"]
+    if section.schema is not None:
+        for f in dataclasses.fields(section.schema):
+            path = f"{section.path}.{f.name}" if section.path else f.name
+            if path.replace(".", "/") in groups or path in section_paths:
+                inside[f.name] = path.replace(".", "/")
+        lines += _aligned(_field_rows(section.schema, skip=frozenset(inside)), "  ")
     if inside:
         lines.append(f"  (also here, shown by lmlab list NAME: {', '.join(inside.values())})")
-    return "\n".join(lines)
+    return "\n".join(lines + preset_lines(section.path.replace(".", "/")))

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from lmlab.atomic import atomic_write
+from lmlab.checks import at_least
 from lmlab.curation.dedup import normalize
 from lmlab.curation.hashing import ngram_hashes
 from lmlab.errors import ConfigError
@@ -35,6 +36,11 @@ class ClassifierConfig:
     lr: float = 0.05
     batch_size: int = 32
     seed: int = 0
+
+    def __post_init__(self) -> None:
+        at_least("classifier", self, 1, "dim", "buckets", "word_ngrams", "epochs", "batch_size")
+        if not self.lr > 0:
+            raise ConfigError(f"classifier.lr must be > 0, got {self.lr}")
 
 
 def read_labelled(path: str | Path) -> list[tuple[str, str]]:

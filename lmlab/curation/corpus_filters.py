@@ -22,10 +22,11 @@ from typing import Any
 import numpy as np
 
 from lmlab.atomic import atomic_write
+from lmlab.checks import at_least
 from lmlab.curation.dedup import (MinHasher, UnionFind, document_key, first_occurrences, jaccard, line_key,
                                   lsh_candidates, shingles)
 from lmlab.curation.document import Document
-from lmlab.curation.filters import FILTERS, Decision
+from lmlab.curation.filters import FILTERS, Decision, check_fraction
 from lmlab.errors import ConfigError
 
 
@@ -98,12 +99,15 @@ class MinHashDedup(CorpusFilter):
         num_hashes: int = 100
         num_bands: int = 20
         ngrams: int = 5
-        jaccard_threshold: float = 0.8
+        jaccard_threshold: float = 0.8  # the n-gram Jaccard similarity from which two documents are near duplicates
         seed: int = 0
 
     def __init__(self, cfg: Config | None = None):
         self.cfg = cfg or self.Config()
-        if self.cfg.num_bands < 1 or self.cfg.num_hashes % self.cfg.num_bands:
+        at_least("minhash", self.cfg, 1, "num_hashes", "num_bands", "ngrams")
+        # 0 would join every LSH candidate unverified; above 1 no pair qualifies and nothing is removed
+        check_fraction("minhash.jaccard_threshold", self.cfg.jaccard_threshold, low_open=True)
+        if self.cfg.num_hashes % self.cfg.num_bands:
             raise ConfigError(f"minhash: num_bands ({self.cfg.num_bands}) must divide num_hashes "
                              f"({self.cfg.num_hashes})")
         self.hasher = MinHasher(self.cfg.num_hashes, self.cfg.seed)

@@ -118,8 +118,8 @@ class UnionFind:
 def near_duplicate_clusters(texts: Sequence[str], num_hashes: int, num_bands: int, ngram: int,
                             jaccard_threshold: float, seed: int = 0) -> list[int]:
     """Each text's cluster: the index of the first text it is a near duplicate of (itself if none)."""
-    if not 0 <= jaccard_threshold <= 1:
-        raise ValueError(f"jaccard_threshold must be in [0, 1], got {jaccard_threshold}")
+    if not 0 < jaccard_threshold <= 1:  # as the minhash stage checks it
+        raise ValueError(f"jaccard_threshold must be in (0, 1], got {jaccard_threshold}")
     if ngram < 1:
         raise ValueError(f"ngrams must be >= 1, got {ngram}")
     hasher = MinHasher(num_hashes, seed)

@@ -20,6 +20,7 @@ from typing import Any
 
 from tqdm import tqdm
 
+from lmlab.checks import at_least
 from lmlab.errors import ConfigError
 from lmlab.registry import Registry
 
@@ -75,6 +76,9 @@ class RayExecutor:
 
     def __init__(self, cfg: Config | None = None):
         self.cfg = cfg or self.Config()
+        at_least("executor", self.cfg, 1, "num_cpus")
+        if not self.cfg.cpus_per_task > 0:
+            raise ConfigError(f"executor.cpus_per_task must be > 0, got {self.cfg.cpus_per_task}")
         if importlib.util.find_spec("ray") is None:
             raise ConfigError("executor=ray needs Ray: pip install 'lmlab[ray]'")
 

@@ -21,6 +21,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
+from lmlab.checks import at_least
 from lmlab.curation.langid import LANGUAGE_IDS
 from lmlab.curation.pii import MASKS
 from lmlab.errors import ConfigError
@@ -45,6 +46,13 @@ class Decision:
     @classmethod
     def dropped(cls, rule: str, reason: str) -> Decision:
         return cls(False, reason, rule=rule)
+
+
+def check_fraction(key: str, value: float, low_open: bool = False) -> None:
+    """A share or probability is in [0, 1] ((0, 1] with `low_open`); otherwise one ConfigError naming its key, raised
+    when the stage is built, before any document is read."""
+    if not (0 < value <= 1 if low_open else 0 <= value <= 1):
+        raise ConfigError(f"{key} must be in {'(' if low_open else '['}0, 1], got {value}")
 
 
 # a whitespace-separated word with at least one letter, counted by the regex engine rather than a loop per character
@@ -72,7 +80,13 @@ class GopherQuality:
         min_alphabetic_words: float = 0.8
 
     def __init__(self, cfg: Config | None = None):
-        self.cfg = cfg or self.Config()
+        c = self.cfg = cfg or self.Config()
+        at_least("gopher", c, 0, "min_words", "min_mean_word_length")
+        for name in ("max_ellipsis_lines", "min_alphabetic_words"):
+            check_fraction(f"gopher.{name}", getattr(c, name))
+        for low, high in (("min_words", "max_words"), ("min_mean_word_length", "max_mean_word_length")):
+            if getattr(c, low) > getattr(c, high):  # an empty range would drop every document
+                raise ConfigError(f"gopher.{low} ({getattr(c, low)}) must be <= gopher.{high} ({getattr(c, high)})")
 
     def __call__(self, text: str) -> Decision:
         c, words = self.cfg, words_of(text)
@@ -151,7 +165,15 @@ class GopherRepetition:
             default_factory=lambda: {5: 0.15, 6: 0.14, 7: 0.13, 8: 0.12, 9: 0.11, 10: 0.10})
 
     def __init__(self, cfg: Config | None = None):
-        self.cfg = cfg or self.Config()
+        c = self.cfg = cfg or self.Config()
+        for name in ("max_duplicate_lines", "max_duplicate_paragraphs", "max_duplicate_line_chars",
+                     "max_duplicate_paragraph_chars"):
+            check_fraction(f"repetition.{name}", getattr(c, name))
+        for name in ("max_top_ngram_chars", "max_duplicate_ngram_chars"):
+            for n, limit in getattr(c, name).items():
+                if n < 1:
+                    raise ConfigError(f"repetition.{name}: n-gram sizes must be >= 1, got {n}")
+                check_fraction(f"repetition.{name}.{n}", limit)
 
     def __call__(self, text: str) -> Decision:
         c = self.cfg
@@ -202,6 +224,8 @@ class C4Rules:
 
     def __init__(self, cfg: Config | None = None):
         self.cfg = cfg or self.Config()
+        at_least("c4", self.cfg, 0, "min_words_per_line", "min_sentences")
+        at_least("c4", self.cfg, 1, "max_word_length")
 
     def __call__(self, text: str) -> Decision:
         c = self.cfg
@@ -252,6 +276,7 @@ class LanguageFilter:
 
     def __init__(self, cfg: Config | None = None):
         self.cfg = cfg or self.Config()
+        check_fraction("language.min_probability", self.cfg.min_probability)
         self.identify = LANGUAGE_IDS.build(self.cfg.identifier)
 
     def __call__(self, text: str) -> Decision:
@@ -274,6 +299,7 @@ class ClassifierFilter:
         if not cfg.model:
             raise ConfigError("filter 'classifier' needs model=PATH: a model from `lmlab data train-classifier` or "
                               "a fastText .bin file")
+        check_fraction("classifier.min_probability", cfg.min_probability)
         self.cfg, self.classifier = cfg, load_classifier(cfg.model)
 
     def __call__(self, text: str) -> Decision:

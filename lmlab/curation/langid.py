@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
+from lmlab.checks import at_least
 from lmlab.errors import ConfigError
 from lmlab.registry import Registry
 
@@ -54,6 +55,7 @@ class Py3LangId:
 
     def __init__(self, cfg: Config | None = None):
         self.cfg = cfg or self.Config()
+        at_least("py3langid", self.cfg, 0, "max_chars")
 
     def __call__(self, text: str) -> tuple[str, float]:
         return identify_language(text, self.cfg.max_chars)

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from lmlab.checks import at_least
 from lmlab.curation.document import Document, StageStats
 from lmlab.curation.extract import EXTRACTORS, WarcStats, iter_warc_html, iter_warc_records
 from lmlab.errors import ConfigError
@@ -140,6 +141,7 @@ class ParquetReader:
 
     def __init__(self, cfg: Config | None = None):
         self.cfg = cfg or self.Config()
+        at_least("reader", self.cfg, 1, "batch_size")
 
     def read(self, path: Path, stats: StageStats) -> Iterator[Document]:
         import pyarrow.parquet as pq

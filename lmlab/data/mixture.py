@@ -30,13 +30,16 @@ import hashlib
 import json
 import math
 import random
+import re
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from lmlab.data.sources import SOURCES, DataConfig, DataSourceError, TextSource
-from lmlab.registry import Registry
+from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException, ValidationError
+
+from lmlab.data.sources import SOURCES, DataConfig, DataSourceError, TextSource, source_at, source_key
+from lmlab.registry import Registry, RegistryError
 
 MIXING = Registry("mixing", group="data/mixing", doc="how data=mixture weighs its sources")
 
@@ -75,7 +78,7 @@ class Temperature:
     def __init__(self, cfg: Config | None = None):
         self.cfg = cfg or self.Config()
         if self.cfg.temperature <= 0:
-            raise DataSourceError(f"mixing temperature must be > 0, got {self.cfg.temperature}")
+            raise DataSourceError(f"data.mixing.temperature must be > 0, got {self.cfg.temperature}")
 
     def __call__(self, sizes: dict[str, float], budget: float) -> dict[str, float]:
         return Proportional()({name: size ** (1 / self.cfg.temperature) for name, size in sizes.items()}, budget)
@@ -94,7 +97,7 @@ class UniMax:
     def __init__(self, cfg: Config | None = None):
         self.cfg = cfg or self.Config()
         if self.cfg.max_epochs <= 0:
-            raise DataSourceError(f"mixing max_epochs must be > 0, got {self.cfg.max_epochs}")
+            raise DataSourceError(f"data.mixing.max_epochs must be > 0, got {self.cfg.max_epochs}")
 
     def __call__(self, sizes: dict[str, float], budget: float) -> dict[str, float]:
         takes, left = {}, budget
@@ -135,13 +138,15 @@ class Mixture(TextSource):
         seed: int = 0
 
     def __init__(self, cfg: Config):
+        self.key = key = source_key()
         if len(cfg.sources) < 1:
-            raise DataSourceError("data=mixture needs data.sources: {NAME: {name: text_files, paths: [...]}, ...}")
+            raise DataSourceError(f"data=mixture needs {key}.sources: "
+                                  "{NAME: {name: text_files, paths: [...]}, ...}")
         if cfg.budget < 0:
-            raise DataSourceError(f"data.budget must be >= 0 (0: the sources' total), got {cfg.budget}")
+            raise DataSourceError(f"{key}.budget must be >= 0 (0: the sources' total), got {cfg.budget}")
         self.cfg = cfg
-        self.sources = {name: SOURCES.build(source) for name, source in cfg.sources.items()}
-        self.mixing = MIXING.build(cfg.mixing)
+        self.sources = {name: _build(SOURCES, source, f"{key}.sources.{name}") for name, source in cfg.sources.items()}
+        self.mixing = _build(MIXING, cfg.mixing, f"{key}.mixing")
         self.epochs: dict[str, float] = {}  # filled when the documents are made
 
     def documents(self) -> Iterator[str]:
@@ -149,7 +154,7 @@ class Mixture(TextSource):
         for name, source in self.sources.items():
             docs[name] = [d for d in source.documents() if d]
             if not docs[name]:
-                raise DataSourceError(f"data.sources.{name} has no documents")
+                raise DataSourceError(f"{self.key}.sources.{name} has no documents")
         sizes = {name: float(sum(map(len, d))) for name, d in docs.items()}
         f = self.cfg.val_fraction
         budget = self.cfg.budget or (1 - f) * sum(sizes.values())
@@ -185,6 +190,28 @@ class Mixture(TextSource):
         key = [{n: s.fingerprint() for n, s in self.sources.items()}, self.cfg.mixing, self.cfg.budget,
                self.cfg.seed, self.cfg.val_fraction]
         return "mixture-" + hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _build(registry: Registry, cfg: Any, key: str) -> Any:
+    """The entry `cfg` selects, built; `key` is where the user wrote it (`data.sources.web`). These fields are typed
+    as Any in the mixture's schema, so composing the config did not check them: a wrong name, key or type is one
+    line naming `key`, worded as the command line's (lmlab.cli.compose)."""
+    from lmlab.cli.compose import unknown_key_message, wrong_type_message
+
+    with source_at(key):
+        try:
+            return registry.build(cfg)
+        except OmegaConfBaseException as err:
+            inner = re.sub(r"\[(\d+)\]", r".\1", err.full_key)  # paths[0] -> paths.0, as typed
+            full_key = f"{key}.{inner}" if inner else key
+            parent = err.parent_node
+            if isinstance(err, (ConfigKeyError, ConfigAttributeError)) and parent is not None:
+                raise DataSourceError(unknown_key_message(full_key, parent, full_key.rpartition(".")[0])) from None
+            if isinstance(err, ValidationError) and parent is not None:
+                raise DataSourceError(wrong_type_message(full_key, err.value, parent, err.msg)) from None
+            raise DataSourceError(f"{full_key}: {str(err).splitlines()[0]}") from None
+        except RegistryError as err:  # an unknown entry name, or none
+            raise DataSourceError(f"{key}: {err}") from None
 
 
 def _split_point(docs: list[str], chars: float) -> int:

@@ -2,7 +2,8 @@
 
 Every source's Config extends `DataConfig`, so the batch settings sit beside the source's own
 fields: `lmlab-train data=text_files data.paths=[notes/*.txt] data.context_length=256`.
-A source checks its input in `__init__` (before any long work) and streams documents.
+A source checks its input in `__init__` (before any long work) and streams documents. Its errors name its
+fields by `source_key()`: `data.paths`, or `data.sources.web.paths` for a source of `data=mixture`.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ import os
 import sys
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -23,6 +26,24 @@ from lmlab.registry import Registry
 
 SOURCES = Registry("data", group="data", doc="text sources and batch settings")
 
+_SOURCE_KEY = ContextVar("source_key", default="data")
+
+
+def source_key() -> str:
+    """Where the source being built sits in the config, for its error messages: `data`, or the key that
+    `source_at` names (a mixture's `data.sources.NAME`)."""
+    return _SOURCE_KEY.get()
+
+
+@contextmanager
+def source_at(key: str) -> Iterator[None]:
+    """Sources built inside this block name their fields under `key` in their errors."""
+    token = _SOURCE_KEY.set(key)
+    try:
+        yield
+    finally:
+        _SOURCE_KEY.reset(token)
+
 
 @dataclass
 class DataConfig:
@@ -31,8 +52,8 @@ class DataConfig:
     val_fraction: float = 0.05  # the last tokens of the corpus, held out for validation
 
     def __post_init__(self) -> None:
-        at_least("data", self, 1, "context_length", "batch_size")
-        in_open_interval("data", self, "val_fraction", 0, 1)
+        at_least(source_key(), self, 1, "context_length", "batch_size")
+        in_open_interval(source_key(), self, "val_fraction", 0, 1)
 
 
 class DataSourceError(ConfigError):
@@ -84,21 +105,22 @@ class TextFiles(TextSource):
 
     def __init__(self, cfg: Config):
         self.text_field = cfg.text_field
+        self.key = key = source_key()
         if not cfg.paths:
-            raise DataSourceError("data=text_files needs data.paths, e.g. data.paths=[corpus/*.txt]")
+            raise DataSourceError(f"data=text_files needs {key}.paths, e.g. {key}.paths=[corpus/*.txt]")
         files: list[Path] = []
         for pattern in cfg.paths:
             matched = [Path(p) for p in sorted(glob.glob(os.path.expanduser(pattern), recursive=True))]
             if not matched:
-                raise DataSourceError(f"data.paths: '{pattern}' matches no file (working directory: {os.getcwd()})")
+                raise DataSourceError(f"{key}.paths: '{pattern}' matches no file (working directory: {os.getcwd()})")
             found = [f for p in matched for f in ([p] if p.is_file() else self._files_under(p))]
             if not found:
-                raise DataSourceError(f"data.paths: '{pattern}' names only folders with no .txt or .jsonl file in "
+                raise DataSourceError(f"{key}.paths: '{pattern}' names only folders with no .txt or .jsonl file in "
                                       f"them: {', '.join(map(str, matched[:3]))}")
             files.extend(found)
         unknown = [str(p) for p in files if p.suffix not in self.SUFFIXES]
         if unknown:
-            raise DataSourceError(f"data.paths: only .txt and .jsonl files are read, got {unknown[:3]}")
+            raise DataSourceError(f"{key}.paths: only .txt and .jsonl files are read, got {unknown[:3]}")
         self.files = list(dict.fromkeys(files))  # a folder and a glob inside it may name a file twice
 
     @classmethod
@@ -116,7 +138,8 @@ class TextFiles(TextSource):
                         continue
                     record = json.loads(line)
                     if self.text_field not in record:
-                        raise DataSourceError(f"{path}:{line_no} has no '{self.text_field}' field (data.text_field)")
+                        raise DataSourceError(
+                            f"{path}:{line_no} has no '{self.text_field}' field ({self.key}.text_field)")
                     yield record[self.text_field]
 
     def fingerprint(self) -> str:
@@ -143,19 +166,19 @@ class HFDataset(TextSource):
             import datasets
         except ImportError:
             raise DataSourceError("data=hf needs the `datasets` package: pip install 'lmlab[hf]'") from None
-        self.cfg = cfg
+        self.cfg, key = cfg, source_key()
         try:
             self._dataset = datasets.load_dataset(cfg.path, cfg.config_name, data_files=cfg.data_files, split=cfg.split,
                                                   streaming=cfg.streaming)
         except Exception as err:  # noqa: BLE001 - datasets fails with many types (network, files, builders)
             reason = (str(err).strip().splitlines() or [""])[0]
             raise DataSourceError(
-                f"data=hf cannot load data.path='{cfg.path}' ({type(err).__name__}: {reason}); without the network, "
-                "read local files (data.path=json data.data_files=[my/*.jsonl], or data=text_files) or a copy already "
-                "in the Hugging Face cache (HF_DATASETS_OFFLINE=1 HF_HUB_OFFLINE=1)") from None
+                f"data=hf cannot load {key}.path='{cfg.path}' ({type(err).__name__}: {reason}); without the network, "
+                f"read local files ({key}.path=json {key}.data_files=[my/*.jsonl], or data=text_files) or a copy "
+                "already in the Hugging Face cache (HF_DATASETS_OFFLINE=1 HF_HUB_OFFLINE=1)") from None
         columns = self._dataset.column_names or []
         if columns and cfg.text_field not in columns:
-            raise DataSourceError(f"data.text_field='{cfg.text_field}' is not a column of {cfg.path}: {columns}")
+            raise DataSourceError(f"{key}.text_field='{cfg.text_field}' is not a column of {cfg.path}: {columns}")
 
     def documents(self) -> Iterator[str]:
         for i, record in enumerate(self._dataset):

@@ -84,8 +84,9 @@ def test_lsh_detection_follows_the_s_curve(similarity):
 def test_bad_settings_are_clear_errors(tmp_path):
     with pytest.raises(ValueError, match="divide"):
         near_duplicate_clusters(["a b c"], num_hashes=10, num_bands=3, ngram=1, jaccard_threshold=0.5)
-    with pytest.raises(ValueError, match="jaccard_threshold"):
-        near_duplicate_clusters(["a b c"], num_hashes=10, num_bands=2, ngram=1, jaccard_threshold=1.5)
+    for threshold in (1.5, 0):  # 0 would join every LSH candidate unverified
+        with pytest.raises(ValueError, match=r"jaccard_threshold must be in \(0, 1\]"):
+            near_duplicate_clusters(["a b c"], num_hashes=10, num_bands=2, ngram=1, jaccard_threshold=threshold)
     paths = [_write(tmp_path / "x", ["a"])[0], _write(tmp_path / "y", ["b"])[0]]
     with pytest.raises(ValueError, match="share a name"):
         exact_line_deduplication(paths, tmp_path / "out")

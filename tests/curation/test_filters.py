@@ -3,6 +3,11 @@
 import pytest
 
 from lmlab.curation import FILTERS, c4_rules, gopher_quality_filter, gopher_repetition, identify_language
+from lmlab.curation.classifier import ClassifierConfig
+from lmlab.curation.executors import EXECUTORS
+from lmlab.curation.langid import LANGUAGE_IDS
+from lmlab.curation.readers import READERS
+from lmlab.errors import ConfigError
 
 PROSE = ("The committee met on Tuesday to discuss the budget for the coming year, and after a long debate it agreed "
          "to fund the new library, repair the bridge over the river and hire two more teachers for the school. "
@@ -86,3 +91,34 @@ def test_gopher_counts_words_with_any_letter_unicode_included():
     dropped = " ".join(letters + ["123", "--", "42%"] * 8)  # 78 of 102: 76%
     assert GopherQuality()(kept).keep
     assert GopherQuality()(dropped).rule == "alphabetic_words"
+
+
+@pytest.mark.parametrize("registry, cfg, message", [
+    (FILTERS, {"name": "minhash", "jaccard_threshold": 2}, r"minhash.jaccard_threshold must be in \(0, 1\], got 2"),
+    (FILTERS, {"name": "minhash", "jaccard_threshold": 0}, r"minhash.jaccard_threshold must be in \(0, 1\]"),
+    (FILTERS, {"name": "minhash", "num_hashes": 0}, "minhash.num_hashes must be >= 1"),
+    (FILTERS, {"name": "minhash", "ngrams": 0}, "minhash.ngrams must be >= 1"),
+    (FILTERS, {"name": "gopher", "min_alphabetic_words": 80}, r"gopher.min_alphabetic_words must be in \[0, 1\]"),
+    (FILTERS, {"name": "gopher", "max_ellipsis_lines": -0.1}, "gopher.max_ellipsis_lines must be in"),
+    (FILTERS, {"name": "gopher", "min_words": 500, "max_words": 100}, r"gopher.min_words \(500\) must be <="),
+    (FILTERS, {"name": "repetition", "max_duplicate_lines": 30}, "repetition.max_duplicate_lines must be in"),
+    (FILTERS, {"name": "repetition", "max_top_ngram_chars": {2: 1.2}}, "repetition.max_top_ngram_chars.2 must be in"),
+    (FILTERS, {"name": "repetition", "max_duplicate_ngram_chars": {0: 0.1}}, "n-gram sizes must be >= 1"),
+    (FILTERS, {"name": "c4", "max_word_length": 0}, "c4.max_word_length must be >= 1"),
+    (FILTERS, {"name": "c4", "min_sentences": -1}, "c4.min_sentences must be >= 0"),
+    (FILTERS, {"name": "language", "min_probability": 65}, "language.min_probability must be in"),
+    (FILTERS, {"name": "classifier", "model": "none.pt", "min_probability": 1.5}, "classifier.min_probability"),
+    (LANGUAGE_IDS, {"name": "py3langid", "max_chars": -1}, "py3langid.max_chars must be >= 0"),
+    (READERS, {"name": "parquet", "batch_size": 0}, "reader.batch_size must be >= 1"),
+    (EXECUTORS, {"name": "ray", "cpus_per_task": 0}, "executor.cpus_per_task must be > 0"),
+])
+def test_out_of_range_settings_fail_when_built_naming_the_field(registry, cfg, message):
+    with pytest.raises(ConfigError, match=message):
+        registry.build(cfg)
+
+
+def test_classifier_training_settings_are_checked():
+    with pytest.raises(ConfigError, match="classifier.batch_size must be >= 1, got 0"):
+        ClassifierConfig(batch_size=0)
+    with pytest.raises(ConfigError, match="classifier.lr must be > 0"):
+        ClassifierConfig(lr=0.0)

@@ -141,6 +141,15 @@ def test_bad_stage_names_and_missing_models_fail_before_any_work(tmp_path):
     assert not any((tmp_path / name).exists() for name in "abc")
 
 
+def test_an_out_of_range_threshold_fails_before_any_work(tmp_path, capsys):
+    """jaccard_threshold=2 once ran and removed nothing: no pair of documents is more than identical."""
+    files, out = corpus(tmp_path), tmp_path / "out"
+    assert main(["data", "run", "pipeline=text", f"input={files[0]}", f"output={out}",
+                 "pipeline.stages=[{name: minhash, jaccard_threshold: 2}]"]) == 2
+    assert "minhash.jaccard_threshold must be in (0, 1], got 2" in capsys.readouterr().err
+    assert not out.exists()
+
+
 PAGE = "<html><body><nav>Home | Docs | About</nav><article>{}</article><footer>Contact</footer></body></html>"
 
 

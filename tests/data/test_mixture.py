@@ -63,3 +63,32 @@ def test_mixture_composes_from_the_command_line(tmp_path):
     assert len(list(source.documents())) >= 5
     with pytest.raises(DataSourceError, match="needs data.sources"):
         SOURCES.build(compose_config(["data=mixture"]).data)
+
+
+def test_a_source_s_errors_name_the_key_the_user_wrote(tmp_path):
+    """The sources and the mixing rule are typed Any in the mixture's schema, so they are checked when built:
+    each mistake is one DataSourceError (a ConfigError: one line, exit status 2) naming data.sources.NAME."""
+    notes = _jsonl(tmp_path / "n.jsonl", "note", 5, 10)
+
+    def build(source, mixing="proportional"):
+        return SOURCES.build({"name": "mixture", "sources": {"web": source}, "mixing": mixing})
+
+    composed = compose_config(["data=mixture", f"+data.sources.web={{name: text_files, paths: [{notes}], bogus: 1}}"])
+    with pytest.raises(DataSourceError, match=r"^unknown key 'data.sources.web.bogus' \(data.sources.web has: "
+                                              r"context_length, batch_size, val_fraction, paths, text_field\)$"):
+        SOURCES.build(composed.data)  # as lmlab-train builds it
+    with pytest.raises(DataSourceError, match=r"'data.sources.web.pahts'. Did you mean 'data.sources.web.paths'\?"):
+        build({"name": "text_files", "pahts": [notes]})
+    with pytest.raises(DataSourceError, match="^data.sources.web.paths: '.*nope' matches no file"):
+        build({"name": "text_files", "paths": [str(tmp_path / "nope")]})
+    with pytest.raises(DataSourceError, match="wrong type for 'data.sources.web.batch_size': got 'abc', expected int"):
+        build({"name": "text_files", "paths": [notes], "batch_size": "abc"})
+    with pytest.raises(DataSourceError, match="^data.sources.web: unknown data .* Did you mean 'text_files'"):
+        build({"name": "text_filez", "paths": [notes]})
+    with pytest.raises(DataSourceError, match=r"^unknown key 'data.mixing.max_epoch'. Did you mean 'data.mixing.max_"):
+        build({"name": "text_files", "paths": [notes]}, {"name": "unimax", "max_epoch": 2})
+    with pytest.raises(DataSourceError, match="^data.mixing.temperature must be > 0"):
+        build({"name": "text_files", "paths": [notes]}, {"name": "temperature", "temperature": 0})
+    # outside a mixture, the same source names its fields as before
+    with pytest.raises(DataSourceError, match="^data.paths: '.*nope' matches no file"):
+        SOURCES.build({"name": "text_files", "paths": [str(tmp_path / "nope")]})
