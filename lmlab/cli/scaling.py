@@ -177,6 +177,9 @@ def _law_and_config(settings: dict, overrides: list[str]):
     from lmlab.tokenizers.base import expected_vocab_size
 
     law, source = CHINCHILLA, "Chinchilla's published law (Hoffmann et al. 2022; its loss scale is not lmlab's)"
+    if "method" in settings and "fit" not in settings:
+        raise ConfigError(f"method={settings['method']} picks a law of fit=FILE (from lmlab scaling fit); without "
+                          "fit= the plan uses Chinchilla's published law")
     if "fit" in settings:
         law, source = _law(settings["fit"], settings.get("method", "joint"))
     cfg = compose_config(overrides)
@@ -189,9 +192,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
     settings, overrides = _settings(args.settings, PLAN_KEYS, "lmlab scaling plan flops=1e20 [fit=fits.json "
                                     "method=joint] [inference_tokens=1e12] [lmlab-train overrides of the model to size]")
     law, source, cfg, vocab = _law_and_config(settings, overrides)
-    print(f"law: {source}")
-    print(plan(law, settings["flops"], cfg, vocab, settings.get("inference_tokens", 0.0), _shape_rule(settings),
-               overrides))
+    report = plan(law, settings["flops"], cfg, vocab, settings.get("inference_tokens", 0.0), _shape_rule(settings),
+                  overrides)  # its errors (flops=-1) come before any line
+    print(f"law: {source}\n{report}")
     return 0
 
 

@@ -170,4 +170,12 @@ def _config_lines(cfg: DictConfig, vocab_size: int, n: float, d: float, tokens_p
             f"{shape.params:.3g} parameters without the token embedding ({shape.params_total:.3g} in all), "
             f"{shape.flops_per_token:.3g} training FLOPs per token; {steps:,} steps of {tokens_per_step:,} tokens = "
             f"{tokens:.3g} tokens ({tokens / d:.0%} of D)",
-            "  " + shlex.join(["lmlab-train", *overrides, *shape.overrides(), f"trainer.max_steps={steps}"])]
+            "  " + shlex.join(["lmlab-train", *_not_set_by(shape.overrides(), overrides), *shape.overrides(),
+                               f"trainer.max_steps={steps}"])]
+
+
+def _not_set_by(planned: Sequence[str], overrides: Sequence[str]) -> list[str]:
+    """The user's overrides but those of keys the plan sets (model.n_layers=2 when it sizes the model to 4 layers):
+    a command holding both would train the last one silently."""
+    keys = {o.partition("=")[0] for o in planned}
+    return [o for o in overrides if o.partition("=")[0].lstrip("+~") not in keys]

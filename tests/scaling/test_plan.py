@@ -88,7 +88,16 @@ def test_plan_cli_from_a_fit_file(tmp_path, capsys):
     (["model.vocab_size=1024"], "flops= is missing: lmlab scaling plan flops=1e20"),
     (["flops=lots"], "flops='lots' is not a float"),
     (["flops=1e20", "fit=missing.json"], "no such fit file"),
+    (["flops=1e20", "method=isoflop"], "method=isoflop picks a law of fit=FILE"),  # was Chinchilla's, silently
 ])
 def test_plan_bad_input(args, message, capsys):
     assert main(["scaling", "plan", *args]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_plan_errors_come_before_any_line_and_its_command_trains_the_planned_shape(capsys):
+    assert main(["scaling", "plan", "flops=-1"]) == 2
+    assert capsys.readouterr().out == ""
+    assert main(["scaling", "plan", "flops=1e15", "model.vocab_size=1024", "model.n_layers=2"]) == 0
+    command = next(line for line in capsys.readouterr().out.splitlines() if "lmlab-train" in line)
+    assert command.count("model.n_layers=") == 1 and "model.vocab_size=1024" in command
