@@ -314,9 +314,12 @@ class StreamPrinter:
 
 def stats_line(generation: Generation) -> str:
     stats = generation.stats
-    parts = [f"{stats.new_tokens} new tokens", f"TTFT {stats.ttft_s * 1e3:,.1f} ms",
-             f"{stats.tpot_s * 1e3:,.2f} ms/token", f"prefill {stats.prefill_tokens_per_s:,.0f} tokens/s",
-             f"decode {stats.decode_tokens_per_s:,.0f} tokens/s", f"KV cache {stats.kv_cache_bytes / 2**20:,.2f} MiB"]
+    # the first token comes from the prefill: a generation that stopped there ran no decode step to time
+    decode = ([f"{stats.tpot_s * 1e3:,.2f} ms/token", f"decode {stats.decode_tokens_per_s:,.0f} tokens/s"]
+              if stats.steps else ["no decode step"])
+    parts = [f"{stats.new_tokens} new token{'s' * (stats.new_tokens != 1)}", f"TTFT {stats.ttft_s * 1e3:,.1f} ms",
+             f"prefill {stats.prefill_tokens_per_s:,.0f} tokens/s", *decode,
+             f"KV cache {stats.kv_cache_bytes / 2**20:,.2f} MiB"]
     if "acceptance_rate" in generation.extra:
         parts.append(f"draft acceptance {generation.extra['acceptance_rate']:.0%}")
     return "lmlab generate: " + ", ".join(parts)

@@ -54,8 +54,18 @@ def engine_texts(loaded, prompts: list[str], sampler="greedy", model=None) -> li
 def test_greedy_output_is_the_engines(ckpt, loaded, capsys):
     code, out, err = generate(capsys, f"ckpt={ckpt}", f"prompt={PROMPT}", f"max_new_tokens={NEW}")
     assert code == 0 and out == engine_texts(loaded, [PROMPT])[0] + "\n"
-    assert re.fullmatch(r"lmlab generate: \d+ new tokens, TTFT [\d.,]+ ms, [\d.,]+ ms/token, prefill [\d,]+ tokens/s, "
+    assert re.fullmatch(r"lmlab generate: \d+ new tokens, TTFT [\d.,]+ ms, prefill [\d,]+ tokens/s, [\d.,]+ ms/token, "
                         r"decode [\d,]+ tokens/s, KV cache [\d.,]+ MiB\n", err)
+
+
+def test_a_generation_that_stopped_at_its_first_token_reports_no_decode_speed():
+    from lmlab.cli.generate import stats_line
+    from lmlab.inference.generate import Generation, GenerationStats
+
+    stats = GenerationStats(batch=1, prompt_tokens=5, new_tokens=1, steps=0, ttft_s=0.01, decode_s=0.0,
+                            kv_cache_bytes=2**20)
+    line = stats_line(Generation(tokens=[[7]], texts=["x"], finish_reasons=["stop"], stats=stats))
+    assert line == "lmlab generate: 1 new token, TTFT 10.0 ms, prefill 500 tokens/s, no decode step, KV cache 1.00 MiB"
 
 
 def test_prompt_file_prints_a_json_line_per_prompt(ckpt, loaded, capsys, tmp_path):
