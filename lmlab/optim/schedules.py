@@ -2,7 +2,9 @@
 
 A registered schedule is built as `target(max_lr, total_steps, cfg=Config)` and returns a
 function from the optimizer step to the learning rate. Every warmup is linear from 0 at step 0
-to max_lr at `warmup_steps`.
+to max_lr at `warmup_steps`. Optimizer step i (0-based) runs at lr(i), as in the course's
+`get_lr_cosine_schedule` and Hugging Face's schedules: the first step at 0 when there is a warmup, and
+the last at lr(total_steps - 1), one step short of where each decay ends (lr(total_steps)).
 """
 
 from __future__ import annotations
@@ -109,7 +111,7 @@ def constant_schedule(max_lr: float, total_steps: int, cfg: ConstantConfig) -> C
 @dataclass
 class LinearConfig:
     warmup_steps: int | None = None  # None: min(50, half the run)
-    min_lr_ratio: float = 0.0  # the learning rate at the last step, as a fraction of the peak
+    min_lr_ratio: float = 0.0  # the rate the decay reaches at step max_steps, as a fraction of the peak
 
 
 @SCHEDULERS.register("linear", config=LinearConfig)
