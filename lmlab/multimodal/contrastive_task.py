@@ -35,6 +35,7 @@ from lmlab.training.module import METRICS_KEY, optimizer_and_schedule
 from lmlab.training.progress import quiet_library_noise
 from lmlab.training.resume import resolve_auto_resume
 from lmlab.training.tasks import TASKS, Task, check_single_process
+from lmlab.training.loggers import final_scalars
 
 log = logging.getLogger(__name__)
 
@@ -81,7 +82,7 @@ class ContrastiveModule(L.LightningModule):
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         checkpoint[CONFIG_KEY] = OmegaConf.to_container(self.cfg, resolve=True)
         checkpoint[TOKENIZER_KEY] = pack_tokenizer(self.tokenizer)
-        checkpoint[METRICS_KEY] = {k: float(v) for k, v in self.trainer.callback_metrics.items() if v.numel() == 1}
+        checkpoint[METRICS_KEY] = final_scalars(self.trainer)
 
 
 class PairCollate:

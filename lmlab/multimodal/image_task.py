@@ -20,7 +20,7 @@ from lmlab.data.sources import TextSource
 from lmlab.errors import ConfigError
 from lmlab.multimodal.synthetic import SyntheticImageText
 from lmlab.training.checkpoints import CONFIG_KEY
-from lmlab.training.loggers import build_logger
+from lmlab.training.loggers import build_logger, final_scalars
 from lmlab.training.module import METRICS_KEY, optimizer_and_schedule
 from lmlab.training.progress import quiet_library_noise
 from lmlab.training.resume import resolve_auto_resume
@@ -90,7 +90,7 @@ class ImageTaskModule(L.LightningModule):
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         checkpoint[CONFIG_KEY] = OmegaConf.to_container(self.cfg, resolve=True)
-        checkpoint[METRICS_KEY] = {k: float(v) for k, v in self.trainer.callback_metrics.items() if v.numel() == 1}
+        checkpoint[METRICS_KEY] = final_scalars(self.trainer)
 
 
 class CaptionSource(TextSource):
@@ -119,7 +119,7 @@ def fit(cfg: DictConfig, output_dir: Path, module: L.LightningModule, datamodule
     if sweep_metric not in trainer.callback_metrics:
         trainer.validate(module, datamodule=datamodule, verbose=False)
     trainer.save_checkpoint(output_dir / "checkpoints" / "last.ckpt", weights_only=False)
-    results = {k: float(v) for k, v in trainer.callback_metrics.items() if v.numel() == 1}
+    results = final_scalars(trainer)
     results["val_loss"] = results.get(sweep_metric, math.nan)
     logger.finish(OmegaConf.to_container(cfg, resolve=True), {f"hp/{k}": v for k, v in results.items()},
                   trainer.global_step)

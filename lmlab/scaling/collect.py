@@ -52,8 +52,8 @@ def collect(roots: Sequence[str | Path], loss_tag: str = "val/loss", budgets: Se
             for step, loss in losses:
                 if step <= 0:  # the validation before training: no tokens seen
                     continue
-                d = (step + 1) * cost["tokens_per_step"]  # logged at the 0-based index of the step just taken
-                final = step + 1 == cost["steps"]  # only the end of a run has spent its budget
+                d = step * cost["tokens_per_step"]  # validations are logged at the steps taken (ValidationStep)
+                final = step == cost["steps"]  # only the end of a run has spent its budget
                 points.append(Point(f"{run.path}@{step}", cost["non_embedding_params"], d, loss,
                                     c=cost["flops_per_token"] * d, n_total=cost["params"],
                                     budget=budget if final else math.nan))

@@ -8,6 +8,11 @@ Every entry writes inside the run folder unless pointed elsewhere, drops the `ep
 that Lightning adds to each write (lmlab counts steps; the epoch is always 0), and ends a
 finished run with `finish`: the whole config with the final numbers. wandb and mlflow are
 optional packages (`pip install 'lmlab[loggers]'`).
+
+The x-axis is the number of optimizer steps the model had taken when the scalar was measured: a
+step's training scalars (its loss, computed before its update, and its learning rate) at its 0-based
+index, as Lightning writes them, and a validation or evaluation after N steps at N (`ValidationStep`),
+so the validation before training sits at 0 and the one after the first step at 1.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
+import lightning as L
 from lightning.pytorch.loggers import CSVLogger, Logger, MLFlowLogger, TensorBoardLogger, WandbLogger
 from lightning.pytorch.loggers.logger import rank_zero_experiment
 from lightning.pytorch.utilities import rank_zero_only
@@ -30,6 +36,32 @@ from lmlab.errors import ConfigError
 from lmlab.registry import Registry
 
 LOGGERS = Registry("logger", group="logger", doc="where a run's scalars and hyperparameters go (Lightning loggers)")
+
+
+def final_scalars(trainer: L.Trainer) -> dict[str, float]:
+    """The run's latest scalars (callback_metrics): what a run reports, what its checkpoint keeps, and its row in
+    TensorBoard's HParams tab."""
+    return {k: float(v) for k, v in trainer.callback_metrics.items() if v.numel() == 1}
+
+
+class ValidationStep(L.Callback):
+    """Validation scalars at the steps taken (global_step). Lightning writes them at the 0-based index of the last
+    step: the validation before training and the one after the first step both landed at 0, and one after 10 steps
+    at 9 while the progress line, the checkpoint's name and the eval tasks said 10. Lightning's own override, a
+    logged `step` scalar, would also name the checkpoints (ModelCheckpoint formats `step` from the logged scalars),
+    so each `RunLogger` is told the step of the validation's write instead."""
+
+    def on_validation_epoch_end(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+        self._tell(trainer, trainer.global_step)  # before Lightning writes the scalars this validation logged
+
+    def on_validation_end(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+        self._tell(trainer, None)
+
+    @staticmethod
+    def _tell(trainer: L.Trainer, step: int | None) -> None:
+        for logger in trainer.loggers:
+            if isinstance(logger, RunLogger):
+                logger.validation_step = step
 
 
 @dataclass
@@ -43,7 +75,10 @@ class LoggerConfig:
 class RunLogger(Logger):
     """What lmlab adds to each Lightning logger it builds (a mixin, listed before the logger class)."""
 
+    validation_step: int | None = None  # set by ValidationStep while a validation's scalars are written
+
     def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
+        step = step if self.validation_step is None else self.validation_step
         super().log_metrics({k: v for k, v in metrics.items() if k != "epoch"}, step)
 
     @rank_zero_only

@@ -35,6 +35,7 @@ from lmlab.training.noise_scale import NoiseScale
 from lmlab.training.objective import model_terms, takes_hidden
 from lmlab.training.progress import is_log_step
 from lmlab.training.step_guard import StepGuard
+from lmlab.training.loggers import final_scalars
 
 log = logging.getLogger(__name__)
 
@@ -273,7 +274,7 @@ class LanguageModelTask(L.LightningModule):
         checkpoint[TOKENIZER_KEY] = pack_tokenizer(self.tokenizer)
         checkpoint[GUARD_KEY] = self.guard.state_dict()
         # The run's latest numbers, so a finished run asked to resume can report them without training.
-        checkpoint[METRICS_KEY] = {k: float(v) for k, v in self.trainer.callback_metrics.items() if v.numel() == 1}
+        checkpoint[METRICS_KEY] = final_scalars(self.trainer)
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         if GUARD_KEY in checkpoint:

@@ -27,7 +27,7 @@ from lmlab.tokenizers import TOKENIZERS
 from lmlab.tokenizers.base import expected_vocab_size
 from lmlab.training.checkpoints import CONFIG_KEY, checkpoint_tokenizer, model_weights, read_checkpoint
 from lmlab.training.evaluation import EvalDuringTraining, eval_tasks
-from lmlab.training.loggers import build_logger
+from lmlab.training.loggers import ValidationStep, build_logger, final_scalars
 from lmlab.training.losses import LOSSES
 from lmlab.training.module import LanguageModelTask, step_guard_for
 from lmlab.training.interrupt import GracefulStop
@@ -218,7 +218,7 @@ def train(cfg: DictConfig, output_dir: str | Path) -> dict[str, float]:
     trainer.fit(task, datamodule=datamodule, ckpt_path=cfg.ckpt_path)  # its last step validates
     trainer.save_checkpoint(output_dir / "checkpoints" / "last.ckpt", weights_only=False)
 
-    metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
+    metrics = final_scalars(trainer)
     results = {
         "initial_val_loss": math.nan if initial is None else float(initial),
         "val_loss": metrics["val/loss"],
@@ -280,6 +280,7 @@ def build_trainer(cfg: DictConfig, output_dir: Path, logger, strategy, before: l
             GracefulStop(output_dir / "checkpoints" / "last.ckpt", t.max_steps),
             StopAtLastStep(t.max_steps),
             ScheduleFromResumedStep(),
+            ValidationStep(),
             *after,
         ],
         enable_progress_bar=False,  # StepProgress counts steps; Lightning's bar counts epochs and batches

@@ -51,9 +51,23 @@ def test_training_scalars_are_logged_on_logging_steps_and_the_last_only(make_cfg
     assert logged_at == [4, 8, 10]
     assert results["train_loss"] > 0
     scalars = read_csv(next((tmp_path / "run").rglob("metrics.csv")))
-    for tag in "train/loss", "train/grad_norm", "lr", "perf/tokens_per_s":  # Lightning counts steps from 0
+    # a step's own scalars at its 0-based index (the steps taken before it), as Lightning counts
+    for tag in "train/loss", "train/grad_norm", "lr", "perf/tokens_per_s":
         assert [step for step, _ in scalars[tag]] == [3, 7, 9], tag
     tokens_per_s = [value for _, value in scalars["perf/tokens_per_s"]]
     assert tokens_per_s[2] != tokens_per_s[1]  # the last window's own figure
     assert scalars["train/loss"][-1][1] == results["train_loss"]
-    assert [step for step, _ in scalars["val/loss"]] == [0, 9]
+    # validations at the steps taken: before training, and after the 10th step (Lightning wrote 9)
+    assert [step for step, _ in scalars["val/loss"]] == [0, 10]
+    checkpoints = sorted(p.name for p in (tmp_path / "run" / "checkpoints").glob("step*.ckpt"))
+    assert checkpoints == ["step000010.ckpt"]
+
+
+def test_validating_after_every_step_gives_each_validation_its_own_step(make_cfg, tiny_overrides, tmp_path):
+    """Lightning wrote the validation before training and the one after the first step both at step 0."""
+    from lmlab.cli.compare import read_csv
+
+    train(make_cfg([*tiny_overrides, "trainer.max_steps=3", "trainer.val_every=1", "sched.warmup_steps=1", "logger=csv"]),
+          tmp_path / "run")
+    scalars = read_csv(next((tmp_path / "run").rglob("metrics.csv")))
+    assert [step for step, _ in scalars["val/loss"]] == [0, 1, 2, 3]

@@ -29,7 +29,7 @@ from lmlab.checks import in_open_interval
 from lmlab.errors import ConfigError
 from lmlab.tokenizers.base import Tokenizer, pack_tokenizer
 from lmlab.training.checkpoints import CONFIG_KEY, TOKENIZER_KEY, load, read_checkpoint
-from lmlab.training.loggers import build_logger
+from lmlab.training.loggers import build_logger, final_scalars
 from lmlab.training.module import METRICS_KEY, optimizer_and_schedule
 from lmlab.training.progress import quiet_library_noise
 from lmlab.training.resume import resolve_auto_resume
@@ -103,7 +103,7 @@ class PostTraining(Task):
         tokenizer.save(output_dir)
         trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.ckpt_path)
         trainer.save_checkpoint(output_dir / "checkpoints" / "last.ckpt", weights_only=False)
-        results = {k: float(v) for k, v in trainer.callback_metrics.items() if v.numel() == 1}
+        results = final_scalars(trainer)
         # lmlab-train's number for a sweep: the held-out loss (RL stages have none; they report val/accuracy).
         results["val_loss"] = results.get("val/loss", math.nan)
         logger.finish(OmegaConf.to_container(cfg, resolve=True), {f"hp/{k}": v for k, v in results.items()},
@@ -151,7 +151,7 @@ class StageModule(L.LightningModule):
         stage = OmegaConf.to_container(self.cfg, resolve=True)
         checkpoint[CONFIG_KEY] = {**self.base_config, **{k: stage[k] for k in STAGE_GROUPS if k in stage}}
         checkpoint[TOKENIZER_KEY] = pack_tokenizer(self.tokenizer)
-        checkpoint[METRICS_KEY] = {k: float(v) for k, v in self.trainer.callback_metrics.items() if v.numel() == 1}
+        checkpoint[METRICS_KEY] = final_scalars(self.trainer)
 
 
 def frozen_copy(model: nn.Module) -> nn.Module:
