@@ -8,6 +8,7 @@ import math
 from pathlib import Path
 
 import lightning as L
+from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig
 from torch.optim.lr_scheduler import LambdaLR
 
@@ -46,7 +47,7 @@ RUN_OUTPUTS = ("checkpoints", "tb", "csv", "wandb", "mlruns")
 def check_fresh_folder(cfg: DictConfig, output_dir: Path) -> None:
     """A new run (no ckpt_path) in a folder that holds an earlier run's checkpoints or logs would add its curves to
     that run's (two step 0s in one plot) and overwrite its checkpoints: one clear error instead, before any work."""
-    if cfg.ckpt_path:
+    if cfg.ckpt_path or rank_zero_only.rank != 0:  # ranks started by torchrun or srun: rank 0 speaks for the run
         return
     if earlier := [name for name in RUN_OUTPUTS if (output_dir / name).is_dir() and any((output_dir / name).iterdir())]:
         raise ConfigError(f"{output_dir} already holds a run ({', '.join(f'{name}/' for name in earlier)}): resume it "
