@@ -21,13 +21,14 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator
-from typing import Any, Literal
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from starlette.exceptions import HTTPException
 from pydantic import BaseModel, ConfigDict, Field
+from starlette.exceptions import HTTPException
 
 from lmlab.alignment.chat import Turn
 from lmlab.alignment.tokens import encode
@@ -50,11 +51,12 @@ class APIError(Exception):
             "message": self.message, "type": self.kind, "param": self.param, "code": self.code}})
 
 
-# The values of each unsupported field that ask for nothing (what clients send by default)
-UNSET: dict[str, tuple] = {"logprobs": (None, False, 0), "top_logprobs": (None, 0), "logit_bias": (None, {}),
-                           "echo": (None, False), "suffix": (None, ""), "best_of": (None, 1), "tools": (None, []),
-                           "tool_choice": (None, "none"), "functions": (None, []), "function_call": (None, "none"),
-                           "response_format": (None, {"type": "text"})}
+@dataclass(frozen=True)
+class Unsupported:
+    """Marks an OpenAI field lmlab's server does not implement: a request that sets it to anything but `unset` (the
+    values that ask for nothing, what clients send by default) is refused."""
+
+    unset: tuple
 
 
 class SamplingFields(BaseModel):
@@ -81,22 +83,23 @@ class SamplingFields(BaseModel):
     stream_options: dict[str, Any] | None = None
     # OpenAI's fields that lmlab's server does not implement: refused when set (`refuse_unsupported`), so that no
     # client gets output that silently ignored them
-    logprobs: Any = None
-    top_logprobs: Any = None
-    logit_bias: Any = None
-    echo: Any = None
-    suffix: Any = None
-    best_of: Any = None
-    tools: Any = None
-    tool_choice: Any = None
-    functions: Any = None
-    function_call: Any = None
-    response_format: Any = None
+    logprobs: Annotated[Any, Unsupported((None, False, 0))] = None
+    top_logprobs: Annotated[Any, Unsupported((None, 0))] = None
+    logit_bias: Annotated[Any, Unsupported((None, {}))] = None
+    echo: Annotated[Any, Unsupported((None, False))] = None
+    suffix: Annotated[Any, Unsupported((None, ""))] = None
+    best_of: Annotated[Any, Unsupported((None, 1))] = None
+    tools: Annotated[Any, Unsupported((None, []))] = None
+    tool_choice: Annotated[Any, Unsupported((None, "none"))] = None
+    functions: Annotated[Any, Unsupported((None, []))] = None
+    function_call: Annotated[Any, Unsupported((None, "none"))] = None
+    response_format: Annotated[Any, Unsupported((None, {"type": "text"}))] = None
 
     def refuse_unsupported(self) -> None:
-        for name, unset in UNSET.items():
-            if getattr(self, name) not in unset:
-                raise APIError(400, f"{name} is not supported by lmlab's server", param=name)
+        for name, info in type(self).model_fields.items():
+            for mark in info.metadata:
+                if isinstance(mark, Unsupported) and getattr(self, name) not in mark.unset:
+                    raise APIError(400, f"{name} is not supported by lmlab's server", param=name)
 
     def sampler(self) -> dict[str, Any]:
         """The `sampler` registry entry these settings select: one truncation at most, greedy at temperature 0."""
