@@ -31,11 +31,11 @@ from lmlab.multimodal.image_task import CaptionSource, fit
 from lmlab.tokenizers import TOKENIZERS
 from lmlab.tokenizers.base import Tokenizer, pack_tokenizer
 from lmlab.training.checkpoints import CONFIG_KEY, TOKENIZER_KEY
+from lmlab.training.loggers import final_scalars
 from lmlab.training.module import METRICS_KEY, optimizer_and_schedule
 from lmlab.training.progress import quiet_library_noise
 from lmlab.training.resume import resolve_auto_resume
 from lmlab.training.tasks import TASKS, Task, check_single_process
-from lmlab.training.loggers import final_scalars
 
 log = logging.getLogger(__name__)
 

@@ -30,12 +30,12 @@ from lmlab.training.checkpoints import CONFIG_KEY, TOKENIZER_KEY
 from lmlab.training.compile import compile_for_training, graphed_model_terms
 from lmlab.training.config import TrainerConfig
 from lmlab.training.fp8 import FP8
+from lmlab.training.loggers import final_scalars
 from lmlab.training.losses import LOSSES
 from lmlab.training.noise_scale import NoiseScale
 from lmlab.training.objective import model_terms, takes_hidden
 from lmlab.training.progress import is_log_step
 from lmlab.training.step_guard import StepGuard
-from lmlab.training.loggers import final_scalars
 
 log = logging.getLogger(__name__)
 

@@ -22,7 +22,7 @@ LIGHTNING_RANK_ZERO_LOGGER = "lightning.pytorch.utilities.rank_zero"
 
 def is_log_step(step: int, log_every: int, max_steps: int) -> bool:
     """Whether optimizer step `step` (counted from 1) is one whose scalars the loggers write and the plain progress
-    lines show: every `log_every`-th, and the last (the module stops the run there, so Lightning writes it too)."""
+    lines show: every `log_every`-th, and the last (StopAtLastStep stops the run there, so Lightning writes it too)."""
     return step % log_every == 0 or step >= max_steps
 
 
