@@ -146,11 +146,10 @@ def without_padding(logits: torch.Tensor, beyond: torch.Tensor | None) -> torch.
 
 
 def plain_greedy(sampler) -> bool:
-    """Whether `sampler` picks each row's argmax as Sampler does, without penalties (nor their token counts)."""
+    """Whether `sampler` picks each row's argmax as Sampler does, without bias or penalties (nor their token counts)."""
     from lmlab.inference.samplers import Sampler
 
-    return (isinstance(sampler, Sampler) and type(sampler).sample is Sampler.sample and sampler.greedy
-            and not sampler.needs_counts)
+    return isinstance(sampler, Sampler) and type(sampler).sample is Sampler.sample and sampler.argmax_of_logits
 
 
 def pick(sampler, logits: torch.Tensor, counts: torch.Tensor | None, generator: torch.Generator | None,

@@ -1,6 +1,6 @@
 """Greedy speculative rounds with a draft model, each replayed as one CUDA graph where the engines replay theirs.
 
-With a greedy sampler and no penalties, a round of `speculative_generate` is a fixed sequence of static
+With a greedy sampler and no bias or penalties, a round of `speculative_generate` is a fixed sequence of static
 steps: the draft's two-token step over the token before the pending one and the pending one (the draft has
 not run the former when every draft of the last round stood; otherwise it rewrites the same key and value),
 k - 1 one-token draft steps, the target's (k+1)-token verification, and `greedy_accept`. The pending
@@ -42,9 +42,9 @@ class GreedyRounds:
 
     @staticmethod
     def applies(draft: Engine | None, sampler: Sampler) -> bool:
-        """Whether rounds are fixed sequences of static steps: a draft model and a greedy sampler without
-        penalties (whose token counts would change within a round)."""
-        return draft is not None and sampler.greedy and not sampler.needs_counts
+        """Whether rounds are fixed sequences of static steps: a draft model and a greedy sampler without bias or
+        penalties (whose token counts would change within a round), whose token is the logits' argmax."""
+        return draft is not None and sampler.argmax_of_logits
 
     @classmethod
     def prepare(cls, target: Engine, draft: Engine, k: int, length: int, draft_len: int,
@@ -97,7 +97,7 @@ class GreedyRounds:
         return step.run()[0]
 
     def _greedy(self, logits: Tensor) -> Tensor:
-        """A greedy sampler without penalties: the argmax, padding ids never."""
+        """A greedy sampler without bias or penalties: the argmax, padding ids never."""
         return without_padding(logits, self.beyond).argmax(-1)
 
     def _round(self) -> Tensor:

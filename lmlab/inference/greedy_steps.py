@@ -1,7 +1,7 @@
 """Greedy decode steps in blocks, each block replayed as one CUDA graph where the engine replays its steps.
 
-With a greedy sampler without penalties, and no host in the loop (no streaming, no stop strings), a decode step
-and its bookkeeping are static: the one-token step on the pending token, the argmax with its finite check and the
+With a greedy sampler without bias or penalties, and no host in the loop (no streaming, no stop strings), a decode
+step and its bookkeeping are static: the one-token step on the pending token, the argmax with its finite check and the
 finished mask, the stop-token check, and the next step's input and slot (on a GPU the argmax's launch writes those
 too: `pick`'s next_step). `generate` then runs a block of steps per replay of one graph and copies the block's
 tokens and peaks out once. Launched from the host one step at a time, a step's few small launches each wait on the

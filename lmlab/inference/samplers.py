@@ -1,19 +1,20 @@
 """Token samplers (config group `sampler`): the last position's logits [B, V] -> the next tokens [B].
 
-A sampler is a chain of logit processors in a fixed order (vLLM's): repetition penalty,
+A sampler is a chain of logit processors in a fixed order (vLLM's): logit bias, repetition penalty,
 frequency/presence penalties, temperature, then the entry's truncation (top-k, top-p, min-p),
 which sets the logits of dropped tokens to -inf. `probs` is exactly the distribution `sample`
 draws from, so speculative decoding can run its rejection test on it.
 
-temperature=0 makes every entry greedy (the Hugging Face / OpenAI convention); the penalties still
-apply. Everything works on whole batches, row by row, with no host sync, so a decode step that
+temperature=0 makes every entry greedy (the Hugging Face / OpenAI convention); the bias and the penalties
+still apply. Everything works on whole batches, row by row, with no host sync, so a decode step that
 samples can be compiled and captured in a CUDA graph.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 
 import torch
@@ -27,6 +28,22 @@ SAMPLERS = Registry("sampler", group="sampler", doc="token samplers for generati
 # (logits [B, V] float32, counts [B, V] or None) -> logits. counts[b, v] is how often token v has
 # occurred in sequence b so far, prompt included; only the penalties read it.
 LogitProcessor = Callable[[Tensor, Tensor | None], Tensor]
+
+
+class LogitBias:
+    """OpenAI's logit_bias: each listed token's logit plus its bias. Its tensors are made once per device, so that
+    a captured step copies nothing from the host."""
+
+    def __init__(self, bias: dict[int, float]):
+        self.ids, self.values = list(bias), list(bias.values())
+        self._on: dict[torch.device, tuple[Tensor, Tensor]] = {}
+
+    def __call__(self, logits: Tensor, counts: Tensor | None) -> Tensor:
+        if logits.device not in self._on:
+            self._on[logits.device] = (torch.tensor(self.ids, device=logits.device),
+                                       torch.tensor(self.values, device=logits.device))
+        ids, values = self._on[logits.device]
+        return logits.index_add(-1, ids, values.expand(logits.shape[0], -1))
 
 
 def repetition_penalty(logits: Tensor, counts: Tensor, penalty: float) -> Tensor:
@@ -89,36 +106,46 @@ def _require(ok: bool, message: str) -> None:
 
 @dataclass
 class SamplerConfig:
-    """The fields every sampler shares: penalties, temperature and seed."""
+    """The fields every sampler shares: logit bias, penalties, temperature and seed."""
 
     temperature: float = 1.0  # logits / temperature before truncation; 0 = greedy decoding
     repetition_penalty: float = 1.0  # a seen token's logit / this if > 0, * this if < 0 (HF); 1 = off
     frequency_penalty: float = 0.0  # logit -= this * the token's count so far (OpenAI); 0 = off
     presence_penalty: float = 0.0  # logit -= this once the token has occurred (OpenAI); 0 = off
     seed: int | None = None  # seeds generator(), so generation repeats; None: torch's global RNG
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit first (OpenAI)
 
 
 class Sampler:
     """The processors a config asks for, then `truncation`, which each entry may define."""
 
     greedy = False  # True: the next token is the argmax (the greedy entry, or temperature=0)
+    # True: `sample` is the argmax of the logits as they come (greedy, no bias or penalty before it), so a caller may
+    # take it from the logits itself (a fused argmax kernel, speculative decoding's fixed greedy rounds)
+    argmax_of_logits = False
 
     def __init__(self, cfg: SamplerConfig):
         _require(cfg.temperature >= 0,
                  f"sampler.temperature={cfg.temperature} is negative; use 0 for greedy decoding or a positive value")
         _require(cfg.repetition_penalty > 0, f"sampler.repetition_penalty={cfg.repetition_penalty} must be > 0 "
                                              "(1 is off, above 1 discourages repeats)")
+        _require(all(math.isfinite(b) for b in cfg.logit_bias.values()),
+                 f"sampler.logit_bias={cfg.logit_bias} holds a bias that is not finite")
+        _require(all(t >= 0 for t in cfg.logit_bias), f"sampler.logit_bias={cfg.logit_bias} holds a negative token id")
         self.cfg = cfg
         truncation = self.truncation(cfg)  # checks the entry's fields even when temperature=0 leaves them unused
         self.greedy = self.greedy or cfg.temperature == 0
         self.needs_counts = cfg.repetition_penalty != 1 or cfg.frequency_penalty != 0 or cfg.presence_penalty != 0
         self.processors: list[LogitProcessor] = []
+        if cfg.logit_bias:
+            self.processors.append(LogitBias(cfg.logit_bias))
         if cfg.repetition_penalty != 1:
             self.processors.append(partial(repetition_penalty, penalty=cfg.repetition_penalty))
         if cfg.frequency_penalty != 0 or cfg.presence_penalty != 0:
             self.processors.append(partial(frequency_presence_penalty, frequency=cfg.frequency_penalty,
                                            presence=cfg.presence_penalty))
         if self.greedy:
+            self.argmax_of_logits = not self.processors
             self.processors.append(keep_argmax)
             return
         if cfg.temperature != 1:

@@ -21,7 +21,6 @@ import time
 import uuid
 from collections import deque
 
-from lmlab.inference.samplers import SAMPLERS
 from lmlab.serving.engine import Event, SamplingParams, ServingEngine
 
 log = logging.getLogger(__name__)
@@ -89,8 +88,7 @@ class AsyncEngine:
         """Queue a request; a bad one raises ConfigError, a full queue QueueFull, before anything is queued."""
         if self.error is not None:
             raise EngineStopped(f"the serving engine stopped: {self.error}")
-        self.engine.check(prompt, params)
-        SAMPLERS.build(params.sampler)  # its fields are checked here, in the caller's thread
+        self.engine.check(prompt, params)  # the sampler's fields too, in the caller's thread
         if self.waiting() >= self.max_waiting:
             raise QueueFull(f"{self.waiting()} requests are waiting (max_waiting={self.max_waiting}); retry later")
         stream = RequestStream(request_id or uuid.uuid4().hex, params.n)

@@ -11,6 +11,9 @@ forwards over the paged caches, and each sequence that reached its last token sa
 its request's sampler (requests with equal sampler settings and no seed are sampled together). A
 request with n > 1 reads its prompt once: its further sequences fork the first one's blocks when its
 first token is sampled, and copy a shared block only when they write into it.
+
+Log-probabilities (lmlab.serving.logprobs) cost nothing unless a request asks: the sampled tokens' come from the
+logits already there, and a prompt's from its chunks' logits at every position, for that request's rows only.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from lmlab.inference.text_stream import TextStream
 from lmlab.nn.transformer import Transformer
 from lmlab.registry import Registry
 from lmlab.serving.blocks import BlockManager
+from lmlab.serving.logprobs import TokenLogprobs, logprobs_of
 from lmlab.serving.runner import PagedRunner, Row
 from lmlab.serving.scheduler import SCHEDULERS, Sequence, Work
 
@@ -37,13 +41,16 @@ MAX_CPU_KV_BYTES = 2 * 2**30  # the default pool on a CPU: enough blocks for eve
 
 @dataclass
 class SamplingParams:
-    max_tokens: int = 16
+    max_tokens: int = 16  # 0: read the prompt and sample nothing (to score it, with prompt_logprobs)
     sampler: Any = "greedy"  # a `sampler` registry config: a name, or {"name": "top_p", "p": 0.9, "seed": 0, ...}
     n: int = 1  # sequences sampled from the prompt
     stop: list[str] = field(default_factory=list)  # stop strings: the text ends before the first
     stop_token_ids: list[int] = field(default_factory=list)  # besides the model's end-of-text token(s)
     ignore_eos: bool = False  # do not stop at the model's end-of-text token(s)
     include_stop_str_in_output: bool = False
+    logprobs: int | None = None  # each sampled token's log-probability and this many most likely tokens; None: none
+    # the same for each prompt token after the first; the prompt is then computed whole, not taken from the prefix cache
+    prompt_logprobs: int | None = None
 
 
 @dataclass
@@ -68,6 +75,9 @@ class Event:
     token: int | None
     finish_reason: str | None = None
     error: str | None = None
+    logprobs: TokenLogprobs | None = None  # the token's, when the request asks
+    # on a sequence's first event after its prompt is read, when the request asks: one per prompt token, None first
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 @dataclass
@@ -76,6 +86,8 @@ class Completion:
     text: str
     token_ids: list[int]
     finish_reason: str
+    logprobs: list[TokenLogprobs] = field(default_factory=list)  # one per token id, when the request asks
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 class Request:
@@ -86,6 +98,12 @@ class Request:
         self.generator = sampler.generator(device)
         self.streams = [TextStream(tokenizer, params.stop) for _ in range(params.n)]
         self.outputs: list[list[int]] = [[] for _ in range(params.n)]
+        self.logprobs: list[list[TokenLogprobs]] = [[] for _ in range(params.n)]
+        # filled as the prompt's chunks are read; each sequence's first event after that carries it
+        self.prompt_logprobs: list[TokenLogprobs | None] | None = None if params.prompt_logprobs is None else [None]
+        self.prompt_sent = [False] * params.n
+        if self.prompt_logprobs is not None:
+            self.sequences[0].reuse_prefix = False
         self.finish_reasons: list[str | None] = [None] * params.n
         self.texts: list[str] = [""] * params.n
         self.stops, self.on_event = stops, on_event
@@ -97,7 +115,8 @@ class Request:
         return all(r is not None for r in self.finish_reasons)
 
     def completions(self) -> list[Completion]:
-        return [Completion(i, self.texts[i], self.outputs[i], self.finish_reasons[i]) for i in range(self.params.n)]
+        return [Completion(i, self.texts[i], self.outputs[i], self.finish_reasons[i], self.logprobs[i],
+                           self.prompt_logprobs) for i in range(self.params.n)]
 
 
 class ServingEngine:
@@ -120,18 +139,22 @@ class ServingEngine:
         self.totals = {"requests": 0, "prompt_tokens": 0, "generation_tokens": 0, "preemptions": 0}
 
     # -- requests ---------------------------------------------------------------------------------
-    def check(self, prompt: list[int], params: SamplingParams) -> None:
-        """One clear error for a request that cannot run, before it is queued."""
+    def check(self, prompt: list[int], params: SamplingParams) -> Sampler:
+        """One clear error for a request that cannot run, before it is queued; else its sampler, built."""
         if not prompt:
             raise ConfigError("the prompt is empty: generation needs at least one token to start from")
-        if params.max_tokens < 1:
-            raise ConfigError(f"max_tokens must be >= 1, got {params.max_tokens}")
+        if params.max_tokens < 0:
+            raise ConfigError(f"max_tokens must be >= 0 (0 reads the prompt only), got {params.max_tokens}")
         if params.n < 1:
             raise ConfigError(f"n must be >= 1, got {params.n}")
         vocab = self.model.vocab_size
         if (bad := next((t for t in prompt if not 0 <= t < vocab), None)) is not None:
             raise ConfigError(f"the prompt holds token id {bad}, outside the model's vocabulary (0..{vocab - 1})")
-        if len(prompt) >= self.max_seq_len:
+        for name in ("logprobs", "prompt_logprobs"):
+            if (value := getattr(params, name)) is not None and not 0 <= value <= vocab:
+                raise ConfigError(f"{name} must be in 0..{vocab} (the vocabulary), got {value}")
+        # a prompt that only is read may fill the context; one to continue needs a position left
+        if len(prompt) > self.max_seq_len or (len(prompt) == self.max_seq_len and params.max_tokens > 0):
             raise ConfigError(f"the prompt has {len(prompt)} tokens; the model's context is {self.max_seq_len} "
                               "tokens, prompt and completion together")
         longest = min(len(prompt) + params.max_tokens, self.max_seq_len)
@@ -140,13 +163,16 @@ class ServingEngine:
                               f"{self.blocks.blocks_for(longest)} KV blocks and the pool has {self.blocks.usable}")
         if params.stop and self.tokenizer is None:
             raise ConfigError("stop strings need the tokenizer, to see the text")
+        sampler = SAMPLERS.build(params.sampler)
+        if (bad := next((t for t in sampler.cfg.logit_bias if t >= vocab), None)) is not None:
+            raise ConfigError(f"logit_bias holds token id {bad}, outside the model's vocabulary (0..{vocab - 1})")
+        return sampler
 
     def add_request(self, prompt: list[int], params: SamplingParams | None = None, request_id: str | None = None,
                     on_event: Callable[[Event], None] | None = None) -> Request:
         params = params or SamplingParams()
         prompt = [int(t) for t in prompt]
-        self.check(prompt, params)
-        sampler = SAMPLERS.build(params.sampler)
+        sampler = self.check(prompt, params)
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self.requests:
             raise ConfigError(f"request id {request_id!r} is already running")
@@ -187,42 +213,78 @@ class ServingEngine:
         self.runner.copy_blocks(plan.copies)
         for works in (plan.decodes, plan.prefills):
             if works:
-                logits = self.runner.forward([Row(w.seq.tokens[w.start:w.start + w.count], w.start, w.seq.table)
-                                              for w in works])
+                rows = [Row(w.seq.tokens[w.start:w.start + w.count], w.start, w.seq.table) for w in works]
+                scored = [i for i, w in enumerate(works) if _prompt_span(w)]
+                if scored:
+                    logits, every = self.runner.forward_every(rows, scored)
+                    for i, all_logits in zip(scored, every):
+                        self._score_prompt(works[i], all_logits)
+                else:
+                    logits = self.runner.forward(rows)
                 events += self._advance(works, logits)
         return events
+
+    def _score_prompt(self, work: Work, logits: torch.Tensor) -> None:
+        """Record the log-probabilities of the prompt tokens that `logits` (one row per token of `work`) give."""
+        span, seq = _prompt_span(work), work.seq
+        request = seq.request
+        rows = logits[span.start - 1 - work.start:span.stop - 1 - work.start]
+        request.prompt_logprobs += logprobs_of(rows, seq.tokens[span.start:span.stop],
+                                               [request.params.prompt_logprobs] * len(span), self.beyond)
+        if len(request.prompt_logprobs) == seq.prompt_len:  # computed again after a preemption, it may reuse blocks
+            seq.reuse_prefix = True
 
     def _advance(self, works: list[Work], logits: torch.Tensor) -> list[Event]:
         for work in works:
             work.seq.computed = work.start + work.count
             self.blocks.register_full(work.seq.table, work.seq.tokens, work.seq.computed)
-        sampling = [(i, w.seq) for i, w in enumerate(works) if w.samples]
+        events = []
+        for work in works:
+            request = work.seq.request
+            if work.samples and request.params.max_tokens == 0:  # read, not continued: every sequence ends
+                for seq in request.sequences:
+                    events += self._finish(request, seq, "length")
+        sampling = [(i, w.seq) for i, w in enumerate(works) if w.samples and not w.seq.finished]
         if not sampling:
-            return []
+            return events
         rows = torch.tensor([i for i, _ in sampling], device=logits.device)
         logits = logits.index_select(0, rows)
         finite = torch.isfinite(logits).all(-1).tolist()
-        tokens = self._sample(logits, [seq for _, seq in sampling])
-        events = []
-        for row, ((_, seq), token, ok) in enumerate(zip(sampling, tokens, finite)):
+        seqs = [seq for _, seq in sampling]
+        tokens = self._sample(logits, seqs)
+        logprobs = self._logprobs(logits, seqs, tokens)
+        for row, (seq, token, logprob, ok) in enumerate(zip(seqs, tokens, logprobs, finite)):
             request = seq.request
             if not ok:
                 events += self._finish(request, seq, "error", "the logits turned non-finite (NaN or inf)")
                 continue
             if not request.forked:  # the first token: the request's further samples start from this prompt
                 events += self._fork(request, seq, logits[row:row + 1])
-            events += self._append(request, seq, token)
+            events += self._append(request, seq, token, logprob)
         return events
 
     def _fork(self, request: Request, parent: Sequence, logits: torch.Tensor) -> list[Event]:
         request.forked = True
         events = []
         siblings = request.sequences[1:]
-        tokens = self._sample(logits.expand(len(siblings), -1), siblings)
-        for child, token in zip(siblings, tokens):
+        logits = logits.expand(len(siblings), -1)
+        tokens = self._sample(logits, siblings)
+        for child, token, logprob in zip(siblings, tokens, self._logprobs(logits, siblings, tokens)):
             self.scheduler.fork(parent, child)
-            events += self._append(request, child, token)
+            events += self._append(request, child, token, logprob)
         return events
+
+    def _logprobs(self, logits: torch.Tensor, seqs: list[Sequence], tokens: list[int]) -> list[TokenLogprobs | None]:
+        """The sampled tokens' log-probabilities, for the rows whose request asks (nothing computed otherwise)."""
+        out: list[TokenLogprobs | None] = [None] * len(seqs)
+        wanted = [i for i, seq in enumerate(seqs) if seq.request.params.logprobs is not None]
+        if wanted:
+            rows = logits.index_select(0, torch.tensor(wanted, device=logits.device))
+            found = logprobs_of(rows, [tokens[i] for i in wanted], [seqs[i].request.params.logprobs for i in wanted],
+                                self.beyond)
+            for i, logprob in zip(wanted, found):
+                out[i] = logprob
+        return out
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
         """The next token of each row, each with its request's sampler; rows of requests that share sampler
@@ -245,24 +307,26 @@ class ServingEngine:
                 out[i] = token
         return out
 
-    def _append(self, request: Request, seq: Sequence, token: int) -> list[Event]:
+    def _append(self, request: Request, seq: Sequence, token: int, logprob: TokenLogprobs | None) -> list[Event]:
         if token in request.params.stop_token_ids or (token in self.stop_ids and not request.params.ignore_eos):
             return self._finish(request, seq, "stop")
         seq.tokens.append(token)
         output = request.outputs[seq.index]
         output.append(token)
+        if logprob is not None:
+            request.logprobs[seq.index].append(logprob)
         self.totals["generation_tokens"] += 1
         if request.counts is not None:
             request.counts[seq.index, token] += 1
         delta = request.streams[seq.index].push(token) if self.tokenizer is not None else ""
         if request.stops.stops and request.stops.hit(output):
-            return self._finish(request, seq, "stop", prefix=delta, token=token)
+            return self._finish(request, seq, "stop", prefix=delta, token=token, logprob=logprob)
         if len(output) >= request.params.max_tokens or len(seq.tokens) >= self.max_seq_len:
-            return self._finish(request, seq, "length", prefix=delta, token=token)
-        return [self._emit(request, seq.index, delta, token, None)]
+            return self._finish(request, seq, "length", prefix=delta, token=token, logprob=logprob)
+        return [self._emit(request, seq.index, delta, token, None, logprob=logprob)]
 
     def _finish(self, request: Request, seq: Sequence, reason: str, error: str | None = None, prefix: str = "",
-                token: int | None = None) -> list[Event]:
+                token: int | None = None, logprob: TokenLogprobs | None = None) -> list[Event]:
         self.scheduler.finish(seq)
         request.finish_reasons[seq.index] = reason
         text = ""
@@ -273,11 +337,16 @@ class ServingEngine:
         delta = prefix + request.streams[seq.index].finish(text) if self.tokenizer is not None else ""
         if request.finished:
             self.requests.pop(request.id, None)
-        return [self._emit(request, seq.index, delta, token, reason, error)]
+        return [self._emit(request, seq.index, delta, token, reason, error, logprob)]
 
     def _emit(self, request: Request, index: int, text: str, token: int | None, reason: str | None,
-              error: str | None = None) -> Event:
-        event = Event(request.id, index, text, token, reason, error)
+              error: str | None = None, logprob: TokenLogprobs | None = None) -> Event:
+        prompt = request.prompt_logprobs
+        if prompt is not None and len(prompt) == len(request.prompt) and not request.prompt_sent[index]:
+            request.prompt_sent[index] = True
+        else:
+            prompt = None
+        event = Event(request.id, index, text, token, reason, error, logprob, prompt)
         if request.on_event is not None:
             request.on_event(event)
         return event
@@ -295,6 +364,15 @@ class ServingEngine:
                 "kv_blocks_used": self.blocks.num_used(), "kv_blocks_total": self.blocks.usable,
                 "prefix_cache_queries": self.blocks.queries, "prefix_cache_hits": self.blocks.hits,
                 "copy_on_write": self.blocks.copies, **self.totals}
+
+
+def _prompt_span(work: Work) -> range:
+    """The prompt positions whose tokens' log-probabilities `work`'s logits give and that are not recorded yet
+    (position p's comes from the logits at p - 1); empty unless the request asks for them."""
+    recorded = work.seq.request.prompt_logprobs
+    if recorded is None:
+        return range(0)
+    return range(max(len(recorded), work.start + 1), min(work.start + work.count, work.seq.prompt_len - 1) + 1)
 
 
 def default_num_blocks(model: Transformer, cfg: ServingConfig, max_num_seqs: int) -> int:

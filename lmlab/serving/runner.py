@@ -3,6 +3,7 @@ and blocks, as the scheduler hands them out.
 
     runner = PagedRunner(model, num_blocks=2048, block_size=16)
     logits = runner.forward([Row(tokens, start, table), ...])   # (rows, vocab) at each row's last token
+    logits, every = runner.forward_every(rows, [0])            # and row 0's at each of its new tokens
 
 Rows are right-padded to the longest; padded tokens write into the null block and their outputs are
 dropped. On CUDA, one-token rows (decode) attend with the Triton paged flash-decoding kernel and run as
@@ -85,8 +86,16 @@ class PagedRunner:
             if graph is None:
                 graph = self._graphs[padded] = _DecodeGraph(self, padded)
             return graph(rows)
+        return self.forward_every(rows, [])[0]
+
+    @torch.inference_mode()
+    def forward_every(self, rows: list[Row], every: list[int]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """`forward`'s logits, and the float32 logits (tokens, vocab) at every new token of the rows numbered in
+        `every` (a prompt's log-probabilities); the head runs over those rows' tokens only."""
         ids, positions, last = self.load(rows, len(rows), max(len(r.tokens) for r in rows), self.batch)
-        return self.logits(ids, positions, last)
+        x = self.hidden(ids, positions)
+        return self.head(x[torch.arange(x.shape[0], device=x.device), last]), [
+            self.head(x[b, :len(rows[b].tokens)]) for b in every]
 
     def load(self, rows: list[Row], batch: int, width: int, into: PagedBatch, table_width: int | None = None):
         """Fill `into` for `rows` padded to `batch` rows of `width` tokens: (ids, positions, last index)."""
@@ -117,11 +126,17 @@ class PagedRunner:
         return ids.to(self.device), positions.to(self.device), last.to(self.device)
 
     def logits(self, ids: torch.Tensor, positions: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
+        x = self.hidden(ids, positions)
+        return self.head(x[torch.arange(x.shape[0], device=x.device), last])
+
+    def hidden(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The last layer's output at every token, before the final norm."""
         model = self.model
         model._route_by("layers.", ids)
-        x = model.run_layers(model.position.embed(model.embed_tokens(ids), positions), positions, self.caches)
-        x = x[torch.arange(x.shape[0], device=x.device), last]
-        return model._head(model.norm(x)).float()
+        return model.run_layers(model.position.embed(model.embed_tokens(ids), positions), positions, self.caches)
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        return self.model._head(self.model.norm(x)).float()
 
 
 def _fill(current: torch.Tensor, new: torch.Tensor, device) -> torch.Tensor:

@@ -38,6 +38,7 @@ class Sequence:
     table: BlockTable = field(default_factory=BlockTable)
     computed: int = 0
     finished: bool = False
+    reuse_prefix: bool = True  # False while its prompt's log-probabilities are wanted: every position is computed
 
     @property
     def remaining(self) -> int:
@@ -141,7 +142,8 @@ class Scheduler:
         """Take the blocks of seq's whole prompt (reusing registered ones); False, holding nothing, when
         they do not fit."""
         # continuous: a sequence whose prefix a running one is computing waits a step for its blocks
-        cached = self.blocks.match_prefix(seq.table, seq.tokens, wait=self.admits_while_running)
+        cached = (self.blocks.match_prefix(seq.table, seq.tokens, wait=self.admits_while_running)
+                  if seq.reuse_prefix else 0)
         if cached is None:
             return False
         seq.computed = cached

@@ -1,4 +1,4 @@
-"""The sampler registry: truncation rules, penalties and their order, and `sample` drawing from `probs`."""
+"""The sampler registry: truncation rules, logit bias, penalties and their order, and `sample` drawing from `probs`."""
 
 import math
 
@@ -7,6 +7,7 @@ import torch
 
 from lmlab.cli.main import main
 from lmlab.errors import ConfigError
+from lmlab.inference.generate import plain_greedy
 from lmlab.inference.samplers import SAMPLERS
 
 # Fields that make each entry's truncation drop tokens of a 5-token vocabulary; other entries use their defaults.
@@ -78,6 +79,9 @@ COUNTS = torch.tensor([[1, 2, 0, 3]])
     # repetition, then frequency and presence, then temperature: any other order gives other numbers.
     ({"repetition_penalty": 2.0, "frequency_penalty": 0.5, "presence_penalty": 1.0, "temperature": 0.5},
      [-1.0, -12.0, 1.0, -4.0]),
+    ({"logit_bias": {1: 3.0, 2: -0.5}}, [2.0, 1.0, 0.0, 1.0]),  # added to the listed tokens' logits
+    # the bias comes first: -2 + 3 = 1 is then positive, so the penalty divides it (after it: -2 * 2 + 3 = -1)
+    ({"logit_bias": {1: 3.0}, "repetition_penalty": 2.0}, [1.0, 0.5, 0.5, 0.5]),
 ])
 def test_penalties_on_hand_computed_values_and_their_order(fields, expected):
     sampler = SAMPLERS.build({"name": "temperature", **fields})
@@ -89,6 +93,16 @@ def test_truncation_comes_after_penalties_and_temperature():
     sampler = SAMPLERS.build({"name": "top_k", "top_k": 2, "repetition_penalty": 2.0, "frequency_penalty": 0.5,
                               "presence_penalty": 1.0, "temperature": 0.5})
     assert sampler.process(LOGITS, COUNTS).tolist() == [[-1.0, -math.inf, 1.0, -math.inf]]
+
+
+@pytest.mark.parametrize("name", SAMPLERS.names())
+def test_a_logit_bias_steers_greedy_decoding_and_turns_off_the_raw_argmax_paths(name):
+    plain, biased = build(name, temperature=0.0), build(name, temperature=0.0, logit_bias={2: 100.0})
+    assert plain.argmax_of_logits and plain_greedy(plain)  # fused kernels and greedy rounds may take the argmax
+    assert not biased.argmax_of_logits and not plain_greedy(biased)  # they would skip the bias
+    assert plain.sample(LOGITS).tolist() == [0] and biased.sample(LOGITS).tolist() == [2]
+    assert build(name, temperature=0.0, logit_bias={0: -100.0}).sample(LOGITS).tolist() == [3]  # banned
+    assert not build(name, temperature=0.0, presence_penalty=0.5).argmax_of_logits
 
 
 @pytest.mark.parametrize("name", SAMPLERS.names())
@@ -154,6 +168,8 @@ def test_sampling_reads_bfloat16_logits_in_float32():
     ({"name": "top_p", "p": 1.5, "temperature": 0.0}, r"sampler.p=1.5 must be in \(0, 1\]"),
     ({"name": "min_p", "min_p": -0.1}, r"sampler.min_p=-0.1 must be in \[0, 1\]"),
     ({"name": "min_p", "min_p": 1.1}, r"sampler.min_p=1.1 must be in \[0, 1\]"),
+    ({"name": "greedy", "logit_bias": {-1: 5.0}}, r"sampler.logit_bias=\{-1: 5.0\} holds a negative token id"),
+    ({"name": "greedy", "logit_bias": {3: math.inf}}, r"sampler.logit_bias=\{3: inf\} holds a bias that is not finite"),
 ])
 def test_bad_values_fail_at_construction_with_one_line(config, message):
     with pytest.raises(ConfigError, match=message) as err:

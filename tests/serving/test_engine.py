@@ -1,7 +1,8 @@
 """The serving engine against the inference engine: greedy outputs of mixed-length prompts equal
 one-by-one generation under both schedulers, under preemption, with a shared prefix, and for n > 1
 samples forked from one prompt (copy-on-write); chunked prefill keeps decodes going; seeds repeat;
-stops; cancellation frees blocks; bad requests fail before they are queued."""
+stops; cancellation frees blocks; bad requests fail before they are queued. Log-probabilities of sampled
+and prompt tokens equal a full forward's, through chunked prefill, the prefix cache, preemption and forks."""
 
 import pytest
 import torch
@@ -37,6 +38,25 @@ def serve(model, prompts, params=None, tokenizer=None, **cfg) -> tuple[list[list
     engine = ServingEngine(model, tokenizer, ServingConfig(**{"block_size": 4, **cfg}))
     out = engine.generate(prompts, params or SamplingParams(max_tokens=NEW))
     return [c[0].token_ids for c in out], engine
+
+
+def model_logprobs(model, ids: list[int]) -> torch.Tensor:
+    """log_softmax of one full forward over `ids`: row p is the distribution of the token at p + 1."""
+    with torch.no_grad():
+        return model(torch.tensor([ids]))[0].float().log_softmax(-1)
+
+
+def assert_logprobs_match(reference: torch.Tensor, ids: list[int], positions: range, entries, top: int) -> None:
+    """entries[i] is the token at positions[i] of `ids`, with its logprob and `top` most likely under the reference
+    row before it."""
+    assert len(entries) == len(positions)
+    for position, entry in zip(positions, entries):
+        row = reference[position - 1]
+        assert entry.token == ids[position]
+        assert entry.logprob == pytest.approx(row[ids[position]].item(), abs=1e-4)
+        values, order = row.topk(top)
+        assert [t for t, _ in entry.top] == order.tolist()
+        assert [lp for _, lp in entry.top] == pytest.approx(values.tolist(), abs=1e-4)
 
 
 @pytest.mark.parametrize("scheduler", ["continuous", "static"])
@@ -145,12 +165,17 @@ def test_aborting_frees_blocks_at_once(model, prompts):
 
 @pytest.mark.parametrize("prompt, params, message", [
     ([], SamplingParams(), "prompt is empty"),
-    ([1, 2], SamplingParams(max_tokens=0), "max_tokens must be >= 1"),
+    ([1, 2], SamplingParams(max_tokens=-1), "max_tokens must be >= 0"),
     ([1] * 96, SamplingParams(), "the model's context is 96"),
     ([1, 2], SamplingParams(n=0), "n must be >= 1"),
     ([1, 2], SamplingParams(sampler={"name": "top_p", "p": 1.5}), r"sampler.p=1.5 must be in \(0, 1\]"),
     ([1, 2], SamplingParams(sampler="beam"), "unknown sampler"),
     ([1, 2], SamplingParams(stop=["x"]), "stop strings need the tokenizer"),
+    ([1, 2], SamplingParams(logprobs=-1), r"logprobs must be in 0\.\.320 \(the vocabulary\), got -1"),
+    ([1, 2], SamplingParams(prompt_logprobs=321), r"prompt_logprobs must be in 0\.\.320"),
+    ([1, 2], SamplingParams(sampler={"name": "greedy", "logit_bias": {320: 1.0}}),
+     r"logit_bias holds token id 320, outside the model's vocabulary \(0\.\.319\)"),
+    ([1, 2], SamplingParams(sampler={"name": "greedy", "logit_bias": {-1: 1.0}}), "holds a negative token id"),
 ])
 def test_bad_requests_fail_before_they_are_queued(model, prompt, params, message):
     engine = ServingEngine(model, None, ServingConfig(block_size=4))
@@ -176,3 +201,63 @@ def test_prompts_admitted_together_compute_their_shared_prefix_once(model, promp
     got, engine = serve(model, shared)
     assert got == one_by_one(model, shared)
     assert engine.blocks.hits == 3 * 8 and not engine.blocks.pending
+
+
+@pytest.mark.parametrize("cfg", [
+    {"scheduler": {"name": "continuous", "max_num_batched_tokens": 8}},  # prompts read in chunks
+    {"num_blocks": 13, "scheduler": {"name": "continuous", "max_num_batched_tokens": 16}},  # preemptions
+])
+def test_logprobs_of_sampled_and_prompt_tokens_equal_a_full_forward(model, prompts, cfg):
+    engine = ServingEngine(model, None, ServingConfig(block_size=4, **cfg))
+    engine.generate(prompts, SamplingParams(max_tokens=NEW))  # their blocks are now in the prefix cache
+    # temperature 2 and a bias: the logprobs are the model's own, before any processor
+    params = SamplingParams(max_tokens=NEW, logprobs=3, prompt_logprobs=2,
+                            sampler={"name": "temperature", "temperature": 2.0, "seed": 0, "logit_bias": {7: 5.0}})
+    outs = [c[0] for c in engine.generate(prompts, params)]
+    assert "num_blocks" not in cfg or engine.scheduler.preemptions > 0
+    for prompt, out in zip(prompts, outs):
+        ids = prompt + out.token_ids
+        reference = model_logprobs(model, ids)
+        assert out.prompt_logprobs[0] is None  # the first token has no context to be predicted from
+        assert_logprobs_match(reference, ids, range(1, len(prompt)), out.prompt_logprobs[1:], top=2)
+        assert_logprobs_match(reference, ids, range(len(prompt), len(ids)), out.logprobs, top=3)
+    assert engine.blocks.num_used() == 0
+
+
+def test_logprobs_leave_greedy_tokens_unchanged_and_cost_nothing_unasked(model, prompts):
+    engine = ServingEngine(model, None, ServingConfig(block_size=4))
+    asked = engine.generate(prompts, SamplingParams(max_tokens=NEW, logprobs=1, prompt_logprobs=0))
+    assert [c[0].token_ids for c in asked] == one_by_one(model, prompts)
+    every, forward_every = [], engine.runner.forward_every
+
+    def recorded(rows, rows_read_whole):
+        every.extend(rows_read_whole)
+        return forward_every(rows, rows_read_whole)
+
+    engine.runner.forward_every = recorded
+    plain = engine.generate(prompts, SamplingParams(max_tokens=NEW))
+    assert [c[0].token_ids for c in plain] == one_by_one(model, prompts)
+    assert not every  # no logits past each row's last token
+    assert all(c[0].logprobs == [] and c[0].prompt_logprobs is None for c in plain)
+
+
+def test_max_tokens_0_reads_the_prompt_and_samples_nothing(model, prompts):
+    engine = ServingEngine(model, None, ServingConfig(block_size=4))
+    first, second = engine.generate([prompts[3]], SamplingParams(max_tokens=0, n=2, prompt_logprobs=1))[0]
+    assert first.token_ids == second.token_ids == [] and first.finish_reason == second.finish_reason == "length"
+    assert_logprobs_match(model_logprobs(model, prompts[3]), prompts[3], range(1, len(prompts[3])),
+                          first.prompt_logprobs[1:], top=1)
+    assert second.prompt_logprobs == first.prompt_logprobs
+    whole = [1] * 96  # a prompt that is only read may fill the context
+    assert len(engine.generate([whole], SamplingParams(max_tokens=0, prompt_logprobs=0))[0][0].prompt_logprobs) == 96
+    assert engine.blocks.num_used() == 0 and not engine.has_work()
+
+
+def test_n_samples_get_the_logprobs_of_their_own_tokens(model, prompts):
+    engine = ServingEngine(model, None, ServingConfig(block_size=4))
+    params = SamplingParams(max_tokens=NEW, n=3, logprobs=0, sampler={"name": "temperature", "seed": 1})
+    outs = engine.generate([prompts[1]], params)[0]
+    assert len({tuple(c.token_ids) for c in outs}) > 1  # the forks sampled differently
+    for out in outs:
+        ids = prompts[1] + out.token_ids
+        assert_logprobs_match(model_logprobs(model, ids), ids, range(len(prompts[1]), len(ids)), out.logprobs, top=0)

@@ -1,7 +1,8 @@
 """The OpenAI-compatible server over loopback: the `openai` client unchanged, streaming and not;
 200 concurrent streaming requests whose greedy outputs equal offline generation and leave every block
 free; disconnecting clients, cancelled queued requests, a full queue (429) and malformed requests, each
-answered with a 4xx JSON error while the server keeps serving; /health and /metrics."""
+answered with a 4xx JSON error while the server keeps serving; /health and /metrics. logprobs, echo
+(lm-evaluation-harness's scoring with max_tokens=0) and logit_bias on both endpoints, streamed and not."""
 
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ from lmlab.serving import SamplingParams, ServingConfig, ServingEngine  # noqa: 
 from lmlab.serving.async_engine import AsyncEngine, QueueFull  # noqa: E402
 from lmlab.serving.server import build_app  # noqa: E402
 from lmlab.tokenizers import ByteTokenizer  # noqa: E402
+from tests.serving.test_engine import model_logprobs  # noqa: E402
 
 TOKENIZER = ByteTokenizer()
 CONTEXT = 1024  # long enough that a request of ~1,000 tokens is still streaming when its client leaves
@@ -78,6 +80,35 @@ def offline(model, text: str, new: int) -> str:
     out = Engine(model).generate([TOKENIZER.encode(text)], max_new_tokens=new, stop_token_ids=[TOKENIZER.eot_id],
                                  tokenizer=TOKENIZER)
     return out.texts[0]
+
+
+def completion(url: str, route: str = "/v1/completions", **fields) -> dict:
+    """A greedy reply that must succeed."""
+    response = httpx.post(f"{url}{route}", json={"model": NAME, "temperature": 0, **fields}, timeout=60)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def streamed(url: str, route: str = "/v1/completions", **fields) -> list[dict]:
+    """The chunks of a greedy streamed reply."""
+    body = {"model": NAME, "temperature": 0, "stream": True, **fields}
+    with httpx.stream("POST", f"{url}{route}", json=body, timeout=60) as response:
+        return [json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: ")
+                and line != "data: [DONE]"]
+
+
+def token_id(text: str) -> int:
+    """The byte tokenizer's id of a logprobs token text ("bytes:\\xNN" for a byte that is no character alone)."""
+    if text.startswith("bytes:"):
+        (token,) = bytes.fromhex(text.removeprefix("bytes:").replace("\\x", ""))
+        return token
+    (token,) = TOKENIZER.encode(text)
+    return token
+
+
+def expected_top(reference_row: torch.Tensor, k: int) -> list[int]:
+    """The k most likely ids among the tokenizer's (the model's vocabulary is padded past them)."""
+    return reference_row[:TOKENIZER.vocab_size].topk(k).indices.tolist()
 
 
 def wait_until_idle(engine: AsyncEngine, timeout: float = 10.0) -> dict:
@@ -212,17 +243,27 @@ def test_queue_full_is_raised_before_queueing(model):
     ({"model": NAME, "prompt": [[1], [-1]]}, 400, "token id -1"),
     # past the context with max_tokens: refused as OpenAI and vLLM do, not cut short
     ({"model": NAME, "prompt": "x" * (CONTEXT - 8), "max_tokens": 16}, 400, "lower max_tokens to 8"),
-    ({"model": NAME, "prompt": "x", "logit_bias": {"5": 100}}, 400, "logit_bias is not supported"),
-    ({"model": NAME, "prompt": "x", "logprobs": 2}, 400, "logprobs is not supported"),
-    ({"model": NAME, "prompt": "x", "echo": True}, 400, "echo is not supported"),
     ({"model": NAME, "prompt": "x", "suffix": "end"}, 400, "suffix is not supported"),
+    ({"model": NAME, "prompt": "x", "max_tokens": 0}, 400, "(0 only with echo=true: the prompt alone)"),
+    ({"model": NAME, "prompt": "x" * (CONTEXT + 1), "max_tokens": 0, "echo": True}, 400,
+     f"the model's context is {CONTEXT}"),
+    ({"model": NAME, "prompt": "x", "logprobs": 6}, 400, "logprobs: Input should be less than or equal to 5"),
+    ({"model": NAME, "prompt": "x", "logprobs": -1}, 400, "logprobs: Input should be greater than or equal to 0"),
+    ({"model": NAME, "prompt": "x", "logit_bias": {"abc": 5}}, 400, "'abc' is not a token id (an integer >= 0)"),
+    ({"model": NAME, "prompt": "x", "logit_bias": {"-3": 5}}, 400, "'-3' is not a token id"),
+    ({"model": NAME, "prompt": "x", "logit_bias": {"5": 100.5}}, 400, "a bias must be in [-100, 100]"),
+    ({"model": NAME, "prompt": "x", "logit_bias": {"5": "high"}}, 400, "logit_bias.5: Input should be a valid number"),
+    ({"model": NAME, "prompt": "x", "logit_bias": {"5000": 1}}, 400,
+     "logit_bias holds token id 5000, outside the model's vocabulary (0..319)"),
 ])
 def test_bad_requests_get_a_json_error_and_the_server_keeps_serving(server, body, status, message):
-    url, _ = server
+    url, engine = server
     content = body if isinstance(body, str) else json.dumps(body)
+    before = engine.engine.totals["requests"]
     response = httpx.post(f"{url}/v1/completions", content=content, headers={"Content-Type": "application/json"})
     assert response.status_code == status
     assert message in response.json()["error"]["message"]
+    assert engine.engine.totals["requests"] == before  # refused before any work
     assert httpx.post(f"{url}/v1/completions", json={"model": NAME, "prompt": "ok", "max_tokens": 2}).status_code == 200
     assert httpx.get(f"{url}/health").status_code == 200
 
@@ -247,6 +288,12 @@ def test_a_completion_past_the_context_names_its_fields(server):
     ({"tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
     ({"response_format": {"type": "json_object"}}, 400, "response_format"),
     ({"response_format": {"type": "text"}, "max_completion_tokens": 2, "max_tokens": 50}, 200, None),
+    ({"top_logprobs": 3}, 400, "top_logprobs"),  # needs logprobs=true
+    ({"logprobs": True, "top_logprobs": 21}, 400, "top_logprobs"),  # OpenAI's limit is 20
+    ({"logprobs": 3}, 400, "logprobs"),  # chat's is true or false
+    ({"logit_bias": {"7": -101}}, 400, "logit_bias"),
+    ({"echo": True}, 400, "echo"),  # completions only
+    ({"logprobs": True, "top_logprobs": 0, "max_tokens": 2}, 200, None),
 ])
 def test_chat_limits_and_unsupported_fields(server, fields, status, param):
     url, _ = server
@@ -256,7 +303,8 @@ def test_chat_limits_and_unsupported_fields(server, fields, status, param):
     if status == 200:
         assert response.json()["usage"]["completion_tokens"] <= 2
     else:
-        assert response.json()["error"]["param"] == param
+        error = response.json()["error"]
+        assert error["param"] == param and param in error["message"]
 
 
 def test_a_message_without_content_is_refused(server):
@@ -303,3 +351,126 @@ def test_health_and_prometheus_metrics(server):
         assert f'{name}{{' in text, name
     count = next(line for line in text.splitlines() if line.startswith("lmlab:time_to_first_token_seconds_count"))
     assert float(count.split()[-1]) >= 1
+
+
+def test_completion_logprobs_equal_a_full_forward_and_change_no_text(server, model):
+    url, _ = server
+    prompt = TOKENIZER.encode("def f(x):")
+    plain = completion(url, prompt="def f(x):", max_tokens=12, ignore_eos=True)["choices"][0]
+    choice = completion(url, prompt="def f(x):", max_tokens=12, ignore_eos=True, logprobs=3)["choices"][0]
+    assert choice["text"] == plain["text"] and plain["logprobs"] is None
+    logprobs = choice["logprobs"]
+    ids = prompt + [token_id(t) for t in logprobs["tokens"]]
+    assert len(ids) == len(prompt) + 12 and TOKENIZER.decode(ids[len(prompt):]) == choice["text"]
+    reference = model_logprobs(model, ids)
+    positions = range(len(prompt), len(ids))
+    assert logprobs["token_logprobs"] == pytest.approx([reference[p - 1, ids[p]].item() for p in positions], abs=1e-4)
+    for p, top in zip(positions, logprobs["top_logprobs"]):
+        assert [token_id(t) for t in top] == expected_top(reference[p - 1], 3)  # the argmax first: greedy's token
+        assert list(top.values()) == sorted(top.values(), reverse=True)
+        assert list(top.values()) == pytest.approx(reference[p - 1, expected_top(reference[p - 1], 3)].tolist(), abs=1e-4)
+        assert token_id(next(iter(top))) == ids[p]
+    offsets = logprobs["text_offset"]
+    assert offsets[0] == 0 and offsets == sorted(offsets) and offsets[-1] < len(choice["text"])
+
+
+def test_echo_with_max_tokens_0_scores_the_prompt_as_lm_eval_reads_it(server, model):
+    """lm-evaluation-harness's local-completions: token id prompts, echo, logprobs=1 and max_tokens 0 or 1."""
+    url, _ = server
+    prompts = [TOKENIZER.encode("The capital of France is Paris"), TOKENIZER.encode("é€a b")]
+    reply = completion(url, prompt=prompts, max_tokens=0, echo=True, logprobs=1)
+    assert reply["usage"] == {"prompt_tokens": sum(map(len, prompts)), "completion_tokens": 0,
+                              "total_tokens": sum(map(len, prompts))}
+    for prompt, choice in zip(prompts, reply["choices"]):
+        logprobs = choice["logprobs"]
+        assert choice["text"] == TOKENIZER.decode(prompt) and choice["finish_reason"] == "length"
+        assert [token_id(t) for t in logprobs["tokens"]] == prompt
+        assert logprobs["token_logprobs"][0] is None and logprobs["top_logprobs"][0] is None  # as OpenAI gives
+        reference = model_logprobs(model, prompt)
+        assert logprobs["token_logprobs"][1:] == pytest.approx(
+            [reference[p - 1, prompt[p]].item() for p in range(1, len(prompt))], abs=1e-4)
+        for p, top in enumerate(logprobs["top_logprobs"][1:], start=1):  # lm-eval's is_greedy reads the first
+            assert token_id(max(top, key=top.get)) == expected_top(reference[p - 1], 1)[0]
+            assert logprobs["tokens"][p] in top and len(top) <= 2
+    é_euro = reply["choices"][1]["logprobs"]
+    assert é_euro["tokens"][:3] == ["bytes:\\xc3", "bytes:\\xa9", "bytes:\\xe2"]
+    assert é_euro["text_offset"] == [0, 0, 1, 1, 1, 2, 3, 4]  # a byte inside a character points at it
+    # max_tokens=1, lm-eval's default: the same prompt logprobs, then the one sampled token's
+    once = completion(url, prompt=prompts, max_tokens=1, echo=True, logprobs=1, ignore_eos=True)
+    for scored, choice in zip(reply["choices"], once["choices"]):
+        assert choice["logprobs"]["token_logprobs"][:-1] == pytest.approx(scored["logprobs"]["token_logprobs"])
+        assert choice["text"].startswith(scored["text"]) and len(choice["logprobs"]["tokens"]) == len(
+            scored["logprobs"]["tokens"]) + 1
+
+
+def test_chat_logprobs_with_the_openai_client(server, model):
+    url, _ = server
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused")
+    messages = [{"role": "user", "content": "hi"}]
+    plain = client.chat.completions.create(model=NAME, messages=messages, max_tokens=8, temperature=0)
+    reply = client.chat.completions.create(model=NAME, messages=messages, max_tokens=8, temperature=0, logprobs=True,
+                                           top_logprobs=3)
+    assert reply.choices[0].message.content == plain.choices[0].message.content and plain.choices[0].logprobs is None
+    content = reply.choices[0].logprobs.content
+    prompt = TOKENIZER.encode(CHAT_TEMPLATES.build("plain").render([Turn("user", "hi")], add_generation_prompt=True))
+    ids = prompt + [entry.bytes[0] for entry in content]  # one byte per token
+    assert all(len(entry.bytes) == 1 for entry in content)
+    reference = model_logprobs(model, ids)
+    for p, entry in zip(range(len(prompt), len(ids)), content):
+        assert entry.logprob == pytest.approx(reference[p - 1, ids[p]].item(), abs=1e-4)
+        assert [t.bytes[0] for t in entry.top_logprobs] == expected_top(reference[p - 1], 3)
+        assert entry.top_logprobs[0].token == entry.token  # greedy: the most likely
+        assert [t.logprob for t in entry.top_logprobs] == sorted((t.logprob for t in entry.top_logprobs), reverse=True)
+    assert bytes(ids[len(prompt):]).decode("utf-8", "replace").startswith(reply.choices[0].message.content)
+
+
+def _joined(chunks: list[dict], lists: tuple[str, ...]) -> dict[int, dict]:
+    """Each choice's streamed text and logprobs lists, concatenated chunk by chunk."""
+    joined: dict[int, dict] = {}
+    for chunk in chunks:
+        for choice in chunk["choices"]:
+            into = joined.setdefault(choice["index"], {"text": "", **{name: [] for name in lists}})
+            into["text"] += choice["text"] if "text" in choice else choice["delta"].get("content") or ""
+            found = choice["logprobs"] or {}
+            for name in lists:
+                into[name] += found.get(name, [])
+    return joined
+
+
+def test_streamed_logprobs_concatenate_to_the_non_streamed(server):
+    url, _ = server
+    lists = ("tokens", "token_logprobs", "top_logprobs", "text_offset")
+    fields = {"prompt": ["abc", "é€"], "max_tokens": 10, "echo": True, "logprobs": 2, "n": 2, "ignore_eos": True}
+    whole = completion(url, **fields)["choices"]
+    joined = _joined(streamed(url, **fields), lists)
+    assert sorted(joined) == [0, 1, 2, 3]
+    for i, choice in enumerate(whole):
+        assert joined[i]["text"] == choice["text"]
+        for name in ("tokens", "text_offset"):
+            assert joined[i][name] == choice["logprobs"][name], name
+        assert joined[i]["token_logprobs"] == pytest.approx(choice["logprobs"]["token_logprobs"], abs=1e-5)
+        for got, expected in zip(joined[i]["top_logprobs"], choice["logprobs"]["top_logprobs"]):
+            assert got == expected or (list(got) == list(expected) and got == pytest.approx(expected, abs=1e-5))
+
+    fields = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 10, "logprobs": True, "top_logprobs": 2}
+    whole = completion(url, "/v1/chat/completions", **fields)["choices"][0]
+    joined = _joined(streamed(url, "/v1/chat/completions", **fields), ("content",))[0]
+    assert joined["text"] == whole["message"]["content"] and len(joined["content"]) == len(whole["logprobs"]["content"])
+    for got, expected in zip(joined["content"], whole["logprobs"]["content"]):
+        assert (got["token"], got["bytes"]) == (expected["token"], expected["bytes"])
+        assert got["logprob"] == pytest.approx(expected["logprob"], abs=1e-5)
+        assert [t["token"] for t in got["top_logprobs"]] == [t["token"] for t in expected["top_logprobs"]]
+
+
+def test_logit_bias_forces_and_bans_a_token_on_both_endpoints(server):
+    url, _ = server
+    free = completion(url, prompt="abc", max_tokens=6, ignore_eos=True, logprobs=0)["choices"][0]
+    first = token_id(free["logprobs"]["tokens"][0])
+    forced = next(t for t in map(ord, "zy") if t != first)
+    assert completion(url, prompt="abc", max_tokens=6, ignore_eos=True,
+                      logit_bias={str(forced): 100})["choices"][0]["text"] == chr(forced) * 6
+    banned = completion(url, prompt="abc", max_tokens=6, ignore_eos=True, logprobs=0, logit_bias={str(first): -100})
+    assert first not in [token_id(t) for t in banned["choices"][0]["logprobs"]["tokens"]]
+    chat = completion(url, "/v1/chat/completions", messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+                      logit_bias={str(forced): 100})
+    assert chat["choices"][0]["message"]["content"] == chr(forced) * 4
