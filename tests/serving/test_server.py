@@ -401,6 +401,13 @@ def test_echo_with_max_tokens_0_scores_the_prompt_as_lm_eval_reads_it(server, mo
         assert choice["logprobs"]["token_logprobs"][:-1] == pytest.approx(scored["logprobs"]["token_logprobs"])
         assert choice["text"].startswith(scored["text"]) and len(choice["logprobs"]["tokens"]) == len(
             scored["logprobs"]["tokens"]) + 1
+    # the peer's own reader of that reply: each prompt's last token scored after the rest, and whether it is greedy
+    harness = pytest.importorskip("lm_eval.models.openai_completions").LocalCompletionsAPI
+    scores = harness.parse_logprobs(once, ctxlens=[len(prompt) - 1 for prompt in prompts])
+    for prompt, (logprob, greedy) in zip(prompts, scores):
+        reference = model_logprobs(model, prompt)[-2]
+        assert logprob == pytest.approx(reference[prompt[-1]].item(), abs=1e-4)
+        assert greedy == (expected_top(reference, 1)[0] == prompt[-1])
 
 
 def test_chat_logprobs_with_the_openai_client(server, model):
