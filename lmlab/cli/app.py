@@ -2,8 +2,9 @@
 
 Before Hydra runs: check the config tree is there and compose every job's config once
 (`lmlab.cli.compose.check_jobs`), so a misspelt name, key or value is one line on stderr and
-exit status 2 before any job starts. While a job runs: a `ConfigError` is one line and exit
-status 2; a `RunInterrupted` (Ctrl-C, SIGTERM) prints how to resume and exits with its status,
+exit status 2 before any job starts; so is a sweep job that fails the script's `check_job` (lmlab-train's:
+the task's cross-field checks), named. While a job runs: a `ConfigError` is one line and exit status 2;
+a `RunInterrupted` (Ctrl-C, SIGTERM) prints how to resume and exits with its status,
 which also ends a sweep. In a sweep (-m) whose jobs run in this process, a job that fails writes
 `error.txt` into its folder and the sweep goes on with the next job; at the end the failed jobs
 are listed and the exit status is 1.
@@ -52,12 +53,14 @@ def record_failure(err: Exception, output_dir: str | Path) -> str:
     return line
 
 
-def run_hydra_app(prog: str, config_name: str, job: Callable[[DictConfig, str], object], argv: list[str]) -> None:
-    """Run `job(cfg, output_dir)` for each job Hydra composes from `argv` (one, or a sweep with -m)."""
+def run_hydra_app(prog: str, config_name: str, job: Callable[[DictConfig, str], object], argv: list[str],
+                  check_job: Callable[[DictConfig], object] | None = None) -> None:
+    """Run `job(cfg, output_dir)` for each job Hydra composes from `argv` (one, or a sweep with -m), after
+    `check_job(cfg)` on each job of a sweep (a single job's own checks run as it starts)."""
     if not (CONF_DIR / f"{config_name}.yaml").is_file():
         fail(prog, ConfigError(f"no config tree at {CONF_DIR}; install lmlab from its checkout with `pip install -e .`"))
     try:
-        check_jobs(argv, config_name)
+        check_jobs(argv, config_name, check_job)
     except ConfigError as err:
         fail(prog, err)
     started: list[str] = []  # job folders

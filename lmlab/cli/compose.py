@@ -11,6 +11,7 @@ and the tests compose through `compose_config` too. Keys under `hydra.` are left
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from typing import Any
 
 from hydra import compose, initialize_config_dir
@@ -18,7 +19,7 @@ from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
 from hydra.core.override_parser.types import Override
 from hydra.errors import ConfigCompositionException, HydraException
 from omegaconf import DictConfig, ListConfig, OmegaConf
-from omegaconf.errors import ConfigAttributeError, ConfigKeyError, ValidationError
+from omegaconf.errors import ConfigAttributeError, ConfigKeyError, InterpolationResolutionError, ValidationError
 
 from lmlab.cli.overrides import CONF_DIR, config_groups, parse, prepare
 from lmlab.cli.schema import schema_fields, type_name
@@ -28,6 +29,9 @@ from lmlab.registry import REGISTRIES, closest
 # Jobs of a sweep composed here; Hydra's basic sweeper composes all of a sweep's jobs before starting the
 # first, so a longer sweep's later jobs still fail before any work, only in Hydra's words.
 SWEEP_CHECK_LIMIT = 64
+# The launcher that runs a sweep's jobs one after another in this process. A `check_job` judges a job on this
+# machine (its GPUs and cores), so a sweep sent elsewhere (hydra/launcher=slurm) is checked job by job, there.
+LOCAL_LAUNCHER = "hydra._internal.core_plugins.basic_launcher.BasicLauncher"
 # A key is suggested only when it is this alike (difflib's ratio); the message lists all the fields anyway.
 KEY_HINT_CUTOFF = 0.6
 
@@ -39,8 +43,11 @@ def compose_config(overrides: list[str], config_name: str = "train") -> DictConf
         return _compose(config_name, parsed)
 
 
-def check_jobs(argv: list[str], config_name: str = "train") -> None:
-    """Compose the config of every job that Hydra's `argv` asks for: one, or each of a sweep's (-m) jobs.
+def check_jobs(argv: list[str], config_name: str = "train", check_job: Callable[[DictConfig], object] | None = None
+               ) -> None:
+    """Compose the config of every job that Hydra's `argv` asks for: one, or each of a sweep's (-m) jobs; then
+    `check_job(cfg)` on each of a sweep's jobs when they run on this machine (a single run checks itself as it
+    starts).
 
     A sweep's jobs are the product of the swept overrides, including `hydra.sweeper.params` that a config
     (an experiment) sets, enumerated the way Hydra's basic sweeper does."""
@@ -55,12 +62,28 @@ def check_jobs(argv: list[str], config_name: str = "train") -> None:
             first_job = BasicSweeper.split_arguments(parsed, None)[0][0]
         except HydraException:  # a sweep that is no list of values (interval): a sweeper plugin's to choose
             return
-        swept_by_config = OmegaConf.select(_compose(config_name, parse(first_job), with_hydra=True),
-                                           "hydra.sweeper.params") or {}
+        with_hydra = _compose(config_name, parse(first_job), with_hydra=True)
+        swept_by_config = OmegaConf.select(with_hydra, "hydra.sweeper.params") or {}
         params = [f"{key}={value}" for key, value in swept_by_config.items()]
-        jobs = BasicSweeper.split_arguments(parse(params + [o.input_line for o in parsed]), None)[0]
-        for job in jobs[:SWEEP_CHECK_LIMIT]:
-            _compose(config_name, parse(job))
+        sweep = parse(params + [o.input_line for o in parsed])
+        jobs = [parse(job) for job in BasicSweeper.split_arguments(sweep, None)[0][:SWEEP_CHECK_LIMIT]]
+        configs = [_compose(config_name, job) for job in jobs]
+    if check_job is not None and OmegaConf.select(with_hydra, "hydra.launcher._target_") == LOCAL_LAUNCHER:
+        _check_each(check_job, sweep, jobs, configs)
+
+
+def _check_each(check_job: Callable[[DictConfig], object], sweep: list[Override], jobs: list[list[Override]],
+                configs: list[DictConfig]) -> None:
+    """`check_job` on each job's config; its `ConfigError` comes back naming the job by its swept values."""
+    swept = {o.key_or_group for o in sweep if o.is_sweep_override()}
+    for number, (job, cfg) in enumerate(zip(jobs, configs), start=1):
+        values = " ".join(o.input_line for o in job if o.key_or_group in swept)
+        try:
+            check_job(cfg)
+        except InterpolationResolutionError:  # e.g. ${hydra:...}: only a running job resolves it, and checks itself
+            continue
+        except ConfigError as err:
+            raise ConfigError(f"job {number}{f' ({values})' if values else ''}: {err}") from None
 
 
 def _compose(config_name: str, overrides: list[Override], with_hydra: bool = False) -> DictConfig:

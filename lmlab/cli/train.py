@@ -66,8 +66,17 @@ def _train(cfg: DictConfig, output_dir: str) -> float:
                              stopped.exit_code) from None
 
 
+def check_job(cfg: DictConfig) -> None:
+    """What every job of a sweep must pass before the first starts: its logger installed, its task's checks."""
+    from lmlab.training.loggers import check_installed
+    from lmlab.training.tasks import TASKS
+
+    check_installed(cfg.logger)
+    TASKS.build(cfg.task).check_config(cfg)
+
+
 def main() -> None:
-    run_hydra_app("lmlab-train", "train", _train, sys.argv[1:])
+    run_hydra_app("lmlab-train", "train", _train, sys.argv[1:], check_job)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """What `lmlab-train` trains (config group `task`): pre-training (the default) or a post-training stage.
 
-An entry's `run(cfg, output_dir)` is the whole job and returns its final numbers; the post-training
+An entry's `run(cfg, output_dir)` is the whole job and returns its final numbers, and its `check_config(cfg)`
+the checks that lmlab-train runs on every job of a sweep before the first starts; the post-training
 entries (`sft`, `dpo`, `reward_model`, `grpo`, `ppo`) live in `lmlab.alignment.tasks` and start from
 the checkpoint `init_from` names.
 """
@@ -15,6 +16,8 @@ from lmlab.errors import ConfigError
 from lmlab.parallel.strategies import PARALLEL
 from lmlab.registry import Registry
 from lmlab.training.launch import launch
+from lmlab.training.resume import AUTO
+from lmlab.training.run import check_parallel, preflight
 
 TASKS = Registry("task", group="task", doc="what lmlab-train trains: pre-training, or a post-training stage")
 
@@ -24,6 +27,10 @@ class Task:
 
     def __init__(self, cfg=None):
         self.cfg = cfg
+
+    def check_config(self, cfg: DictConfig) -> None:
+        """The checks a user can fail that need no data, no weights and no processes, cheap enough to run on every
+        job of a sweep before the first starts. `run` makes them too (a single run calls only `run`)."""
 
     def run(self, cfg: DictConfig, output_dir: str | Path) -> dict[str, float]:
         raise NotImplementedError
@@ -39,6 +46,13 @@ def check_single_process(cfg: DictConfig) -> None:
 @TASKS.register("pretrain")
 class Pretrain(Task):
     """Next-token prediction on the `data` corpus, from scratch or from init_from's weights."""
+
+    def check_config(self, cfg: DictConfig) -> None:
+        if cfg.ckpt_path == AUTO:  # which checkpoint that is, if any, shows only in the job's folder
+            cfg = cfg.copy()
+            cfg.ckpt_path = None
+        _, data_cfg = preflight(cfg)
+        check_parallel(cfg, data_cfg.batch_size)
 
     def run(self, cfg: DictConfig, output_dir: str | Path) -> dict[str, float]:
         return launch(cfg, output_dir)

@@ -1,10 +1,16 @@
-"""run_hydra_app around jobs that fail or are stopped, run in this process with a stand-in job."""
+"""run_hydra_app around jobs that fail or are stopped, run in this process with a stand-in job; and
+lmlab-train's sweeps, whose jobs pass their checks before the first starts, with a stand-in task run."""
 
 import pytest
+import torch
 from hydra.core.global_hydra import GlobalHydra
 
+from lmlab.alignment.tasks.stage import PostTraining
+from lmlab.cli import train
 from lmlab.cli.app import ERROR_FILE, run_hydra_app
 from lmlab.errors import ConfigError, RunInterrupted
+from lmlab.training.checkpoints import CONFIG_KEY
+from lmlab.training.tasks import Pretrain
 
 
 @pytest.fixture(autouse=True)
@@ -59,3 +65,61 @@ def test_an_interrupted_run_prints_how_to_resume_and_stops_the_sweep(tmp_path, c
         run_hydra_app("lmlab-train", "train", job, argv)
     assert ended.value.code == 143 and ran == [1]  # the sweep's second job never starts
     assert capsys.readouterr().err == f"{stop}\n"
+
+
+@pytest.fixture
+def runs(monkeypatch):
+    """lmlab-train in this process, its tasks' `run` a stand-in that records the job's data.context_length
+    (post-training: its task.reference); the checks are real. Returns what happened, in order."""
+    events = []
+    check = Pretrain.check_config
+
+    def run(self, cfg, output_dir):
+        events.append(("run", cfg.task.get("reference", cfg.data.context_length)))
+        return {"val_loss": 1.0}
+
+    def check_config(self, cfg):
+        events.append(("check", cfg.data.context_length))
+        check(self, cfg)
+
+    monkeypatch.setattr(Pretrain, "run", run)
+    monkeypatch.setattr(PostTraining, "run", run)
+    monkeypatch.setattr(Pretrain, "check_config", check_config)
+    return events
+
+
+def lmlab_train(monkeypatch, *argv: str) -> int:
+    monkeypatch.setattr("sys.argv", ["lmlab-train", *argv])
+    try:
+        train.main()
+    except SystemExit as ended:
+        return ended.code
+    return 0
+
+
+def test_a_sweep_whose_second_job_fails_its_checks_stops_before_the_first_starts(tiny_overrides, tmp_path, runs,
+                                                                                   monkeypatch, capsys):
+    sweep = tmp_path / "sweep"
+    code = lmlab_train(monkeypatch, "-m", *tiny_overrides, "data.context_length=16,64", f"hydra.sweep.dir={sweep}")
+    assert code == 2 and runs == [("check", 16), ("check", 64)] and not sweep.exists()
+    assert capsys.readouterr().err == (
+        "lmlab-train: error: job 2 (data.context_length=64): data.context_length=64 is larger than "
+        "model.max_seq_len=32; raise model.max_seq_len or shorten the context\n")
+
+
+def test_a_valid_sweep_checks_every_job_then_runs_them_all(tiny_overrides, tmp_path, runs, monkeypatch):
+    code = lmlab_train(monkeypatch, "-m", *tiny_overrides, "data.context_length=16,32",
+                       f"hydra.sweep.dir={tmp_path / 'sweep'}")
+    assert code == 0 and runs == [("check", 16), ("check", 32), ("run", 16), ("run", 32)]
+
+
+def test_a_post_training_stages_own_check_runs_for_every_job_before_the_first(tmp_path, runs, monkeypatch, capsys):
+    policy, data = tmp_path / "policy.ckpt", tmp_path / "pairs.jsonl"
+    torch.save({CONFIG_KEY: {}}, policy)  # what the checks read of init_from: a checkpoint that lmlab wrote
+    data.write_text("")
+    argv = ["task=dpo", f"init_from={policy}", f"task.data={data}", f"hydra.sweep.dir={tmp_path / 'sweep'}"]
+    assert lmlab_train(monkeypatch, "-m", "task.reference=null,/missing.ckpt", *argv) == 2 and runs == []
+    assert capsys.readouterr().err == ("lmlab-train: error: job 2 (task.reference=/missing.ckpt): "
+                                       "task.reference=/missing.ckpt is not a file\n")
+    assert lmlab_train(monkeypatch, "-m", "task.reference=null", "seed=1,2", *argv) == 0
+    assert runs == [("run", None), ("run", None)]

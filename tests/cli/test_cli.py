@@ -100,14 +100,25 @@ def test_unknown_group_or_key_exits_2_with_one_line_before_any_job(tmp_path, arg
     assert not (tmp_path / "outputs").exists()
 
 
-def test_a_failed_sweep_job_is_recorded_and_the_sweep_goes_on(tiny_overrides, tmp_path):
+def test_a_sweep_job_that_fails_its_checks_stops_the_sweep_before_any_job(tiny_overrides, tmp_path):
     sweep = tmp_path / "sweep"
     proc = run_cli(["lmlab-train", "-m", "model/position=rope,alibi,nope", "model/attention=linear", *tiny_overrides,
                     "trainer.max_steps=6", f"hydra.sweep.dir={sweep}"], cwd=tmp_path)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr[-3000:]
+    assert proc.stderr.startswith("lmlab-train: error: job 2 (model/position=alibi): model/position=alibi adds a bias")
+    assert not sweep.exists()
+
+
+def test_a_failed_sweep_job_is_recorded_and_the_sweep_goes_on(tiny_overrides, tmp_path):
+    sweep = tmp_path / "sweep"
+    (sweep / "1" / "tb").mkdir(parents=True)
+    (sweep / "1" / "tb" / "events").write_text("")  # an earlier run's: job 1 fails as it starts, in its folder
+    proc = run_cli(["lmlab-train", "-m", "seed=0,1,2", *tiny_overrides, "trainer.max_steps=6",
+                    f"hydra.sweep.dir={sweep}"], cwd=tmp_path)
     assert proc.returncode == 1, proc.stderr[-3000:]
-    assert (sweep / "1" / "error.txt").read_text().startswith("model/position=alibi adds a bias to softmax attention")
+    assert (sweep / "1" / "error.txt").read_text().startswith(f"{sweep / '1'} already holds a run (tb/)")
     assert (sweep / "0" / "checkpoints" / "last.ckpt").is_file() and (sweep / "2" / "checkpoints" / "last.ckpt").is_file()
-    assert "1 of 3 jobs failed" in proc.stderr and f"  {sweep / '1'}: model/position=alibi adds" in proc.stderr
+    assert "1 of 3 jobs failed" in proc.stderr and f"  {sweep / '1'}: {sweep / '1'} already holds" in proc.stderr
     assert "Traceback" not in proc.stderr
 
 

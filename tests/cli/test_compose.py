@@ -3,9 +3,11 @@ every mistake is one line naming the key, the closest match and what there is.""
 
 import pytest
 from hydra import compose
+from hydra.core.hydra_config import HydraConfig
 
 from lmlab.cli import compose as compose_module
 from lmlab.cli.compose import check_jobs, compose_config
+from lmlab.cli.train import check_job
 from lmlab.errors import ConfigError
 
 
@@ -68,3 +70,23 @@ def test_a_sweep_includes_the_sweeper_params_an_experiment_sets(monkeypatch):
     check_jobs(["-m", "experiment=architecture_ablations", "model/norm=layernorm", "model/ffn=gelu"])
     positions = [o for job in composed[1:] for o in job if o.startswith("model/position=")]
     assert positions == ["model/position=rope", "model/position=alibi", "model/position=learned"]
+
+
+def _refuse_seed_1(cfg):
+    if cfg.seed == 1:
+        raise ConfigError("seed 1 is refused")
+
+
+def test_a_sweeps_jobs_are_checked_only_where_they_run_here():
+    with pytest.raises(ConfigError, match=r"^job 2 \(seed=1\): seed 1 is refused$"):
+        check_jobs(["-m", "seed=0,1"], check_job=_refuse_seed_1)
+    check_jobs(["seed=1"], check_job=_refuse_seed_1)  # a single run checks itself as it starts
+    # A launcher that sends the jobs elsewhere (SLURM): this machine's GPUs and cores say nothing about them.
+    check_jobs(["-m", "seed=0,1", "hydra.launcher._target_=elsewhere.Launcher"], check_job=_refuse_seed_1)
+
+
+def test_a_job_with_an_interpolation_only_its_run_resolves_is_checked_when_it_starts(monkeypatch):
+    monkeypatch.setattr(HydraConfig.instance(), "cfg", None)  # as before Hydra's app runs (an earlier test set it)
+    check_jobs(["-m", "seed=0,1", "trainer.log_every=${hydra:job.num}"], check_job=check_job)
+    with pytest.raises(ConfigError, match=r"^job 1 \(seed=0\): trainer.cuda_graphs replays"):
+        check_jobs(["-m", "seed=0,1", "trainer.cuda_graphs=true"], check_job=check_job)

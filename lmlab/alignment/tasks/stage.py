@@ -76,7 +76,17 @@ class PostTraining(Task):
         raise NotImplementedError
 
     def check(self, cfg: DictConfig) -> None:
-        """Checks of the entry's own that need no weights (the base checks the common ones first)."""
+        """Checks of the entry's own that need no weights (`check_config` runs the common ones first)."""
+
+    def check_config(self, cfg: DictConfig) -> None:
+        """init_from, one process and task.data, then the entry's own `check`."""
+        if not cfg.init_from:
+            raise ConfigError(f"task={cfg.task.name} starts from a trained model: set init_from=PATH/TO/last.ckpt")
+        read_checkpoint(cfg.init_from, "init_from")  # a missing or foreign file, named by its setting
+        check_single_process(cfg)
+        if not Path(self.cfg.data).is_file():
+            raise ConfigError(f"task.data={self.cfg.data} is not a file")
+        self.check(cfg)
 
     def run(self, cfg: DictConfig, output_dir: str | Path) -> dict[str, float]:
         output_dir = Path(output_dir)
@@ -85,14 +95,8 @@ class PostTraining(Task):
         warnings.filterwarnings("ignore", message=r"Found \d+ module\(s\) in eval mode", category=UserWarning)
         cfg = resolve_auto_resume(cfg, output_dir)
         name = cfg.task.name
-        if not cfg.init_from:
-            raise ConfigError(f"task={name} starts from a trained model: set init_from=PATH/TO/last.ckpt")
-        read_checkpoint(cfg.init_from, "init_from")  # a missing or foreign file, named by its setting
-        check_single_process(cfg)
-        check_policy_overrides(name)
-        if not Path(self.cfg.data).is_file():
-            raise ConfigError(f"task.data={self.cfg.data} is not a file")
-        self.check(cfg)
+        check_policy_overrides(name)  # not in check_config: it reads the running job's command line
+        self.check_config(cfg)
         L.seed_everything(cfg.seed, workers=True, verbose=False)
         policy, tokenizer, base = load(cfg.init_from)
         policy.train()
