@@ -156,7 +156,7 @@ class EarlyFusionTask(Task):
             super().__post_init__()
             at_least("task", self, 0, "caption_eval", "samples", "temperature")
 
-    def check(self, cfg: DictConfig) -> None:
+    def check_config(self, cfg: DictConfig) -> None:
         t = self.cfg
         if cfg.loss.name != "cross_entropy":
             raise ConfigError(f"task=early_fusion trains with loss=cross_entropy (its ignore_index masks the "
@@ -169,7 +169,7 @@ class EarlyFusionTask(Task):
 
     def run(self, cfg: DictConfig, output_dir: str | Path) -> dict[str, float]:
         cfg, output_dir = prepare(cfg, output_dir)
-        self.check(cfg)
+        self.check_config(cfg)
         # The frozen VQ-VAE stays in eval mode on purpose.
         warnings.filterwarnings("ignore", message=r"Found \d+ module\(s\) in eval mode", category=UserWarning)
         t = self.cfg

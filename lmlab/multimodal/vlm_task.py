@@ -127,7 +127,7 @@ class VLMTask(Task):
             at_least("task", self, 1, "train_size", "val_size", "batch_size", "val_batch_size", "max_answer_tokens")
             check_question_types(self.questions)
 
-    def check(self, cfg: DictConfig) -> None:
+    def check_config(self, cfg: DictConfig) -> None:
         check_single_process(cfg)
         loss = LOSSES.resolve(cfg.loss)[1]
         if cfg.loss.name != "cross_entropy" or loss.ignore_index != IGNORE_INDEX:
@@ -190,7 +190,7 @@ class VLMTask(Task):
         quiet_library_noise()
         warnings.filterwarnings("ignore", message=r"Found \d+ module\(s\) in eval mode", category=UserWarning)
         cfg = resolve_auto_resume(cfg, output_dir)
-        self.check(cfg)
+        self.check_config(cfg)
         L.seed_everything(cfg.seed, workers=True, verbose=False)
         vlm, tokenizer, saved = self.build_vlm(cfg)
         if self.cfg.stage == 1 and not cfg.init_from:
