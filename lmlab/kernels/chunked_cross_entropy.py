@@ -69,14 +69,15 @@ def _on_cuda_compiled(fn):
     """`fn` under torch.compile for CUDA tensors, where Inductor fuses a tile's softmax passes into one or two
     kernels and a row chunk's tiles into one graph (eager, the tiles' float32 passes and launches made the loss 5x
     slower than the compiled unfused one); as written elsewhere (the CPU, where compiling each shape would cost
-    more than it saves)."""
-    compiled = torch.compile(fn, dynamic=False)
-
+    more than it saves). Compiled at the first call that needs it: torch.compile imports Inductor, seconds that
+    every command importing lmlab's kernels would pay otherwise. Inside a graph being compiled, `fn` is traced into
+    it, as Dynamo inlines a nested torch.compile."""
     @functools.wraps(fn)
     def run(h: torch.Tensor, *args):
-        return (compiled if h.is_cuda else fn)(h, *args)
+        return (compiled_fn() if h.is_cuda and not torch.compiler.is_compiling() else fn)(h, *args)
 
-    run.compiled = compiled  # what CUDA tensors get; tests run it on the CPU too
+    compiled_fn = functools.cache(lambda: torch.compile(fn, dynamic=False))
+    run.compiled = lambda *args: compiled_fn()(*args)  # what CUDA tensors get; tests run it on the CPU too
     return run
 
 
