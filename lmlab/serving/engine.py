@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from lmlab.errors import ConfigError
-from lmlab.inference.generate import StopStrings, padding_ids
+from lmlab.inference.generate import StopStrings, padding_ids, usable_vocab_size
 from lmlab.inference.samplers import SAMPLERS, Sampler
 from lmlab.inference.text_stream import TextStream
 from lmlab.nn.transformer import Transformer
@@ -37,6 +37,14 @@ from lmlab.serving.runner import PagedRunner, Row
 from lmlab.serving.scheduler import SCHEDULERS, Sequence, Work
 
 MAX_CPU_KV_BYTES = 2 * 2**30  # the default pool on a CPU: enough blocks for every sequence, up to this
+
+
+class RequestError(ConfigError):
+    """A request the engine refuses, naming the request's field (`param`) that is wrong."""
+
+    def __init__(self, message: str, param: str):
+        super().__init__(message)
+        self.param = param
 
 
 @dataclass
@@ -134,6 +142,7 @@ class ServingEngine:
         self.scheduler = scheduler_registry.build(cfg.scheduler, self.blocks)
         self.runner = PagedRunner(model, num_blocks, cfg.block_size, cfg.attention_kernel, cfg.cuda_graphs)
         self.beyond = padding_ids(model.vocab_size, tokenizer, device) if tokenizer is not None else None
+        self.usable_vocab = usable_vocab_size(model.vocab_size, tokenizer) if tokenizer is not None else model.vocab_size
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self.totals = {"requests": 0, "prompt_tokens": 0, "generation_tokens": 0, "preemptions": 0}
@@ -147,9 +156,10 @@ class ServingEngine:
             raise ConfigError(f"max_tokens must be >= 0 (0 reads the prompt only), got {params.max_tokens}")
         if params.n < 1:
             raise ConfigError(f"n must be >= 1, got {params.n}")
-        vocab = self.model.vocab_size
+        # the tokenizer's ids: a padded vocabulary's extra ids have no text, and the samplers never pick them
+        vocab = self.usable_vocab
         if (bad := next((t for t in prompt if not 0 <= t < vocab), None)) is not None:
-            raise ConfigError(f"the prompt holds token id {bad}, outside the model's vocabulary (0..{vocab - 1})")
+            raise RequestError(f"the prompt holds token id {bad}, outside the vocabulary (0..{vocab - 1})", "prompt")
         for name in ("logprobs", "prompt_logprobs"):
             if (value := getattr(params, name)) is not None and not 0 <= value <= vocab:
                 raise ConfigError(f"{name} must be in 0..{vocab} (the vocabulary), got {value}")
@@ -165,7 +175,7 @@ class ServingEngine:
             raise ConfigError("stop strings need the tokenizer, to see the text")
         sampler = SAMPLERS.build(params.sampler)
         if (bad := next((t for t in sampler.cfg.logit_bias if t >= vocab), None)) is not None:
-            raise ConfigError(f"logit_bias holds token id {bad}, outside the model's vocabulary (0..{vocab - 1})")
+            raise RequestError(f"logit_bias holds token id {bad}, outside the vocabulary (0..{vocab - 1})", "logit_bias")
         return sampler
 
     def add_request(self, prompt: list[int], params: SamplingParams | None = None, request_id: str | None = None,

@@ -268,7 +268,7 @@ def build_app(engine: AsyncEngine, model_name: str, tokenizer, chat_template, ma
         except EngineStopped as err:
             raise APIError(503, str(err), kind="server_error") from None
         except ConfigError as err:
-            raise APIError(400, str(err)) from None
+            raise APIError(400, str(err), param=getattr(err, "param", None)) from None
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):

@@ -11,6 +11,8 @@ from lmlab.errors import ConfigError
 from lmlab.inference.engine import Engine
 from lmlab.nn import ModelConfig, Transformer
 from lmlab.serving import SamplingParams, ServingConfig, ServingEngine
+from lmlab.serving.engine import RequestError
+from lmlab.tokenizers import ByteTokenizer
 
 VOCAB = 259
 NEW = 10
@@ -174,7 +176,7 @@ def test_aborting_frees_blocks_at_once(model, prompts):
     ([1, 2], SamplingParams(logprobs=-1), r"logprobs must be in 0\.\.320 \(the vocabulary\), got -1"),
     ([1, 2], SamplingParams(prompt_logprobs=321), r"prompt_logprobs must be in 0\.\.320"),
     ([1, 2], SamplingParams(sampler={"name": "greedy", "logit_bias": {320: 1.0}}),
-     r"logit_bias holds token id 320, outside the model's vocabulary \(0\.\.319\)"),
+     r"logit_bias holds token id 320, outside the vocabulary \(0\.\.319\)"),
     ([1, 2], SamplingParams(sampler={"name": "greedy", "logit_bias": {-1: 1.0}}), "holds a negative token id"),
 ])
 def test_bad_requests_fail_before_they_are_queued(model, prompt, params, message):
@@ -182,6 +184,24 @@ def test_bad_requests_fail_before_they_are_queued(model, prompt, params, message
     with pytest.raises(ConfigError, match=message):
         engine.add_request(prompt, params)
     assert not engine.has_work()
+
+
+def test_a_padded_vocabularys_extra_ids_are_refused_naming_the_field():
+    """The model's vocabulary padded past the tokenizer's: its extra ids have no text, and no sampler picks them."""
+    tokenizer = ByteTokenizer()
+    torch.manual_seed(0)
+    padded = Transformer(ModelConfig(d_model=16, n_layers=1, max_seq_len=32, norm="rmsnorm", ffn="swiglu",
+                                     position="rope", block="prenorm", attention={"name": "mha", "n_heads": 2}),
+                         vocab_size=tokenizer.vocab_size + 64).eval()
+    engine = ServingEngine(padded, tokenizer, ServingConfig(block_size=4))
+    last = tokenizer.vocab_size - 1
+    engine.check([1, last], SamplingParams(sampler={"name": "greedy", "logit_bias": {last: 1.0}}))
+    for params, prompt, field in ((SamplingParams(), [1, last + 1], "prompt"),
+                                  (SamplingParams(sampler={"name": "greedy", "logit_bias": {last + 1: 1.0}}), [1],
+                                   "logit_bias")):
+        with pytest.raises(RequestError, match=rf"token id {last + 1}, outside the vocabulary \(0\.\.{last}\)") as err:
+            engine.check(prompt, params)
+        assert err.value.param == field
 
 
 def test_a_pool_too_small_for_one_sequence_is_refused(model):
