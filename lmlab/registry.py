@@ -138,6 +138,11 @@ class Registry:
             raise RegistryError(f"{self.name} config has no 'name' field; pick one of: {', '.join(self.names())}")
         entry = self.get(values.pop("name"))
         typed = OmegaConf.merge(OmegaConf.structured(entry.config), values)
+        missing = [key for key in typed if OmegaConf.is_missing(typed, key)]
+        if missing:  # a field without a default (`task.data` of a post-training stage): one line, not a traceback
+            group = self.group or self.name
+            keys = [f"{group.replace('/', '.')}.{key}" for key in missing]
+            raise RegistryError(f"{group}={entry.name} needs {', '.join(keys)}: set " + " ".join(f"{k}=..." for k in keys))
         return entry, OmegaConf.to_object(typed)
 
     def build(self, cfg: str | Mapping | DictConfig | Any, *args: Any, **kwargs: Any) -> Any:

@@ -2,7 +2,7 @@ from dataclasses import dataclass
 
 import pytest
 from hydra.core.config_store import ConfigStore
-from omegaconf import OmegaConf
+from omegaconf import MISSING, OmegaConf
 
 from lmlab import registry as reg
 from lmlab.nn import NORMS, RMSNorm
@@ -49,6 +49,22 @@ def test_unknown_name_names_group_choices_and_closest():
         NORMS.get("rmsnrom")
     msg = str(err.value)
     assert "model/norm" in msg and "Did you mean 'rmsnorm'?" in msg and "layernorm" in msg
+
+
+def test_a_field_without_default_left_unset_is_one_line_naming_its_key(widgets):
+    @widgets.register("keyed")
+    class Keyed:
+        @dataclass
+        class Config:
+            path: str = MISSING
+            size: int = 1
+
+        def __init__(self, cfg):
+            self.cfg = cfg
+
+    with pytest.raises(RegistryError, match=r"^test/widget=keyed needs test\.widget\.path: set test\.widget\.path=\.\.\.$"):
+        widgets.build({"name": "keyed", "size": 2})
+    assert widgets.build({"name": "keyed", "path": "x"}).cfg.path == "x"
 
 
 def test_wrong_field_type_is_rejected():

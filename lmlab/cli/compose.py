@@ -11,6 +11,7 @@ and the tests compose through `compose_config` too. Keys under `hydra.` are left
 from __future__ import annotations
 
 import re
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -66,24 +67,29 @@ def check_jobs(argv: list[str], config_name: str = "train", check_job: Callable[
         swept_by_config = OmegaConf.select(with_hydra, "hydra.sweeper.params") or {}
         params = [f"{key}={value}" for key, value in swept_by_config.items()]
         sweep = parse(params + [o.input_line for o in parsed])
-        jobs = [parse(job) for job in BasicSweeper.split_arguments(sweep, None)[0][:SWEEP_CHECK_LIMIT]]
+        every = BasicSweeper.split_arguments(sweep, None)[0]
+        jobs = [parse(job) for job in every[:SWEEP_CHECK_LIMIT]]
         configs = [_compose(config_name, job) for job in jobs]
     if check_job is not None and OmegaConf.select(with_hydra, "hydra.launcher._target_") == LOCAL_LAUNCHER:
         _check_each(check_job, sweep, jobs, configs)
+        if len(every) > len(jobs):
+            print(f"note: checked the first {len(jobs)} of the sweep's {len(every)} jobs before starting; each later "
+                  "job checks itself as it starts", file=sys.stderr)
 
 
 def _check_each(check_job: Callable[[DictConfig], object], sweep: list[Override], jobs: list[list[Override]],
                 configs: list[DictConfig]) -> None:
-    """`check_job` on each job's config; its `ConfigError` comes back naming the job by its swept values."""
+    """`check_job` on each job's config; its `ConfigError` comes back naming the job by its number (Hydra's, which
+    names its folder: #0 first) and its swept values."""
     swept = {o.key_or_group for o in sweep if o.is_sweep_override()}
-    for number, (job, cfg) in enumerate(zip(jobs, configs), start=1):
+    for number, (job, cfg) in enumerate(zip(jobs, configs)):
         values = " ".join(o.input_line for o in job if o.key_or_group in swept)
         try:
             check_job(cfg)
         except InterpolationResolutionError:  # e.g. ${hydra:...}: only a running job resolves it, and checks itself
             continue
         except ConfigError as err:
-            raise ConfigError(f"job {number}{f' ({values})' if values else ''}: {err}") from None
+            raise ConfigError(f"job #{number}{f' ({values})' if values else ''}: {err}") from None
 
 
 def _compose(config_name: str, overrides: list[Override], with_hydra: bool = False) -> DictConfig:

@@ -103,7 +103,7 @@ def test_a_sweep_whose_second_job_fails_its_checks_stops_before_the_first_starts
     code = lmlab_train(monkeypatch, "-m", *tiny_overrides, "data.context_length=16,64", f"hydra.sweep.dir={sweep}")
     assert code == 2 and runs == [("check", 16), ("check", 64)] and not sweep.exists()
     assert capsys.readouterr().err == (
-        "lmlab-train: error: job 2 (data.context_length=64): data.context_length=64 is larger than "
+        "lmlab-train: error: job #1 (data.context_length=64): data.context_length=64 is larger than "
         "model.max_seq_len=32; raise model.max_seq_len or shorten the context\n")
 
 
@@ -119,7 +119,7 @@ def test_a_post_training_stages_own_check_runs_for_every_job_before_the_first(tm
     data.write_text("")
     argv = ["task=dpo", f"init_from={policy}", f"task.data={data}", f"hydra.sweep.dir={tmp_path / 'sweep'}"]
     assert lmlab_train(monkeypatch, "-m", "task.reference=null,/missing.ckpt", *argv) == 2 and runs == []
-    assert capsys.readouterr().err == ("lmlab-train: error: job 2 (task.reference=/missing.ckpt): "
+    assert capsys.readouterr().err == ("lmlab-train: error: job #1 (task.reference=/missing.ckpt): "
                                        "task.reference=/missing.ckpt is not a file\n")
     assert lmlab_train(monkeypatch, "-m", "task.reference=null", "seed=1,2", *argv) == 0
     assert runs == [("run", None), ("run", None)]

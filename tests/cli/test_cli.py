@@ -105,7 +105,7 @@ def test_a_sweep_job_that_fails_its_checks_stops_the_sweep_before_any_job(tiny_o
     proc = run_cli(["lmlab-train", "-m", "model/position=rope,alibi,nope", "model/attention=linear", *tiny_overrides,
                     "trainer.max_steps=6", f"hydra.sweep.dir={sweep}"], cwd=tmp_path)
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr[-3000:]
-    assert proc.stderr.startswith("lmlab-train: error: job 2 (model/position=alibi): model/position=alibi adds a bias")
+    assert proc.stderr.startswith("lmlab-train: error: job #1 (model/position=alibi): model/position=alibi adds a bias")
     assert not sweep.exists()
 
 

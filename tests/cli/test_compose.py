@@ -78,15 +78,25 @@ def _refuse_seed_1(cfg):
 
 
 def test_a_sweeps_jobs_are_checked_only_where_they_run_here():
-    with pytest.raises(ConfigError, match=r"^job 2 \(seed=1\): seed 1 is refused$"):
+    with pytest.raises(ConfigError, match=r"^job #1 \(seed=1\): seed 1 is refused$"):
         check_jobs(["-m", "seed=0,1"], check_job=_refuse_seed_1)
     check_jobs(["seed=1"], check_job=_refuse_seed_1)  # a single run checks itself as it starts
     # A launcher that sends the jobs elsewhere (SLURM): this machine's GPUs and cores say nothing about them.
     check_jobs(["-m", "seed=0,1", "hydra.launcher._target_=elsewhere.Launcher"], check_job=_refuse_seed_1)
 
 
+def test_a_sweep_past_the_check_limit_says_how_many_jobs_were_checked(monkeypatch, capsys):
+    monkeypatch.setattr(compose_module, "SWEEP_CHECK_LIMIT", 2)
+    checked = []
+    check_jobs(["-m", "seed=0,1,2"], check_job=lambda cfg: checked.append(cfg.seed))
+    assert checked == [0, 1]
+    assert "checked the first 2 of the sweep's 3 jobs before starting" in capsys.readouterr().err
+    check_jobs(["-m", "seed=0,1"], check_job=lambda cfg: None)
+    assert capsys.readouterr().err == ""
+
+
 def test_a_job_with_an_interpolation_only_its_run_resolves_is_checked_when_it_starts(monkeypatch):
     monkeypatch.setattr(HydraConfig.instance(), "cfg", None)  # as before Hydra's app runs (an earlier test set it)
     check_jobs(["-m", "seed=0,1", "trainer.log_every=${hydra:job.num}"], check_job=check_job)
-    with pytest.raises(ConfigError, match=r"^job 1 \(seed=0\): trainer.cuda_graphs replays"):
+    with pytest.raises(ConfigError, match=r"^job #0 \(seed=0\): trainer.cuda_graphs replays"):
         check_jobs(["-m", "seed=0,1", "trainer.cuda_graphs=true"], check_job=check_job)
