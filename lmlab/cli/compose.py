@@ -148,6 +148,9 @@ def unknown_key_message(key: str, parent: DictConfig, parent_path: str) -> str:
     fields = schema_fields(parent)
     group = parent_path.replace(".", "/")
     is_group = group in {r.group for r in REGISTRIES.values()}
+    if fields is None and parent._metadata.object_type is dict and parent._metadata.ref_type is not Any:
+        return (f"'{parent_path}' is a dict whose keys are yours to name: add '{key}' with +{key}=VALUE "
+                "(a new key needs Hydra's +)")
     if fields is None:
         pick = f"; choose an entry first with {group}=NAME (lmlab list {group})" if is_group else ""
         return f"unknown key '{key}': '{parent_path}' has no typed fields{pick}"

@@ -16,6 +16,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -104,6 +105,15 @@ def _require(ok: bool, message: str) -> None:
         raise ConfigError(message)
 
 
+def token_biases(bias: dict) -> dict[int, float]:
+    """logit_bias by integer token id: each key an integer >= 0, or its digits."""
+    ids = {key: key if isinstance(key, int) and not isinstance(key, bool) else
+           int(key) if isinstance(key, str) and key.isascii() and key.isdigit() else None for key in bias}
+    _require(all(i is not None and i >= 0 for i in ids.values()),
+             f"sampler.logit_bias={bias} holds a key that is not a token id (an integer >= 0)")
+    return {ids[key]: float(value) for key, value in bias.items()}
+
+
 @dataclass
 class SamplerConfig:
     """The fields every sampler shares: logit bias, penalties, temperature and seed."""
@@ -113,7 +123,9 @@ class SamplerConfig:
     frequency_penalty: float = 0.0  # logit -= this * the token's count so far (OpenAI); 0 = off
     presence_penalty: float = 0.0  # logit -= this once the token has occurred (OpenAI); 0 = off
     seed: int | None = None  # seeds generator(), so generation repeats; None: torch's global RNG
-    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit first (OpenAI)
+    # token id -> added to its logit first (OpenAI); ids as integers or as their digits (JSON's keys, and Hydra's:
+    # sampler.logit_bias={"50256":-100}, or +sampler.logit_bias.50256=-100)
+    logit_bias: dict[Any, float] = field(default_factory=dict)
 
 
 class Sampler:
@@ -131,14 +143,14 @@ class Sampler:
                                              "(1 is off, above 1 discourages repeats)")
         _require(all(math.isfinite(b) for b in cfg.logit_bias.values()),
                  f"sampler.logit_bias={cfg.logit_bias} holds a bias that is not finite")
-        _require(all(t >= 0 for t in cfg.logit_bias), f"sampler.logit_bias={cfg.logit_bias} holds a negative token id")
+        self.logit_bias = token_biases(cfg.logit_bias)
         self.cfg = cfg
         truncation = self.truncation(cfg)  # checks the entry's fields even when temperature=0 leaves them unused
         self.greedy = self.greedy or cfg.temperature == 0
         self.needs_counts = cfg.repetition_penalty != 1 or cfg.frequency_penalty != 0 or cfg.presence_penalty != 0
         self.processors: list[LogitProcessor] = []
-        if cfg.logit_bias:
-            self.processors.append(LogitBias(cfg.logit_bias))
+        if self.logit_bias:
+            self.processors.append(LogitBias(self.logit_bias))
         if cfg.repetition_penalty != 1:
             self.processors.append(partial(repetition_penalty, penalty=cfg.repetition_penalty))
         if cfg.frequency_penalty != 0 or cfg.presence_penalty != 0:

@@ -1,6 +1,8 @@
 """The checked composition: every key and group on the command line is in lmlab's typed schema, and
 every mistake is one line naming the key, the closest match and what there is."""
 
+import importlib
+
 import pytest
 from hydra import compose
 from hydra.core.hydra_config import HydraConfig
@@ -83,6 +85,17 @@ def test_a_sweeps_jobs_are_checked_only_where_they_run_here():
     check_jobs(["seed=1"], check_job=_refuse_seed_1)  # a single run checks itself as it starts
     # A launcher that sends the jobs elsewhere (SLURM): this machine's GPUs and cores say nothing about them.
     check_jobs(["-m", "seed=0,1", "hydra.launcher._target_=elsewhere.Launcher"], check_job=_refuse_seed_1)
+
+
+def test_a_dict_fields_keys_are_added_with_a_plus_and_the_message_says_so():
+    importlib.import_module("lmlab.cli.generate")  # its config schema
+
+    cfg = compose_config(["ckpt=x", "+sampler.logit_bias.268=-100"], config_name="generate")
+    assert dict(cfg.sampler.logit_bias) == {"268": -100.0}
+    for override in ("sampler.logit_bias.268=-100", "sampler.logit_bias={268:-100}"):
+        with pytest.raises(ConfigError, match=r"^'sampler.logit_bias' is a dict whose keys are yours to name: add "
+                                              r"'sampler.logit_bias.268' with \+sampler.logit_bias.268=VALUE"):
+            compose_config(["ckpt=x", override], config_name="generate")
 
 
 def test_a_sweep_past_the_check_limit_says_how_many_jobs_were_checked(monkeypatch, capsys):

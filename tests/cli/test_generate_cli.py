@@ -83,6 +83,8 @@ def test_prompt_file_prints_a_json_line_per_prompt(ckpt, loaded, capsys, tmp_pat
      {"name": "top_p", "p": 0.9, "temperature": 0.8, "seed": 3}),
     (["sampler=top_k", "sampler.top_k=5", "sampler.seed=1", "sampler.repetition_penalty=1.3"],
      {"name": "top_k", "top_k": 5, "seed": 1, "repetition_penalty": 1.3}),
+    (["sampler=top_k", "sampler.top_k=5", "sampler.seed=1", "+sampler.logit_bias.97=4"],
+     {"name": "top_k", "top_k": 5, "seed": 1, "logit_bias": {97: 4.0}}),
 ])
 def test_sampler_overrides_reach_the_sampler(ckpt, loaded, capsys, overrides, sampler):
     code, out, _ = generate(capsys, f"ckpt={ckpt}", f"prompt={PROMPT}", f"max_new_tokens={NEW}", *overrides)
@@ -200,6 +202,9 @@ BAD = {  # case -> (extra arguments, the error)
                            r"cuda_graphs=true needs a CUDA device \(device=cpu is cpu\)"),
     "batch-invariant compiled": (["ckpt={ckpt}", "prompt=a", "batch_invariant=true", "compile=true"],
                                  "batch_invariant=true runs its own kernels in eager steps"),
+    "logit bias past the tokenizer": (["ckpt={ckpt}", "prompt=a", "max_new_tokens=8", "+sampler.logit_bias.5000=5"],
+                                      r"sampler.logit_bias holds token id 5000, outside the tokenizer's vocabulary"),
+    "logit bias without +": (["ckpt={ckpt}", "prompt=a", "sampler.logit_bias.3=5"], r"add 'sampler.logit_bias.3' with \+"),
 }
 
 

@@ -102,6 +102,7 @@ def test_a_logit_bias_steers_greedy_decoding_and_turns_off_the_raw_argmax_paths(
     assert not biased.argmax_of_logits and not plain_greedy(biased)  # they would skip the bias
     assert plain.sample(LOGITS).tolist() == [0] and biased.sample(LOGITS).tolist() == [2]
     assert build(name, temperature=0.0, logit_bias={0: -100.0}).sample(LOGITS).tolist() == [3]  # banned
+    assert build(name, temperature=0.0, logit_bias={"2": 100.0}).sample(LOGITS).tolist() == [2]  # JSON's, Hydra's keys
     assert not build(name, temperature=0.0, presence_penalty=0.5).argmax_of_logits
 
 
@@ -168,8 +169,10 @@ def test_sampling_reads_bfloat16_logits_in_float32():
     ({"name": "top_p", "p": 1.5, "temperature": 0.0}, r"sampler.p=1.5 must be in \(0, 1\]"),
     ({"name": "min_p", "min_p": -0.1}, r"sampler.min_p=-0.1 must be in \[0, 1\]"),
     ({"name": "min_p", "min_p": 1.1}, r"sampler.min_p=1.1 must be in \[0, 1\]"),
-    ({"name": "greedy", "logit_bias": {-1: 5.0}}, r"sampler.logit_bias=\{-1: 5.0\} holds a negative token id"),
+    ({"name": "greedy", "logit_bias": {-1: 5.0}}, r"sampler.logit_bias=\{-1: 5.0\} holds a key that is not a token id"),
     ({"name": "greedy", "logit_bias": {3: math.inf}}, r"sampler.logit_bias=\{3: inf\} holds a bias that is not finite"),
+    ({"name": "greedy", "logit_bias": {"x2": 1.0}}, r"sampler.logit_bias=\{'x2': 1.0\} holds a key that is not a token id"),
+    ({"name": "greedy", "logit_bias": {True: 1.0}}, "holds a key that is not a token id"),
 ])
 def test_bad_values_fail_at_construction_with_one_line(config, message):
     with pytest.raises(ConfigError, match=message) as err:

@@ -177,7 +177,7 @@ def test_aborting_frees_blocks_at_once(model, prompts):
     ([1, 2], SamplingParams(prompt_logprobs=321), r"prompt_logprobs must be in 0\.\.320"),
     ([1, 2], SamplingParams(sampler={"name": "greedy", "logit_bias": {320: 1.0}}),
      r"logit_bias holds token id 320, outside the vocabulary \(0\.\.319\)"),
-    ([1, 2], SamplingParams(sampler={"name": "greedy", "logit_bias": {-1: 1.0}}), "holds a negative token id"),
+    ([1, 2], SamplingParams(sampler={"name": "greedy", "logit_bias": {-1: 1.0}}), "holds a key that is not a token id"),
 ])
 def test_bad_requests_fail_before_they_are_queued(model, prompt, params, message):
     engine = ServingEngine(model, None, ServingConfig(block_size=4))
