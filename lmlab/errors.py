@@ -5,6 +5,11 @@ class ConfigError(ValueError):
     """Raised before long work starts; the message says what was wrong and how to fix it."""
 
 
+# Every stop signal (SIGINT, SIGTERM) a run of this process took, also one that came too late to stop it (in its last
+# step or validation): a sweep that runs its jobs here starts no further job (lmlab.cli.app).
+STOP_SIGNALS: list[int] = []
+
+
 class RunInterrupted(Exception):
     """A run stopped by SIGINT (Ctrl-C) or SIGTERM after saving a checkpoint; the message says how to resume.
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
 import traceback
 from collections.abc import Callable
@@ -27,7 +28,7 @@ from omegaconf import DictConfig
 from lmlab.atomic import atomic_write_text
 from lmlab.cli.compose import check_jobs
 from lmlab.cli.overrides import CONF_DIR
-from lmlab.errors import ConfigError, RunInterrupted
+from lmlab.errors import STOP_SIGNALS, ConfigError, RunInterrupted
 
 ERROR_FILE = "error.txt"  # in a failed sweep job's folder; lmlab-compare lists such runs as failed
 
@@ -53,6 +54,16 @@ def record_failure(err: Exception, output_dir: str | Path) -> str:
     return line
 
 
+def stop_if_signalled(prog: str, where: str) -> None:
+    """End the sweep where a job took a stop signal too late to stop itself (in its last step or validation: it
+    finished), with the signal's exit status, as a signal during a step does."""
+    if STOP_SIGNALS:
+        received = signal.Signals(STOP_SIGNALS[0])
+        print(f"{prog}: {received.name} received while a job finished its last step; the sweep stops {where}",
+              file=sys.stderr)
+        raise SystemExit(128 + received.value)
+
+
 def run_hydra_app(prog: str, config_name: str, job: Callable[[DictConfig, str], object], argv: list[str],
                   check_job: Callable[[DictConfig], object] | None = None) -> None:
     """Run `job(cfg, output_dir)` for each job Hydra composes from `argv` (one, or a sweep with -m), after
@@ -67,10 +78,16 @@ def run_hydra_app(prog: str, config_name: str, job: Callable[[DictConfig, str], 
     failures: list[tuple[str, str]] = []  # (job folder, one-line error)
     this_process = os.getpid()
 
+    sweeping: list[int] = []  # the sweep's job numbers, as they start (none for a single run)
+    STOP_SIGNALS.clear()
+
     @hydra.main(config_path=str(CONF_DIR), config_name=config_name, version_base="1.3")
     def _job(cfg: DictConfig):
         hydra_cfg = HydraConfig.get()
         output_dir = hydra_cfg.runtime.output_dir
+        if hydra_cfg.mode == RunMode.MULTIRUN:
+            sweeping.append(hydra_cfg.job.num)
+            stop_if_signalled(prog, f"before job #{hydra_cfg.job.num}")
         started.append(output_dir)
         try:
             return job(cfg, output_dir)
@@ -95,5 +112,7 @@ def run_hydra_app(prog: str, config_name: str, job: Callable[[DictConfig, str], 
         if failures:
             lines = [f"{prog}: error: {len(failures)} of {len(started)} jobs failed (each folder has {ERROR_FILE}):"]
             print("\n".join(lines + [f"  {folder}: {line}" for folder, line in failures]), file=sys.stderr)
+    if sweeping:
+        stop_if_signalled(prog, "after its last job")
     if failures:
         raise SystemExit(1)

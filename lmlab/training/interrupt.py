@@ -17,7 +17,7 @@ from pathlib import Path
 
 import lightning as L
 
-from lmlab.errors import RunInterrupted
+from lmlab.errors import STOP_SIGNALS, RunInterrupted
 
 log = logging.getLogger(__name__)
 
@@ -36,12 +36,18 @@ class GracefulStop(L.Callback):
         self._checked_step = trainer.global_step
         if threading.current_thread() is threading.main_thread():  # signal handlers live in the main thread only
             self._previous = {s: signal.signal(s, self._on_signal) for s in SIGNALS}
+        if getattr(trainer, "received_sigterm", False):  # Lightning's own handler took it while the run set up
+            self._take(signal.SIGTERM)
 
     def _on_signal(self, signum: int, frame) -> None:
         if self.received is not None and signum == signal.SIGINT:
             self._restore()
             raise KeyboardInterrupt  # the second Ctrl-C: stop now
-        self.received = signal.Signals(signum)
+        self._take(signal.Signals(signum))
+
+    def _take(self, signum: signal.Signals) -> None:
+        self.received = signum
+        STOP_SIGNALS.append(signum)
         log.warning("%s received: stopping after this step and saving a checkpoint (Ctrl-C again to stop at once)",
                     self.received.name)
 

@@ -1,6 +1,8 @@
 """run_hydra_app around jobs that fail or are stopped, run in this process with a stand-in job; and
 lmlab-train's sweeps, whose jobs pass their checks before the first starts, with a stand-in task run."""
 
+import signal
+
 import pytest
 import torch
 from hydra.core.global_hydra import GlobalHydra
@@ -8,7 +10,7 @@ from hydra.core.global_hydra import GlobalHydra
 from lmlab.alignment.tasks.stage import PostTraining
 from lmlab.cli import train
 from lmlab.cli.app import ERROR_FILE, run_hydra_app
-from lmlab.errors import ConfigError, RunInterrupted
+from lmlab.errors import STOP_SIGNALS, ConfigError, RunInterrupted
 from lmlab.training.checkpoints import CONFIG_KEY
 from lmlab.training.tasks import Pretrain
 
@@ -123,3 +125,18 @@ def test_a_post_training_stages_own_check_runs_for_every_job_before_the_first(tm
                                        "task.reference=/missing.ckpt is not a file\n")
     assert lmlab_train(monkeypatch, "-m", "task.reference=null", "seed=1,2", *argv) == 0
     assert runs == [("run", None), ("run", None)]
+
+
+def test_a_stop_signal_that_came_as_a_job_finished_ends_the_sweep_with_its_status(tiny_overrides, tmp_path, runs,
+                                                                                   monkeypatch, capsys):
+    def run_taking_sigterm_at_its_last_step(self, cfg, output_dir):
+        runs.append(("run", cfg.data.context_length))
+        STOP_SIGNALS.append(signal.SIGTERM)  # as GracefulStop records one it was too late to act on
+        return {"val_loss": 1.0}
+
+    monkeypatch.setattr(Pretrain, "run", run_taking_sigterm_at_its_last_step)
+    code = lmlab_train(monkeypatch, "-m", *tiny_overrides, "data.context_length=16,32",
+                       f"hydra.sweep.dir={tmp_path / 'sweep'}")
+    assert code == 128 + signal.SIGTERM and runs[2:] == [("run", 16)]  # job #1 never started
+    assert "SIGTERM received while a job finished its last step; the sweep stops before job #1" in capsys.readouterr().err
+    assert lmlab_train(monkeypatch, *tiny_overrides, f"hydra.run.dir={tmp_path / 'single'}") == 0  # a single run ends

@@ -3,14 +3,16 @@
 import logging
 import os
 import signal
+from types import SimpleNamespace
 
 import pytest
 import torch
 from omegaconf import OmegaConf
 
-from lmlab.errors import RunInterrupted
+from lmlab.errors import STOP_SIGNALS, RunInterrupted
 from lmlab.training import module as module_lib
 from lmlab.training import train
+from lmlab.training.interrupt import GracefulStop
 
 STEPS = ["trainer.max_steps=12", "trainer.val_every=6", "trainer.checkpoint_every=100", "trainer.log_every=1"]
 
@@ -76,3 +78,12 @@ def test_a_new_run_in_a_folder_that_holds_a_run_is_refused(tmp_path):
     with pytest.raises(ConfigError, match=r"already holds a run \(checkpoints/, tb/\): resume it with ckpt_path=auto"):
         check_fresh_folder(fresh, tmp_path)
     check_fresh_folder(resumed, tmp_path)
+
+
+def test_a_sigterm_lightning_took_while_the_run_set_up_stops_it_after_its_first_step(tmp_path):
+    stop = GracefulStop(tmp_path / "last.ckpt", max_steps=10)
+    STOP_SIGNALS.clear()
+    stop.on_train_start(SimpleNamespace(global_step=0, received_sigterm=True), None)
+    stop._restore()
+    assert stop.received == signal.SIGTERM and STOP_SIGNALS == [signal.SIGTERM]
+    STOP_SIGNALS.clear()
