@@ -86,9 +86,19 @@ class AsyncEngine:
     # -- the event loop's side ----------------------------------------------------------------------
     def submit(self, prompt: list[int], params: SamplingParams, request_id: str | None = None) -> RequestStream:
         """Queue a request; a bad one raises ConfigError, a full queue QueueFull, before anything is queued."""
+        return self.submit_all([(prompt, params)], request_id)[0]
+
+    def submit_all(self, requests: list[tuple[list[int], SamplingParams]], request_id: str | None = None
+                   ) -> list[RequestStream]:
+        """Queue each (prompt, params), every one checked first, so that a bad one (ConfigError) leaves none queued
+        to run for nobody; `request_id` names a single request."""
         if self.error is not None:
             raise EngineStopped(f"the serving engine stopped: {self.error}")
-        self.engine.check(prompt, params)  # the sampler's fields too, in the caller's thread
+        for prompt, params in requests:
+            self.engine.check(prompt, params)  # the sampler's fields too, in the caller's thread
+        return [self._queue(prompt, params, request_id) for prompt, params in requests]
+
+    def _queue(self, prompt: list[int], params: SamplingParams, request_id: str | None) -> RequestStream:
         if self.waiting() >= self.max_waiting:
             raise QueueFull(f"{self.waiting()} requests are waiting (max_waiting={self.max_waiting}); retry later")
         stream = RequestStream(request_id or uuid.uuid4().hex, params.n)

@@ -260,9 +260,7 @@ def build_app(engine: AsyncEngine, model_name: str, tokenizer, chat_template, ma
         """Queue each (prompt, params), all checked first: a prompt that cannot run refuses the whole call before
         any other prompt of it is queued (and runs for nobody)."""
         try:
-            for prompt, params in requests:
-                engine.engine.check(prompt, params)
-            return [engine.submit(prompt, params) for prompt, params in requests]
+            return engine.submit_all(requests)
         except QueueFull as err:
             raise APIError(429, str(err), kind="rate_limit_error") from None
         except EngineStopped as err:
