@@ -94,8 +94,7 @@ class PagedRunner:
         `every` (a prompt's log-probabilities); the head runs over those rows' tokens only."""
         ids, positions, last = self.load(rows, len(rows), max(len(r.tokens) for r in rows), self.batch)
         x = self.hidden(ids, positions)
-        return self.head(x[torch.arange(x.shape[0], device=x.device), last]), [
-            self.head(x[b, :len(rows[b].tokens)]) for b in every]
+        return self.head_at(x, last), [self.head(x[b, :len(rows[b].tokens)]) for b in every]
 
     def load(self, rows: list[Row], batch: int, width: int, into: PagedBatch, table_width: int | None = None):
         """Fill `into` for `rows` padded to `batch` rows of `width` tokens: (ids, positions, last index)."""
@@ -126,8 +125,7 @@ class PagedRunner:
         return ids.to(self.device), positions.to(self.device), last.to(self.device)
 
     def logits(self, ids: torch.Tensor, positions: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
-        x = self.hidden(ids, positions)
-        return self.head(x[torch.arange(x.shape[0], device=x.device), last])
+        return self.head_at(self.hidden(ids, positions), last)
 
     def hidden(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """The last layer's output at every token, before the final norm."""
@@ -137,6 +135,10 @@ class PagedRunner:
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
         return self.model._head(self.model.norm(x)).float()
+
+    def head_at(self, x: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
+        """The float32 logits at each row's `last` token."""
+        return self.head(x[torch.arange(x.shape[0], device=x.device), last])
 
 
 def _fill(current: torch.Tensor, new: torch.Tensor, device) -> torch.Tensor:
