@@ -8,11 +8,11 @@ model, loss and optimizer on random tokens of the configured batch and context, 
 variant: the reference PyTorch path and `kernels=triton`, each eager and under torch.compile
 (`trainer.compile`'s per-block compile, or with `+graphs` the whole step replayed from CUDA graphs:
 `trainer.cuda_graphs`), optionally with float8 block matmuls (`+fp8-rowwise`, `+fp8-tensorwise`: the
-`fp8` config group) and with q/k/v and gate/up as one matmul each (`+fused`: `trainer.fused_projections`). A step is forward, loss, backward, gradient clipping and
-the optimizer step, under bf16 autocast on a GPU as `lmlab-train` runs it. Variants are timed in
-turns (median step after warm-up), from the same initial weights. Reported per variant: step
-time, tokens/s, MFU (the model's training FLOPs per token, 6 N plus attention scores, against the
-GPU's dense bf16 peak) and the step's peak memory above the resident weights and optimizer state.
+`fp8` config group) and with q/k/v and gate/up as one matmul each (`+fused`: `trainer.fused_projections`).
+A step is forward, loss, backward, gradient clipping and the optimizer step, under bf16 autocast on a GPU as
+`lmlab-train` runs it. Variants are timed in turns (median step after warm-up), from the same initial weights.
+Reported per variant: step time, tokens/s, MFU (the model's training FLOPs per token, 6 N plus attention scores,
+against the GPU's dense bf16 peak) and the step's peak memory above the resident weights and optimizer state.
 
 `--profile DIR` writes each variant's torch.profiler table of two steps (operators and kernels by
 their own device time) to DIR/<variant>.txt. `--lmlab-train` also runs `lmlab-train` itself with the last variant's settings and compares its
