@@ -7,9 +7,8 @@
 #           variants, with profiles and lmlab-train's own tokens/s
 #   fp8     lmlab bench train on the ~1.4B config (d_model 2048, 24 layers, 16 heads of 128), 8 x 2048
 #           tokens per step: bf16 against fp8 tensorwise and rowwise, compiled (FP8_VARIANTS)
-#   fused   lmlab bench train on the ~400M and ~1.4B configs: the best compiled variant with q/k/v and gate/up
-#           as separate matmuls and fused (`+fused`, trainer.fused_projections), with profiles (FUSED_BASE)
-#   graphs  the same on the ~400M config, the whole step replayed from CUDA graphs (`+graphs`) against per block
+#   graphs  lmlab bench train on the ~400M config: the best compiled variant (BEST) per block against the whole
+#           step replayed from CUDA graphs (`+graphs`)
 #   fp8-loss  lmlab-train of the ~1.4B config on tinyshakespeare (CORPUS, bytes) for FP8_STEPS steps,
 #           bf16 then fp8=tensorwise then fp8=rowwise: the validation loss after the same tokens
 # fp8 needs torchao: carry its wheel. Env: CORPUS (outputs/data/tinyshakespeare.txt), FP8_STEPS (300).
@@ -23,8 +22,8 @@ LMLAB="python -m lmlab.cli.main"  # runs from a checkout without installing, as 
 M="model=llama400m tokenizer=byte model.vocab_size=50304 data.context_length=2048 data.batch_size=16"
 VARIANTS=${VARIANTS:-reference+compile,triton+compile,triton-attention-rms_norm-swiglu+compile}
 B14="model=llama400m model.d_model=2048 model.attention.n_heads=16 data.context_length=2048"
+BEST=${BEST:-triton-attention-rms_norm-swiglu+compile}
 # Three at most: the bench keeps every variant's model and AdamW state (~23 GB each at 1.4B) resident
-FUSED_BASE=${FUSED_BASE:-triton-attention-rms_norm-swiglu+compile}
 FP8_VARIANTS=${FP8_VARIANTS:-reference+compile,reference+compile+fp8-tensorwise,reference+compile+fp8-rowwise}
 for part in $PARTS; do
     echo "== $part -> $D" >&2
@@ -41,13 +40,7 @@ for part in $PARTS; do
                for f in "$D"/profiles/*+*; do mv "$f" "${f//+/_}"; done ;;
         fp8) $LMLAB bench train $B14 tokenizer=byte model.vocab_size=50304 data.batch_size=8 --variants "$FP8_VARIANTS" \
                  --steps 6 --warmup 3 --json "$D/train-1.4b-fp8.json" | tee "$D/train-1.4b-fp8.txt" ;;
-        fused) $LMLAB bench train $M --variants "$FUSED_BASE,$FUSED_BASE+fused" --steps 8 --warmup 3 \
-                   --profile "$D/profiles-400m" --json "$D/train-400m-fused.json" | tee "$D/train-400m-fused.txt"
-               $LMLAB bench train $B14 tokenizer=byte model.vocab_size=50304 data.batch_size=8 \
-                   --variants "$FUSED_BASE,$FUSED_BASE+fused" --steps 6 --warmup 3 \
-                   --json "$D/train-1.4b-fused.json" | tee "$D/train-1.4b-fused.txt"
-               for f in "$D"/profiles-400m/*+*; do mv "$f" "${f//+/_}"; done ;;
-        graphs) $LMLAB bench train $M --variants "$FUSED_BASE+fused,$FUSED_BASE+graphs+fused" --steps 8 --warmup 3 \
+        graphs) $LMLAB bench train $M --variants "$BEST,$BEST+graphs" --steps 8 --warmup 3 \
                     --json "$D/train-400m-graphs.json" | tee "$D/train-400m-graphs.txt" ;;
         fp8-loss)
             for recipe in none tensorwise rowwise; do
@@ -57,6 +50,6 @@ for part in $PARTS; do
                     trainer.progress_bar=false trainer.checkpoint_every=100000 cache_dir="$D/cache" \
                     hydra.run.dir="$D/fp8-loss-$recipe" 2>&1 | grep -v -i warn | tail -3 | tee "$D/fp8-loss-$recipe.txt"
             done ;;
-        *) echo "unknown part '$part'; parts: tests kernels train fused graphs fp8 fp8-loss" >&2; exit 2 ;;
+        *) echo "unknown part '$part'; parts: tests kernels train graphs fp8 fp8-loss" >&2; exit 2 ;;
     esac
 done

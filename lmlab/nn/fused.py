@@ -1,21 +1,16 @@
 """Fused projections: a module's Linears that read the same input, run as one matmul.
 
-A module lists them in `fusable_projections` (attention: q, k and v; gated FFNs: gate and up), and its
-forward asks `fused_outputs(self, x)` for the projections of x. Two kinds of group serve it:
+A module lists them in `fusable_projections` (attention: q, k and v; gated FFNs: gate and up).
+`fuse_projections(model)` (what the inference engine calls) concatenates each such group's weights
+into one tensor and makes every Linear's weight a view of its rows, so no memory is duplicated and
+in-place updates (optimizer steps, `load_state_dict`) reach both. The module's forward asks
+`fused_outputs(self, x)` for the projections of x: one matmul then replaces several, which at decode
+time, where each matmul reads its weights to multiply a few rows, saves launches and reads.
 
-- `fuse_projections(model)` (what the inference engine calls) concatenates each group's weights into one
-  tensor and makes every Linear's weight a view of its rows, so no memory is duplicated and in-place
-  updates (optimizer steps, `load_state_dict`) reach both. At decode time, where each matmul reads its
-  weights to multiply a few rows, one matmul saves launches and reads. It runs only without autograd.
-- `fuse_for_training(model)` (`trainer.fused_projections`) leaves the parameters alone and concatenates the
-  weights at each call, under autograd: one wider matmul forward, and one each for the input's and the
-  weights' gradients, where separate Linears take one per projection and then add their input gradients.
-  Under autocast and torch.compile the concatenation fuses into the cast to bf16 that each weight gets anyway.
-
-Either group steps aside (the module runs its own Linears) once it no longer holds the module's current
-parameters (replacing a Linear, as quantization or float8 training does, or its parameter, as sharding does),
-and while a forward hook watches one of its Linears (GPTQ's calibration and activation probes must see every
-call).
+The fused path runs only without autograd (the Linears' parameters need their own gradients), while
+the group still holds the module's current parameters (replacing a Linear, as quantization does, or
+its parameter, as sharding does, silently returns the module to its own Linears), and while no forward
+hook watches one of its Linears (GPTQ's calibration and activation probes must see every call).
 """
 
 from __future__ import annotations
@@ -43,16 +38,16 @@ def are_views(params: list[torch.Tensor], packed: torch.Tensor) -> bool:
     return True
 
 
-class LinearGroup:
-    """Several bias-free Linears of one module that read the same input; calling it returns their outputs."""
-
-    differentiable = False  # whether it may run under autograd
+class FusedLinears:
+    """One weight for several bias-free Linears of one module; calling it returns their outputs."""
 
     def __init__(self, module: nn.Module, names: tuple[str, ...]):
         linears = [getattr(module, name) for name in names]
         self.names = names
         self.params = tuple(linear.weight for linear in linears)
         self.sizes = [linear.out_features for linear in linears]
+        self.weight = torch.cat([p.detach() for p in self.params])
+        make_views(list(self.params), self.weight)
 
     def serves(self, module: nn.Module) -> bool:
         """The module still has these parameters (no Linear or parameter was replaced since)."""
@@ -67,36 +62,11 @@ class LinearGroup:
                    for name in self.names)
 
     def aliased(self) -> bool:
-        """Every parameter is a view of one packed weight (what `fuse_projections` keeps)."""
-        return False
-
-    def outputs(self, x: torch.Tensor, weight: torch.Tensor) -> dict[str, torch.Tensor]:
-        return dict(zip(self.names, F.linear(x, weight).split(self.sizes, dim=-1)))
-
-
-class FusedLinears(LinearGroup):
-    """One packed weight for the group, the Linears' weights views of its rows (inference)."""
-
-    def __init__(self, module: nn.Module, names: tuple[str, ...]):
-        super().__init__(module, names)
-        self.weight = torch.cat([p.detach() for p in self.params])
-        make_views(list(self.params), self.weight)
-
-    def aliased(self) -> bool:
         """Every parameter is still a view of the fused weight (a device move breaks that)."""
         return are_views(list(self.params), self.weight)
 
     def __call__(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
-        return self.outputs(x, self.weight)
-
-
-class ConcatenatedLinears(LinearGroup):
-    """The group's weights concatenated at each call, so gradients reach the Linears' own parameters (training)."""
-
-    differentiable = True
-
-    def __call__(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
-        return self.outputs(x, torch.cat(self.params))
+        return dict(zip(self.names, F.linear(x, self.weight).split(self.sizes, dim=-1)))
 
 
 def fusable(module: nn.Module, names: tuple[str, ...]) -> bool:
@@ -110,9 +80,8 @@ def fusable(module: nn.Module, names: tuple[str, ...]) -> bool:
 
 
 def fuse_projections(model: nn.Module) -> int:
-    """Fuse every module's `fusable_projections` that can be (again, where a group went stale, and in place
-    of `fuse_for_training`'s groups); returns the number of fused groups. The weights made are ordinary
-    tensors even under inference mode."""
+    """Fuse every module's `fusable_projections` that can be (again, where a group went stale);
+    returns the number of fused groups. The weights made are ordinary tensors even under inference mode."""
     with torch.inference_mode(False), torch.no_grad():
         return _fuse_all(model)
 
@@ -132,24 +101,10 @@ def _fuse_all(model: nn.Module) -> int:
     return fused
 
 
-def fuse_for_training(model: nn.Module) -> int:
-    """Give every module whose `fusable_projections` can fuse a group that concatenates their weights at each
-    call (`trainer.fused_projections`); returns the number of groups. The parameters are not touched."""
-    fused = 0
-    for module in model.modules():
-        names = getattr(module, "fusable_projections", ())
-        if fusable(module, names):
-            module.fused_projections = ConcatenatedLinears(module, names)
-            fused += 1
-    return fused
-
-
 def fused_outputs(module: nn.Module, x: torch.Tensor) -> dict[str, torch.Tensor]:
     """{name: projection of x} of the module's fused group, or {} where the module must run its own
-    Linears (not fused, autograd on for an inference group, the group no longer serves the module, or
-    hooks watch them)."""
+    Linears (not fused, autograd on, the group no longer serves the module, or hooks watch them)."""
     group = module.__dict__.get("fused_projections")
-    if (group is None or (torch.is_grad_enabled() and not group.differentiable) or not group.serves(module)
-            or group.watched(module)):
+    if group is None or torch.is_grad_enabled() or not group.serves(module) or group.watched(module):
         return {}
     return group(x)

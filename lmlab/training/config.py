@@ -57,9 +57,6 @@ class TrainerConfig:
     # with compile: the whole forward + loss and its backward compiled as one graph each and replayed from CUDA graphs,
     # for launch-bound (small) models; one GPU, static shapes, no gradient accumulation
     cuda_graphs: bool = False
-    # q/k/v and gate/up each as one matmul against their weights concatenated at each call (lmlab.nn.fused); not
-    # with a strategy that shards the parameters
-    fused_projections: bool = False
     eval_every: int | None = None  # steps between runs of the `eval` tasks (None: after the last step only)
     # log train/grad_noise_scale, B_simple in tokens (lmlab.training.noise_scale), from a micro-batch's and the
     # step's gradient norms: needs accumulate_grad_batches >= 2

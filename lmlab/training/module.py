@@ -20,7 +20,6 @@ from torch.optim.lr_scheduler import LambdaLR
 from lmlab.errors import ConfigError
 from lmlab.inference.quant.qat import QATS
 from lmlab.kernels.registry import KERNELS, install_kernels
-from lmlab.nn.fused import fuse_for_training
 from lmlab.nn.moe.routers import sum_router_load_over
 from lmlab.nn.transformer import Transformer
 from lmlab.optim import OPTIMIZERS, SCHEDULERS, describe_groups
@@ -251,8 +250,6 @@ class LanguageModelTask(L.LightningModule):
         group = getattr(self.model, "vocab_parallel_group", None)
         if group is not None:  # tensor parallelism left each rank a slice of the vocabulary's logits
             self._use_vocab_parallel_loss(group)
-        if self.trainer_cfg.fused_projections:  # after tensor parallelism, which leaves no group fusable
-            fuse_for_training(self.model)
         if self.trainer_cfg.cuda_graphs:  # validation runs the model eager
             self._graphed_terms = graphed_model_terms(self.model, self.loss_fn)
         elif self.trainer_cfg.compile:

@@ -130,10 +130,6 @@ def check_parallel(cfg: DictConfig, batch_size: int) -> Parallel:
         raise ConfigError(f"loss.fused_head projects with the whole head's weight after the model's forward; "
                           f"parallel={cfg.parallel.name} shards the weights (or splits the model or the sequences). "
                           "Use ddp, naive_ddp, bucketed_ddp or zero1, or set loss.fused_head=false")
-    if t.fused_projections and parallel.shards_parameters and world > 1:
-        raise ConfigError(f"trainer.fused_projections concatenates each block's gathered weights and keeps the copy "
-                          f"for backward, past the moment parallel={cfg.parallel.name} frees them. Use ddp, naive_ddp, "
-                          "bucketed_ddp or zero1, or set trainer.fused_projections=false")
     if t.compile and not parallel.supports_compile:
         raise ConfigError(f"trainer.compile=true does not work with parallel={cfg.parallel.name}; set "
                           "trainer.compile=false")

@@ -68,12 +68,10 @@ def test_bench_train_variants_name_kernels_compile_and_fp8():
     variant = train_bench.parse_variant("triton-attention+compile+fp8-rowwise")
     assert variant == train_bench.Variant({"name": "triton", "attention": False}, True, "rowwise")
     assert variant.overrides() == ["kernels=triton", "kernels.attention=false", "trainer.compile=True", "fp8=rowwise",
-                                   "trainer.cuda_graphs=False", "trainer.fused_projections=False"]
+                                   "trainer.cuda_graphs=False"]
     assert train_bench.parse_variant("reference") == train_bench.Variant({"name": "reference"}, False, "none")
     graphed = train_bench.parse_variant("reference+compile+graphs")
     assert graphed.graphs and graphed.compiled and "trainer.cuda_graphs=True" in graphed.overrides()
-    fused = train_bench.parse_variant("reference+compile+fused")
-    assert fused.fused and not fused.graphs and "trainer.fused_projections=True" in fused.overrides()
     for bad in ("reference+fast", "reference+fp8-fancy", "triton-nothing", "cuda", "reference+graphs"):
         try:
             train_bench.parse_variant(bad)

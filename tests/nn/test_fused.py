@@ -1,23 +1,15 @@
-"""Fused projections (lmlab.nn.fused): the same outputs from one matmul. Inference groups share their weights
-with the Linears and step aside under autograd; training groups concatenate the weights at each call and give
-the unfused gradients. Both return to the module's own Linears once the group went stale or hooks watch them."""
+"""Fused projections (lmlab.nn.fused): the same outputs from one matmul, weights shared with the
+Linears, the module's own Linears whenever autograd runs or the group went stale."""
 
 from __future__ import annotations
 
 import copy
-from unittest import mock
 
-import pytest
 import torch
 from torch import nn
 
-from lmlab.cli.compose import compose_config
-from lmlab.errors import ConfigError
 from lmlab.nn import ModelConfig, Transformer
-from lmlab.nn.fused import FusedLinears, fuse_for_training, fuse_projections
-from lmlab.training.launch import launch
-from lmlab.training.run import check_parallel
-from tests.conftest import TINY
+from lmlab.nn.fused import fuse_projections
 
 
 def _model(**overrides) -> Transformer:
@@ -106,63 +98,3 @@ def test_hooked_linears_see_their_own_calls():
     with torch.no_grad():
         model(IDS)
     assert not seen
-
-
-def _loss_and_grads(model: Transformer) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    model.zero_grad(set_to_none=True)
-    loss = model(IDS).square().mean()
-    loss.backward()
-    return loss.detach(), {name: p.grad.clone() for name, p in model.named_parameters()}
-
-
-def test_training_groups_give_the_unfused_loss_and_gradients_from_one_matmul_per_group(monkeypatch):
-    model = _model().train()
-    loss, grads = _loss_and_grads(model)
-    assert fuse_for_training(model) == 4
-    params = {name: p for name, p in model.named_parameters()}
-    calls = []
-    real_linear = torch.nn.functional.linear
-    monkeypatch.setattr(torch.nn.functional, "linear", lambda x, w, *a: calls.append(w.shape[0]) or real_linear(x, w, *a))
-    fused_loss, fused_grads = _loss_and_grads(model)
-    # per layer: q/k/v (32 + 16 + 16 rows), o, gate/up (2 x 128), down; then the head
-    assert calls == [64, 32, 256, 32] * 2 + [64]
-    assert {name: p for name, p in model.named_parameters()} == params  # the parameters themselves, untouched
-    torch.testing.assert_close(fused_loss, loss, atol=1e-6, rtol=1e-6)
-    for name, grad in grads.items():
-        torch.testing.assert_close(fused_grads[name], grad, atol=1e-6, rtol=1e-5, msg=name)
-
-
-def test_training_groups_step_aside_for_hooks_and_replaced_linears_and_give_way_to_inference_packing():
-    model = _model().train()
-    fuse_for_training(model)
-    attn = model.layers[0].self_attn
-    seen = []
-    handle = attn.q_proj.register_forward_hook(lambda m, args, out: seen.append(out.shape))
-    model(IDS).sum().backward()
-    assert len(seen) == 1  # the hooked Linear ran itself
-    handle.remove()
-    attn.v_proj = nn.Linear(32, attn.v_proj.out_features, bias=False)  # e.g. float8 training swaps a module
-    model.zero_grad()
-    model(IDS).sum().backward()
-    assert attn.v_proj.weight.grad is not None and attn.q_proj.weight.grad is not None
-    assert fuse_projections(model) == 4  # an inference engine packs every group, the stale one too
-    assert all(isinstance(m.fused_projections, FusedLinears) for m in (attn, model.layers[1].mlp))
-
-
-def test_fused_projections_is_refused_with_a_strategy_that_shards_the_parameters():
-    cfg = compose_config([*TINY, "parallel=fsdp", "trainer.devices=2", "trainer.fused_projections=true"])
-    with mock.patch("os.cpu_count", return_value=2), pytest.raises(ConfigError, match="trainer.fused_projections"):
-        check_parallel(cfg, cfg.data.batch_size)
-    cfg.parallel = compose_config([*TINY, "parallel=ddp"]).parallel  # one copy of the weights per rank: fine
-    with mock.patch("os.cpu_count", return_value=2):
-        check_parallel(cfg, cfg.data.batch_size)
-
-
-def test_lmlab_train_with_fused_projections_ends_where_the_unfused_run_does(tmp_path):
-    common = [*TINY, f"cache_dir={tmp_path / 'cache'}", "trainer.max_steps=4", "trainer.val_every=4",
-              "sched.warmup_steps=1"]
-    plain = launch(compose_config(common), tmp_path / "plain")
-    with mock.patch("lmlab.training.module.fuse_for_training", wraps=fuse_for_training) as fuse:
-        fused = launch(compose_config([*common, "trainer.fused_projections=true"]), tmp_path / "fused")
-    assert fuse.call_count == 1
-    assert fused["val_loss"] == pytest.approx(plain["val_loss"], rel=1e-5)
