@@ -115,14 +115,19 @@ def check_in_schema(cfg: DictConfig, key: str) -> None:
             node = node._get_node(int(part))
         elif isinstance(node, DictConfig):
             fields = schema_fields(node)
-            if fields is None and path and node._metadata.object_type is dict and node._metadata.ref_type is not Any:
-                return  # a field typed as a dict (data.sources: dict[str, Any]): its keys are the user's to name
+            if fields is None and path and user_keyed(node):
+                return
             if (fields is None and path) or (fields is not None and part not in fields):
                 raise ConfigError(unknown_key_message(key, node, ".".join(path)))
             node = node._get_node(part)
         else:  # a value: Hydra refused to go further already
             return
         path.append(part)
+
+
+def user_keyed(node: DictConfig) -> bool:
+    """A field typed as a dict (data.sources: dict[str, Any]): its keys are the user's to name."""
+    return node._metadata.object_type is dict and node._metadata.ref_type is not Any
 
 
 def composition_error(err: ConfigCompositionException) -> ConfigError:
@@ -148,7 +153,7 @@ def unknown_key_message(key: str, parent: DictConfig, parent_path: str) -> str:
     fields = schema_fields(parent)
     group = parent_path.replace(".", "/")
     is_group = group in {r.group for r in REGISTRIES.values()}
-    if fields is None and parent._metadata.object_type is dict and parent._metadata.ref_type is not Any:
+    if fields is None and user_keyed(parent):
         return (f"'{parent_path}' is a dict whose keys are yours to name: add '{key}' with +{key}=VALUE "
                 "(a new key needs Hydra's +)")
     if fields is None:
