@@ -96,11 +96,12 @@ class AsyncEngine:
             raise EngineStopped(f"the serving engine stopped: {self.error}")
         for prompt, params in requests:
             self.engine.check(prompt, params)  # the sampler's fields too, in the caller's thread
+        # room for all of them, or none is queued (a call cut short would leave some to run for nobody)
+        if self.waiting() + len(requests) > self.max_waiting:
+            raise QueueFull(f"{self.waiting()} requests are waiting (max_waiting={self.max_waiting}); retry later")
         return [self._queue(prompt, params, request_id) for prompt, params in requests]
 
     def _queue(self, prompt: list[int], params: SamplingParams, request_id: str | None) -> RequestStream:
-        if self.waiting() >= self.max_waiting:
-            raise QueueFull(f"{self.waiting()} requests are waiting (max_waiting={self.max_waiting}); retry later")
         stream = RequestStream(request_id or uuid.uuid4().hex, params.n)
         loop = asyncio.get_running_loop()
 

@@ -229,6 +229,18 @@ def test_queue_full_is_raised_before_queueing(model):
     asyncio.run(scenario())
 
 
+def test_a_call_with_more_prompts_than_the_queue_has_room_for_queues_none(model):
+    engine = AsyncEngine(ServingEngine(model, TOKENIZER, ServingConfig(block_size=8)), max_waiting=2)  # not started
+
+    async def scenario():
+        engine.submit([1, 2], SamplingParams())
+        with pytest.raises(QueueFull, match="max_waiting=2"):
+            engine.submit_all([([1, 2], SamplingParams()), ([3, 4], SamplingParams())])
+        assert engine.waiting() == 1  # the first of the two was not queued either
+
+    asyncio.run(scenario())
+
+
 @pytest.mark.parametrize("body, status, message", [
     ("{not json", 400, "JSON"),
     ({"model": NAME, "prompt": "x", "max_tokens": 0}, 400, "max_tokens must be >= 1"),
