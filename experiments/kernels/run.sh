@@ -9,10 +9,12 @@
 #           tokens per step: bf16 against fp8 tensorwise and rowwise, compiled (FP8_VARIANTS)
 #   graphs  lmlab bench train on the ~400M config: the best compiled variant (BEST) per block against the whole
 #           step replayed from CUDA graphs (`+graphs`)
+#   b16     the ~1.4B config at 16 x 2048 tokens per step: BEST against BEST with fp8 tensorwise (with profiles),
+#           then the compiled reference alone in a process of its own (two resident variants fill an H200 here)
 #   fp8-loss  lmlab-train of the ~1.4B config on tinyshakespeare (CORPUS, bytes) for FP8_STEPS steps,
 #           bf16 then fp8=tensorwise then fp8=rowwise: the validation loss after the same tokens
 # fp8 needs torchao: carry its wheel. Env: CORPUS (outputs/data/tinyshakespeare.txt), FP8_STEPS (300).
-# Usage: experiments/kernels/run.sh OUT_DIR [tests|kernels|train|fp8|fp8-loss ...]   (tests kernels train by default)
+# Usage: experiments/kernels/run.sh OUT_DIR [tests|kernels|train|fp8|b16|fp8-loss ...]   (tests kernels train by default)
 set -euo pipefail
 D=${1:?usage: run.sh OUT_DIR [tests|kernels|train ...]}
 shift
@@ -40,6 +42,13 @@ for part in $PARTS; do
                for f in "$D"/profiles/*+*; do mv "$f" "${f//+/_}"; done ;;
         fp8) $LMLAB bench train $B14 tokenizer=byte model.vocab_size=50304 data.batch_size=8 --variants "$FP8_VARIANTS" \
                  --steps 6 --warmup 3 --json "$D/train-1.4b-fp8.json" | tee "$D/train-1.4b-fp8.txt" ;;
+        b16) $LMLAB bench train $B14 tokenizer=byte model.vocab_size=50304 data.batch_size=16 \
+                 --variants "$BEST,$BEST+fp8-tensorwise" --steps 6 --warmup 3 --profile "$D/profiles-1.4b-b16" \
+                 --json "$D/train-1.4b-b16.json" | tee "$D/train-1.4b-b16.txt"
+             for f in "$D"/profiles-1.4b-b16/*+*; do mv "$f" "${f//+/_}"; done
+             $LMLAB bench train $B14 tokenizer=byte model.vocab_size=50304 data.batch_size=16 \
+                 --variants reference+compile --steps 6 --warmup 3 \
+                 --json "$D/train-1.4b-b16-reference.json" | tee "$D/train-1.4b-b16-reference.txt" ;;
         graphs) $LMLAB bench train $M --variants "$BEST,$BEST+graphs" --steps 8 --warmup 3 \
                     --json "$D/train-400m-graphs.json" | tee "$D/train-400m-graphs.txt" ;;
         fp8-loss)
@@ -50,6 +59,6 @@ for part in $PARTS; do
                     trainer.progress_bar=false trainer.checkpoint_every=100000 cache_dir="$D/cache" \
                     hydra.run.dir="$D/fp8-loss-$recipe" 2>&1 | grep -v -i warn | tail -3 | tee "$D/fp8-loss-$recipe.txt"
             done ;;
-        *) echo "unknown part '$part'; parts: tests kernels train graphs fp8 fp8-loss" >&2; exit 2 ;;
+        *) echo "unknown part '$part'; parts: tests kernels train graphs fp8 b16 fp8-loss" >&2; exit 2 ;;
     esac
 done
