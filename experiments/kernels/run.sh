@@ -9,11 +9,11 @@
 #           tokens per step: bf16 against fp8 tensorwise and rowwise, compiled (FP8_VARIANTS)
 #   graphs  lmlab bench train on the ~400M config: the best compiled variant (BEST) per block against the whole
 #           step replayed from CUDA graphs (`+graphs`)
-#   b16     the ~1.4B config at 16 x 2048 tokens per step: BEST against BEST with fp8 tensorwise (with profiles),
+#   b16     the ~1.4B config at 16 x 2048 tokens per step: BEST against BEST with fp8=B16_FP8 (tensorwise; profiles),
 #           then the compiled reference alone in a process of its own (two resident variants fill an H200 here)
-#   fp8-loss  lmlab-train of the ~1.4B config on tinyshakespeare (CORPUS, bytes) for FP8_STEPS steps,
-#           bf16 then fp8=tensorwise then fp8=rowwise: the validation loss after the same tokens
-# fp8 needs torchao: carry its wheel. Env: CORPUS (outputs/data/tinyshakespeare.txt), FP8_STEPS (300).
+#   fp8-loss  lmlab-train of the ~1.4B config on tinyshakespeare (CORPUS, bytes) for FP8_STEPS steps, each fp8
+#           entry of FP8_RECIPES (none tensorwise rowwise) in turn: the validation loss after the same tokens
+# fp8 needs torchao: carry its wheel. Env: CORPUS (outputs/data/tinyshakespeare.txt), FP8_STEPS (300), FP8_RECIPES, B16_FP8.
 # Usage: experiments/kernels/run.sh OUT_DIR [tests|kernels|train|fp8|b16|fp8-loss ...]   (tests kernels train by default)
 set -euo pipefail
 D=${1:?usage: run.sh OUT_DIR [tests|kernels|train ...]}
@@ -43,7 +43,7 @@ for part in $PARTS; do
         fp8) $LMLAB bench train $B14 tokenizer=byte model.vocab_size=50304 data.batch_size=8 --variants "$FP8_VARIANTS" \
                  --steps 6 --warmup 3 --json "$D/train-1.4b-fp8.json" | tee "$D/train-1.4b-fp8.txt" ;;
         b16) $LMLAB bench train $B14 tokenizer=byte model.vocab_size=50304 data.batch_size=16 \
-                 --variants "$BEST,$BEST+fp8-tensorwise" --steps 6 --warmup 3 --profile "$D/profiles-1.4b-b16" \
+                 --variants "$BEST,$BEST+fp8-${B16_FP8:-tensorwise}" --steps 6 --warmup 3 --profile "$D/profiles-1.4b-b16" \
                  --json "$D/train-1.4b-b16.json" | tee "$D/train-1.4b-b16.txt"
              for f in "$D"/profiles-1.4b-b16/*+*; do mv "$f" "${f//+/_}"; done
              $LMLAB bench train $B14 tokenizer=byte model.vocab_size=50304 data.batch_size=16 \
@@ -52,7 +52,7 @@ for part in $PARTS; do
         graphs) $LMLAB bench train $M --variants "$BEST,$BEST+graphs" --steps 8 --warmup 3 \
                     --json "$D/train-400m-graphs.json" | tee "$D/train-400m-graphs.txt" ;;
         fp8-loss)
-            for recipe in none tensorwise rowwise; do
+            for recipe in ${FP8_RECIPES:-none tensorwise rowwise}; do
                 python -m lmlab.cli.train $B14 data=text_files "data.paths=[${CORPUS:-outputs/data/tinyshakespeare.txt}]" \
                     tokenizer=byte data.context_length=1024 data.batch_size=8 trainer.compile=true fp8=$recipe \
                     trainer.max_steps=${FP8_STEPS:-300} trainer.val_every=${FP8_STEPS:-300} trainer.val_batches=20 \

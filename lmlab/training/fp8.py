@@ -1,7 +1,8 @@
 """Float8 training of the block matmuls (config group `fp8`), through torchao's float8 training.
 
     lmlab-train fp8=rowwise        # one scale per row of each operand (more accurate, the H100/H200 default)
-    lmlab-train fp8=tensorwise     # one scale per tensor (fastest)
+    lmlab-train fp8=tensorwise     # one scale per tensor (fast)
+    lmlab-train fp8=tensorwise_fast  # tensorwise, and the gradients' matmuls accumulate fast too (fastest)
 
 Each `nn.Linear` inside the Transformer's blocks (attention and dense FFN projections, the MTP modules' too)
 becomes torchao's `Float8Linear`: its inputs, weights and gradients are cast to float8 (e4m3 forward, e5m2
@@ -15,6 +16,7 @@ multiples of 16, which float8 matmuls cannot take, stay as they are and are coun
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import logging
 
@@ -66,9 +68,15 @@ class Float8Training:
             raise ConfigError(f"fp8={self.recipe} needs torchao: pip install 'lmlab[fp8]'")
         self.cfg = cfg
 
+    def linear_config(self):
+        """torchao's Float8LinearConfig of the entry's recipe."""
+        from torchao.float8 import Float8LinearConfig
+
+        return Float8LinearConfig.from_recipe_name(self.recipe)
+
     def install(self, model: nn.Module) -> int:
         """Swap the blocks' Linears for Float8Linears, in place; returns how many."""
-        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+        from torchao.float8 import convert_to_float8_training
 
         chosen, skipped = block_linears(model)
         if not chosen:
@@ -78,7 +86,7 @@ class Float8Training:
             log.warning("fp8=%s: %d Linears keep their precision (a width not a multiple of %d): %s", self.recipe,
                         len(skipped), FLOAT8_MULTIPLE, ", ".join(skipped[:4]) + (" ..." if len(skipped) > 4 else ""))
         ids = {id(m) for m in chosen.values()}
-        convert_to_float8_training(model, config=Float8LinearConfig.from_recipe_name(self.recipe),
+        convert_to_float8_training(model, config=self.linear_config(),
                                    module_filter_fn=lambda module, fqn: id(module) in ids)
         return len(chosen)
 
@@ -88,6 +96,19 @@ class TensorwiseFloat8(Float8Training):
     """Float8 matmuls with one dynamic scale per tensor."""
 
     recipe = "tensorwise"
+
+
+@FP8.register("tensorwise_fast")
+class FastTensorwiseFloat8(TensorwiseFloat8):
+    """Tensorwise, and the backward's float8 matmuls (input and weight gradients) also accumulate in the tensor
+    cores' fast mode, as torchao's recipe has the forward's do; cuBLAS's slower mode adds its partial sums into
+    float32 more often, which matters over the weight gradient's sum over every token of the batch."""
+
+    def linear_config(self):
+        from torchao.float8 import Float8GemmConfig
+
+        fast = Float8GemmConfig(use_fast_accum=True)
+        return dataclasses.replace(super().linear_config(), gemm_config_grad_input=fast, gemm_config_grad_weight=fast)
 
 
 @FP8.register("rowwise")

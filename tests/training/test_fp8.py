@@ -14,6 +14,7 @@ from tests.conftest import TINY
 pytest.importorskip("torchao")
 from torchao.float8.float8_linear import Float8Linear  # noqa: E402
 
+FLOAT8 = [name for name in FP8.names() if name != "none"]
 MOE = ["model/moe=topk", "model.moe.n_experts=4", "model.moe.k=2", "model.mtp.depth=1"]
 
 
@@ -47,7 +48,15 @@ def test_fp8_with_qat_fails_before_training(make_cfg, tiny_overrides, tmp_path):
     assert not (tmp_path / "run" / "checkpoints").exists()
 
 
-@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_tensorwise_fast_accumulates_fast_in_the_backward_matmuls_too():
+    def fast(entry):
+        c = FP8.build(entry).linear_config()
+        return [g.use_fast_accum for g in (c.gemm_config_output, c.gemm_config_grad_input, c.gemm_config_grad_weight)]
+
+    assert fast("tensorwise") == [True, False, False] and fast("tensorwise_fast") == [True, True, True]
+
+
+@pytest.mark.parametrize("recipe", FLOAT8)
 def test_a_float8_run_tracks_full_precision_and_saves_a_plain_checkpoint(tmp_path, recipe):
     from lmlab.training import train
 
