@@ -339,7 +339,7 @@ def generate(cfg: GenerateConfig, out=None, err=None) -> None:
     if target.tokenizer.vocab_size > target.vocab_size:
         raise ConfigError(f"{target.setting}: its tokenizer has {target.tokenizer.vocab_size} tokens, more than the "
                           f"model's vocabulary of {target.vocab_size}")
-    if (bad := next((t for t in sampler.logit_bias if t >= target.tokenizer.vocab_size), None)) is not None:
+    if (bad := sampler.bias_outside(target.tokenizer.vocab_size)) is not None:
         raise ConfigError(f"sampler.logit_bias holds token id {bad}, outside the tokenizer's vocabulary "
                           f"(0..{target.tokenizer.vocab_size - 1})")
     prompts = prepare_prompts([target.tokenizer.encode(t) for t in texts], cfg.max_new_tokens, target.max_seq_len,

@@ -165,6 +165,10 @@ class Sampler:
         if truncation is not None:
             self.processors.append(truncation)
 
+    def bias_outside(self, vocab: int) -> int | None:
+        """The first logit_bias token id that a vocabulary of `vocab` tokens lacks; None when it has them all."""
+        return next((t for t in self.logit_bias if t >= vocab), None)
+
     def truncation(self, cfg: SamplerConfig) -> LogitProcessor | None:
         """The entry's processor that drops unlikely tokens, after checking its fields; None keeps them all."""
         return None

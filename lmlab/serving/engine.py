@@ -174,7 +174,7 @@ class ServingEngine:
         if params.stop and self.tokenizer is None:
             raise ConfigError("stop strings need the tokenizer, to see the text")
         sampler = SAMPLERS.build(params.sampler)
-        if (bad := next((t for t in sampler.logit_bias if t >= vocab), None)) is not None:
+        if (bad := sampler.bias_outside(vocab)) is not None:
             raise RequestError(f"logit_bias holds token id {bad}, outside the vocabulary (0..{vocab - 1})", "logit_bias")
         return sampler
 
