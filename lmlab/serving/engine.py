@@ -50,7 +50,8 @@ class RequestError(ConfigError):
 @dataclass
 class SamplingParams:
     max_tokens: int = 16  # 0: read the prompt and sample nothing (to score it, with prompt_logprobs)
-    sampler: Any = "greedy"  # a `sampler` registry config: a name, or {"name": "top_p", "p": 0.9, "seed": 0, ...}
+    # a `sampler` registry config: a name, {"name": "top_p", "p": 0.9, "seed": 0, ...}, or an entry's Config instance
+    sampler: Any = "greedy"
     n: int = 1  # sequences sampled from the prompt
     stop: list[str] = field(default_factory=list)  # stop strings: the text ends before the first
     stop_token_ids: list[int] = field(default_factory=list)  # besides the model's end-of-text token(s)

@@ -40,6 +40,7 @@ from starlette.exceptions import HTTPException
 from lmlab.alignment.chat import Turn
 from lmlab.alignment.tokens import encode
 from lmlab.errors import ConfigError
+from lmlab.inference.samplers import SAMPLERS
 from lmlab.serving.async_engine import AsyncEngine, EngineStopped, QueueFull, RequestStream
 from lmlab.serving.engine import SamplingParams
 from lmlab.serving.logprobs import TokenLogprobs
@@ -120,8 +121,10 @@ class SamplingFields(BaseModel):
             bias[int(key)] = value
         return bias
 
-    def sampler(self) -> dict[str, Any]:
-        """The `sampler` registry entry these settings select: one truncation at most, greedy at temperature 0."""
+    def sampler(self) -> Any:
+        """The typed Config of the `sampler` entry these settings select: one truncation at most, greedy at
+        temperature 0. Typed already (pydantic checked the fields), so no OmegaConf pass: one over a mapping takes
+        ~60 ms for OpenAI's 300 logit_bias keys."""
         temperature = 1.0 if self.temperature is None else self.temperature
         shared = {"temperature": temperature, "frequency_penalty": self.frequency_penalty,
                   "presence_penalty": self.presence_penalty, "repetition_penalty": self.repetition_penalty,
@@ -131,12 +134,12 @@ class SamplingFields(BaseModel):
                        "min_p": {"min_p": self.min_p} if self.min_p not in (None, 0.0) else None}
         chosen = {name: fields for name, fields in truncations.items() if fields is not None}
         if temperature == 0:
-            return {"name": "greedy", **shared}
+            return SAMPLERS.get("greedy").config(**shared)
         if len(chosen) > 1:
             raise APIError(400, f"set one of top_k, top_p and min_p, not {' and '.join(chosen)}: lmlab's samplers "
                                 "apply one truncation")
         name, fields = next(iter(chosen.items()), ("temperature", {}))
-        return {"name": name, **shared, **fields}
+        return SAMPLERS.get(name).config(**shared, **fields)
 
     def params(self, max_tokens: int, extra_stops: list[str] = (), logprobs: int | None = None,
                prompt_logprobs: int | None = None) -> SamplingParams:

@@ -28,7 +28,8 @@ from lmlab.inference.engine import Engine  # noqa: E402
 from lmlab.nn import ModelConfig, Transformer  # noqa: E402
 from lmlab.serving import SamplingParams, ServingConfig, ServingEngine  # noqa: E402
 from lmlab.serving.async_engine import AsyncEngine, QueueFull  # noqa: E402
-from lmlab.serving.server import build_app  # noqa: E402
+from lmlab.inference.samplers import SAMPLERS  # noqa: E402
+from lmlab.serving.server import CompletionRequest, build_app  # noqa: E402
 from lmlab.tokenizers import ByteTokenizer  # noqa: E402
 from tests.serving.test_engine import model_logprobs  # noqa: E402
 
@@ -481,6 +482,16 @@ def test_streamed_logprobs_concatenate_to_the_non_streamed(server):
         assert (got["token"], got["bytes"]) == (expected["token"], expected["bytes"])
         assert got["logprob"] == pytest.approx(expected["logprob"], abs=1e-5)
         assert [t["token"] for t in got["top_logprobs"]] == [t["token"] for t in expected["top_logprobs"]]
+
+
+@pytest.mark.parametrize("fields, entry", [({"temperature": 0}, "greedy"), ({"top_p": 0.5}, "top_p"),
+                                           ({"top_k": 3}, "top_k"), ({"min_p": 0.1}, "min_p"), ({}, "temperature")])
+def test_a_request_selects_its_sampler_entrys_typed_config(fields, entry):
+    request = CompletionRequest(model=NAME, prompt="x", logit_bias={str(i): -1 for i in range(300)}, **fields)
+    config = request.sampler()
+    assert type(config) is SAMPLERS.get(entry).config  # typed: the engine builds it without an OmegaConf pass
+    sampler = SAMPLERS.build(config)
+    assert type(sampler) is SAMPLERS.get(entry).target and sampler.logit_bias == {i: -1.0 for i in range(300)}
 
 
 def test_logit_bias_forces_and_bans_a_token_on_both_endpoints(server):
