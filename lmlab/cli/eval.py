@@ -28,7 +28,7 @@ from lmlab.cli.compose import compose_config
 from lmlab.cli.generate import device_and_dtype, open_model
 from lmlab.cli.listing import Section, format_section
 from lmlab.errors import ConfigError
-from lmlab.eval.registry import EVAL_TASKS, build_tasks
+from lmlab.eval.registry import EVAL_TASKS, build_tasks, check_tasks
 from lmlab.eval.report import write_results
 from lmlab.eval.scoring import Scorer
 
@@ -75,8 +75,7 @@ def evaluate(cfg: EvalRunConfig, tasks: list, limit: int | None, err=None) -> Pa
     err = err or sys.stderr
     device, dtype = device_and_dtype(cfg)
     source = open_model(cfg.ckpt, "ckpt")
-    for task in tasks:
-        task.check(source.max_seq_len)
+    check_tasks(cfg.eval, source.max_seq_len)
     model = source.load().to(device, dtype)
     validation = (lambda: source.corpus()[1]) if source.corpus is not None else None
     scorer = Scorer(model, source.tokenizer, source.max_seq_len, source.stop_ids, cfg.batch_tokens, cfg.compile,

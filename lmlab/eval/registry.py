@@ -1,9 +1,10 @@
 """The `eval_task` registry (config group `eval`) and what a task returns.
 
 A task is an `EvalTask` registered with its typed Config. Building it (`EVAL_TASKS.build(cfg)`) reads
-and checks its data, so a wrong path or setting fails before any model loads; `check(max_len)` then
-checks its settings against the model's context (read before the weights), and `run(scorer, limit)`
-evaluates and returns a `TaskResult`. The group's entries sit apart (`eval=[mmlu,gsm8k]` selects
+and checks its data, so a wrong path or setting fails before any model loads; `check(cfg, max_len)`
+checks its settings against the model's context (read before the weights; no data, so a sweep runs it on
+every job before the first starts: `check_tasks`), and `run(scorer, limit)` evaluates and returns a
+`TaskResult`. The group's entries sit apart (`eval=[mmlu,gsm8k]` selects
 two, `eval.mmlu.shots=0` sets one's field).
 """
 
@@ -21,8 +22,10 @@ EVAL_TASKS = Registry("eval_task", group="eval", doc="evaluation tasks: perplexi
 class EvalTask:
     """Base of the tasks; see the module docstring."""
 
-    def check(self, max_len: int) -> None:
-        """Raise ConfigError when a setting cannot work with a model of this context (default: all can)."""
+    @classmethod
+    def check(cls, cfg, max_len: int) -> None:
+        """Raise ConfigError when a setting of `cfg`, the entry's Config, cannot work with a model of this context
+        (default: all can)."""
 
     def run(self, scorer, limit: int | None) -> TaskResult:
         raise NotImplementedError
@@ -55,9 +58,28 @@ def truncation_notes(count: int) -> list[str]:
     return [f"{count} prompts were longer than the model's context and lost their oldest tokens"] if count else []
 
 
-def build_tasks(eval_cfg) -> tuple[list[EvalTask], int | None]:
-    """The tasks an `eval` config node selects, built (their data read and checked), and its `limit`."""
+def eval_limit(eval_cfg) -> int | None:
+    """An `eval` config node's `limit`, checked."""
     limit = eval_cfg.get("limit")
     if limit is not None and limit <= 0:
         raise ConfigError(f"eval.limit must be > 0 (examples per task), got {limit}")
-    return [EVAL_TASKS.build(task) for key, task in eval_cfg.items() if key != "limit"], limit
+    return limit
+
+
+def selected(eval_cfg) -> list:
+    """The task nodes of an `eval` config node."""
+    return [task for key, task in eval_cfg.items() if key != "limit"]
+
+
+def check_tasks(eval_cfg, max_len: int) -> None:
+    """The settings of an `eval` config node's tasks against a model of `max_len` tokens, none built (no data read)."""
+    eval_limit(eval_cfg)
+    for node in selected(eval_cfg):
+        entry, cfg = EVAL_TASKS.resolve(node)
+        entry.target.check(cfg, max_len)
+
+
+def build_tasks(eval_cfg) -> tuple[list[EvalTask], int | None]:
+    """The tasks an `eval` config node selects, built (their data read and checked), and its `limit`."""
+    limit = eval_limit(eval_cfg)
+    return [EVAL_TASKS.build(task) for task in selected(eval_cfg)], limit

@@ -15,21 +15,25 @@ import torch
 from omegaconf import DictConfig
 
 from lmlab.errors import ConfigError
-from lmlab.eval.registry import EvalTask, build_tasks
+from lmlab.eval.registry import EvalTask, build_tasks, check_tasks, selected
 from lmlab.eval.scoring import Scorer
 
 log = logging.getLogger(__name__)
 
 
-def eval_tasks(cfg: DictConfig, parallel) -> tuple[list[EvalTask], int | None]:
-    """The run's evaluation tasks and their limit, checked against the model and the parallel strategy."""
-    tasks, limit = build_tasks(cfg.eval)
-    if tasks and parallel.shards_parameters:
+def check_eval(cfg: DictConfig, parallel) -> None:
+    """The run's evaluation settings against the model and the parallel strategy, no task built (no data read):
+    cheap enough for every job of a sweep before the first starts."""
+    if selected(cfg.eval) and parallel.shards_parameters:
         raise ConfigError(f"eval during training runs the whole model on rank 0, and parallel={cfg.parallel.name} "
                           "shards its parameters; evaluate the saved checkpoint with `lmlab eval` instead")
-    for task in tasks:
-        task.check(cfg.model.max_seq_len)
-    return tasks, limit
+    check_tasks(cfg.eval, cfg.model.max_seq_len)
+
+
+def eval_tasks(cfg: DictConfig, parallel) -> tuple[list[EvalTask], int | None]:
+    """The run's evaluation tasks, checked and built (their data read), and their limit."""
+    check_eval(cfg, parallel)
+    return build_tasks(cfg.eval)
 
 
 class EvalDuringTraining(L.Callback):

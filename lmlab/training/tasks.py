@@ -15,6 +15,7 @@ from omegaconf import DictConfig
 from lmlab.errors import ConfigError
 from lmlab.parallel.strategies import PARALLEL
 from lmlab.registry import Registry
+from lmlab.training.evaluation import check_eval
 from lmlab.training.launch import launch
 from lmlab.training.resume import AUTO
 from lmlab.training.run import check_parallel, preflight
@@ -52,7 +53,7 @@ class Pretrain(Task):
             cfg = cfg.copy()
             cfg.ckpt_path = None
         _, data_cfg = preflight(cfg)
-        check_parallel(cfg, data_cfg.batch_size)
+        check_eval(cfg, check_parallel(cfg, data_cfg.batch_size))
 
     def run(self, cfg: DictConfig, output_dir: str | Path) -> dict[str, float]:
         return launch(cfg, output_dir)

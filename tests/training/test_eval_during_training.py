@@ -10,6 +10,8 @@ import pytest
 from omegaconf import OmegaConf
 
 from lmlab.cli.compare import main as compare, read_csv
+from lmlab.cli.compose import check_jobs
+from lmlab.cli.train import check_job
 from lmlab.errors import ConfigError
 from lmlab.parallel.strategies import PARALLEL
 from lmlab.training import train
@@ -40,6 +42,17 @@ def test_bad_eval_settings_fail_before_training(make_cfg, tiny_overrides, tmp_pa
     assert not (tmp_path / "checkpoints").exists()
     with pytest.raises(ConfigError, match="leaves no room"):  # TINY's context is 32 tokens
         train(make_cfg([*tiny_overrides, "eval=[mmlu_generative]", f"eval.mmlu_generative.path={MMLU}"]), tmp_path)
+
+
+def test_a_sweeps_eval_settings_are_checked_on_every_job_before_the_first_starts(tiny_overrides):
+    # from the settings alone: the path is never read, and job 1's 32-token context has no room for 32 new tokens
+    sweep = ["-m", *tiny_overrides, "eval=[mmlu_generative]", "eval.mmlu_generative.path=/no/such/folder",
+             "data.context_length=16", "model.max_seq_len=64,32"]
+    with pytest.raises(ConfigError, match=r"^job #1 \(model.max_seq_len=32\): eval.mmlu_generative.max_new_tokens=32 "
+                                          "leaves no room"):
+        check_jobs(sweep, check_job=check_job)
+    with pytest.raises(ConfigError, match=r"^job #1 \(eval.limit=0\): eval.limit must be > 0"):
+        check_jobs(["-m", *tiny_overrides, *EVAL[:3], "eval.limit=1,0"], check_job=check_job)
 
 
 def test_a_distributed_job_checks_its_eval_tasks_before_any_process_starts(make_cfg, tiny_overrides, tmp_path):

@@ -53,8 +53,9 @@ class GSM8K(EvalTask):
         self.references = [gsm8k_reference(p.answer) for p in self.problems]
         self.prompts = [gsm8k_prompt(p, shots) for p in self.problems]
 
-    def check(self, max_len: int) -> None:
-        check_generation_room("eval.gsm8k.max_new_tokens", self.cfg.max_new_tokens, max_len)
+    @classmethod
+    def check(cls, cfg: Config, max_len: int) -> None:
+        check_generation_room("eval.gsm8k.max_new_tokens", cfg.max_new_tokens, max_len)
 
     def run(self, scorer: Scorer, limit: int | None) -> TaskResult:
         """`limit`: the first this many problems."""

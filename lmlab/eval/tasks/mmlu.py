@@ -145,8 +145,9 @@ class MMLUGenerative(EvalTask):
         self.cfg = cfg
         self.data = MMLUQuestions(cfg, "mmlu_generative", mmlu_generative_prompt)
 
-    def check(self, max_len: int) -> None:
-        check_generation_room("eval.mmlu_generative.max_new_tokens", self.cfg.max_new_tokens, max_len)
+    @classmethod
+    def check(cls, cfg: Config, max_len: int) -> None:
+        check_generation_room("eval.mmlu_generative.max_new_tokens", cfg.max_new_tokens, max_len)
 
     def run(self, scorer: Scorer, limit: int | None) -> TaskResult:
         """`limit`: questions per subject."""
