@@ -61,11 +61,12 @@ def block_linears(model: nn.Module) -> tuple[dict[str, nn.Linear], list[str]]:
 class Float8Training:
     """torchao's float8 training with the entry's scaling recipe (`recipe`)."""
 
-    recipe: str
+    name: str  # the entry's, for messages
+    recipe: str  # torchao's
 
     def __init__(self, cfg=None):
         if importlib.util.find_spec("torchao") is None:
-            raise ConfigError(f"fp8={self.recipe} needs torchao: pip install 'lmlab[fp8]'")
+            raise ConfigError(f"fp8={self.name} needs torchao: pip install 'lmlab[fp8]'")
         self.cfg = cfg
 
     def linear_config(self):
@@ -80,10 +81,10 @@ class Float8Training:
 
         chosen, skipped = block_linears(model)
         if not chosen:
-            raise ConfigError(f"fp8={self.recipe}: no Linear in the model's blocks has widths that are multiples of "
+            raise ConfigError(f"fp8={self.name}: no Linear in the model's blocks has widths that are multiples of "
                               f"{FLOAT8_MULTIPLE} (model.d_model and the FFN's hidden size)")
         if skipped:
-            log.warning("fp8=%s: %d Linears keep their precision (a width not a multiple of %d): %s", self.recipe,
+            log.warning("fp8=%s: %d Linears keep their precision (a width not a multiple of %d): %s", self.name,
                         len(skipped), FLOAT8_MULTIPLE, ", ".join(skipped[:4]) + (" ..." if len(skipped) > 4 else ""))
         ids = {id(m) for m in chosen.values()}
         convert_to_float8_training(model, config=self.linear_config(),
@@ -95,7 +96,7 @@ class Float8Training:
 class TensorwiseFloat8(Float8Training):
     """Float8 matmuls with one dynamic scale per tensor."""
 
-    recipe = "tensorwise"
+    name = recipe = "tensorwise"
 
 
 @FP8.register("tensorwise_fast")
@@ -103,6 +104,8 @@ class FastTensorwiseFloat8(TensorwiseFloat8):
     """Tensorwise, and the backward's float8 matmuls (input and weight gradients) also accumulate in the tensor
     cores' fast mode, as torchao's recipe has the forward's do; cuBLAS's slower mode adds its partial sums into
     float32 more often, which matters over the weight gradient's sum over every token of the batch."""
+
+    name = "tensorwise_fast"
 
     def linear_config(self):
         from torchao.float8 import Float8GemmConfig
@@ -115,4 +118,4 @@ class FastTensorwiseFloat8(TensorwiseFloat8):
 class RowwiseFloat8(Float8Training):
     """Float8 matmuls with one dynamic scale per row (activations) and per column (weights): fewer outliers clip."""
 
-    recipe = "rowwise"
+    name = recipe = "rowwise"
