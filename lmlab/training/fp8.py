@@ -2,7 +2,8 @@
 
     lmlab-train fp8=rowwise        # one scale per row of each operand (more accurate, the H100/H200 default)
     lmlab-train fp8=tensorwise     # one scale per tensor (fast)
-    lmlab-train fp8=tensorwise_fast  # tensorwise, and the gradients' matmuls accumulate fast too (fastest)
+    lmlab-train fp8=tensorwise_fast  # tensorwise, and the gradients' matmuls accumulate fast too (fastest: 1.32x
+                                     # bf16 at ~1.4B on an H200, where tensorwise made 1.28x)
 
 Each `nn.Linear` inside the Transformer's blocks (attention and dense FFN projections, the MTP modules' too)
 becomes torchao's `Float8Linear`: its inputs, weights and gradients are cast to float8 (e4m3 forward, e5m2
