@@ -24,6 +24,7 @@ LMLAB="python -m lmlab.cli.main"  # runs from a checkout without installing, as 
 M="model=llama400m tokenizer=byte model.vocab_size=50304 data.context_length=2048 data.batch_size=16"
 VARIANTS=${VARIANTS:-reference+compile,triton+compile,triton-attention-rms_norm-swiglu+compile}
 B14="model=llama400m model.d_model=2048 model.attention.n_heads=16 data.context_length=2048"
+B14_BENCH="$B14 tokenizer=byte model.vocab_size=50304"  # the bench's ~1.4B step: byte tokens, vocabulary 50304
 BEST=${BEST:-triton-attention-rms_norm-swiglu+compile}
 # Three at most: the bench keeps every variant's model and AdamW state (~23 GB each at 1.4B) resident
 FP8_VARIANTS=${FP8_VARIANTS:-reference+compile,reference+compile+fp8-tensorwise,reference+compile+fp8-rowwise}
@@ -40,13 +41,13 @@ for part in $PARTS; do
                # One profile table per variant, renamed without '+': the device tool returns only
                # files with plain names.
                for f in "$D"/profiles/*+*; do mv "$f" "${f//+/_}"; done ;;
-        fp8) $LMLAB bench train $B14 tokenizer=byte model.vocab_size=50304 data.batch_size=8 --variants "$FP8_VARIANTS" \
+        fp8) $LMLAB bench train $B14_BENCH data.batch_size=8 --variants "$FP8_VARIANTS" \
                  --steps 6 --warmup 3 --json "$D/train-1.4b-fp8.json" | tee "$D/train-1.4b-fp8.txt" ;;
-        b16) $LMLAB bench train $B14 tokenizer=byte model.vocab_size=50304 data.batch_size=16 \
+        b16) $LMLAB bench train $B14_BENCH data.batch_size=16 \
                  --variants "$BEST,$BEST+fp8-${B16_FP8:-tensorwise}" --steps 6 --warmup 3 --profile "$D/profiles-1.4b-b16" \
                  --json "$D/train-1.4b-b16.json" | tee "$D/train-1.4b-b16.txt"
              for f in "$D"/profiles-1.4b-b16/*+*; do mv "$f" "${f//+/_}"; done
-             $LMLAB bench train $B14 tokenizer=byte model.vocab_size=50304 data.batch_size=16 \
+             $LMLAB bench train $B14_BENCH data.batch_size=16 \
                  --variants reference+compile --steps 6 --warmup 3 \
                  --json "$D/train-1.4b-b16-reference.json" | tee "$D/train-1.4b-b16-reference.txt" ;;
         graphs) $LMLAB bench train $M --variants "$BEST,$BEST+graphs" --steps 8 --warmup 3 \

@@ -25,10 +25,10 @@ import uvicorn  # noqa: E402
 
 from lmlab.alignment.chat import CHAT_TEMPLATES, Turn  # noqa: E402
 from lmlab.inference.engine import Engine  # noqa: E402
+from lmlab.inference.samplers import SAMPLERS  # noqa: E402
 from lmlab.nn import ModelConfig, Transformer  # noqa: E402
 from lmlab.serving import SamplingParams, ServingConfig, ServingEngine  # noqa: E402
 from lmlab.serving.async_engine import AsyncEngine, QueueFull  # noqa: E402
-from lmlab.inference.samplers import SAMPLERS  # noqa: E402
 from lmlab.serving.server import CompletionRequest, build_app  # noqa: E402
 from lmlab.tokenizers import ByteTokenizer  # noqa: E402
 from tests.serving.test_engine import model_logprobs  # noqa: E402
