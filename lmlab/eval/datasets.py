@@ -77,12 +77,17 @@ def _read_text(path: Path) -> str:
         raise ConfigError(f"{path} is not UTF-8 text (byte {err.start}); the GSM8K and MMLU releases are UTF-8") from None
 
 
-def read_gsm8k(path: str | Path) -> list[GSM8KProblem]:
-    """The problems of a GSM8K `.jsonl` file, in file order."""
+def _gsm8k_file(path: str | Path) -> Path:
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"GSM8K file {path} does not exist; give a .jsonl file of question/answer lines "
                           "(the release's train.jsonl or test.jsonl)")
+    return path
+
+
+def read_gsm8k(path: str | Path) -> list[GSM8KProblem]:
+    """The problems of a GSM8K `.jsonl` file, in file order."""
+    path = _gsm8k_file(path)
     problems = [_gsm8k_problem(record, f"{path}:{line_no}")
                 for line_no, record in json_lines(_read_text(path), str(path), "a GSM8K file holds one JSON object per line")]
     if not problems:
@@ -111,10 +116,7 @@ def _read_mmlu_csv(path: Path, subject: str) -> list[MMLUQuestion]:
     return questions
 
 
-def read_mmlu(root: str | Path, split: str, subjects: Iterable[str] | None = None) -> dict[str, list[MMLUQuestion]]:
-    """The questions of one split (`dev`, `val` or `test`) of an MMLU folder, by subject (sorted), in file order.
-
-    `subjects` picks some (all when None)."""
+def _mmlu_split_folder(root: str | Path, split: str) -> Path:
     root = Path(root)
     if not root.is_dir():
         raise ConfigError(f"MMLU folder {root} does not exist; give the folder that holds dev/, val/ and test/ "
@@ -124,6 +126,14 @@ def read_mmlu(root: str | Path, split: str, subjects: Iterable[str] | None = Non
         present = sorted(p.name for p in root.iterdir() if p.is_dir())
         raise ConfigError(f"MMLU split folder {folder} does not exist (folders there: {present or 'none'}); "
                           "an MMLU folder holds dev/, val/ and test/")
+    return folder
+
+
+def read_mmlu(root: str | Path, split: str, subjects: Iterable[str] | None = None) -> dict[str, list[MMLUQuestion]]:
+    """The questions of one split (`dev`, `val` or `test`) of an MMLU folder, by subject (sorted), in file order.
+
+    `subjects` picks some (all when None)."""
+    folder = _mmlu_split_folder(root, split)
     suffix = f"_{split}.csv"
     files = {p.name[:-len(suffix)]: p for p in folder.glob(f"*{suffix}") if p.is_file()}
     if not files:
@@ -151,6 +161,26 @@ def _load_hf(path: str, name: str, split: str):
         reason = (str(err).strip().splitlines() or [""])[0]
         raise ConfigError(f"cannot load {path} ({name}, split {split}) from Hugging Face ({type(err).__name__}: "
                           f"{reason}); it needs the network, or use a local path to the release's files") from None
+
+
+def check_gsm8k_source(source: str | Path, splits: Iterable[str]) -> None:
+    """Raise ConfigError unless `load_gsm8k(source, split)` can find each split: a local folder's files exist (no
+    data read), a Hugging Face split is known."""
+    for split in splits:
+        if source == HF_SOURCE:
+            _hf_split("GSM8K", split, GSM8K_SPLITS)
+        else:
+            _gsm8k_file(Path(source) / f"{split}.jsonl")
+
+
+def check_mmlu_source(source: str | Path, splits: Iterable[str]) -> None:
+    """Raise ConfigError unless `load_mmlu(source, split)` can find each split: a local folder's split folders
+    exist (no data read), a Hugging Face split is known."""
+    for split in splits:
+        if source == HF_SOURCE:
+            _hf_split("MMLU", split, MMLU_SPLITS)
+        else:
+            _mmlu_split_folder(source, split)
 
 
 def load_gsm8k(source: str | Path, split: str) -> list[GSM8KProblem]:

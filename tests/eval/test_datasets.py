@@ -6,7 +6,8 @@ from pathlib import Path
 import pytest
 
 from lmlab.errors import ConfigError
-from lmlab.eval.datasets import (GSM8KProblem, MMLUQuestion, load_gsm8k, load_mmlu, read_gsm8k, read_mmlu)
+from lmlab.eval.datasets import (GSM8KProblem, MMLUQuestion, check_gsm8k_source, check_mmlu_source, load_gsm8k, load_mmlu,
+                                 read_gsm8k, read_mmlu)
 
 FIXTURES = Path(__file__).parent / "fixtures"
 
@@ -88,6 +89,22 @@ def test_read_mmlu_folder_errors(tmp_path):
     _write(tmp_path / "test" / "x_dev.csv", GOOD_ROW)  # another split's file does not count
     with pytest.raises(ConfigError, match=r"MMLU split folder .*test has no <subject>_test\.csv files"):
         read_mmlu(tmp_path, "test")
+
+
+def test_source_checks_look_for_the_files_without_reading_them(tmp_path):
+    (tmp_path / "test.jsonl").write_text("not json")  # there, though unreadable: the check does not read it
+    check_gsm8k_source(tmp_path, ["test"])
+    with pytest.raises(ConfigError, match="GSM8K file .*train.jsonl does not exist"):
+        check_gsm8k_source(tmp_path, ["test", "train"])
+    (tmp_path / "test").mkdir()
+    check_mmlu_source(tmp_path, ["test"])
+    with pytest.raises(ConfigError, match=r"MMLU split folder .*dev does not exist \(folders there: \['test'\]\)"):
+        check_mmlu_source(tmp_path, ["test", "dev"])
+    with pytest.raises(ConfigError, match="MMLU folder .*nowhere does not exist"):
+        check_mmlu_source(tmp_path / "nowhere", ["test"])
+    check_gsm8k_source("hf", ["train", "test"])  # Hugging Face: the split names only, nothing downloaded
+    with pytest.raises(ConfigError, match="GSM8K split"):
+        check_gsm8k_source("hf", ["val"])
 
 
 def test_read_mmlu_unknown_subject_suggests_the_closest():

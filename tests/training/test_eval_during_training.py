@@ -45,12 +45,17 @@ def test_bad_eval_settings_fail_before_training(make_cfg, tiny_overrides, tmp_pa
 
 
 def test_a_sweeps_eval_settings_are_checked_on_every_job_before_the_first_starts(tiny_overrides):
-    # from the settings alone: the path is never read, and job 1's 32-token context has no room for 32 new tokens
-    sweep = ["-m", *tiny_overrides, "eval=[mmlu_generative]", "eval.mmlu_generative.path=/no/such/folder",
+    # from the settings alone (no question read): job 1's 32-token context has no room for 32 new tokens
+    sweep = ["-m", *tiny_overrides, "eval=[mmlu_generative]", f"eval.mmlu_generative.path={MMLU}",
              "data.context_length=16", "model.max_seq_len=64,32"]
     with pytest.raises(ConfigError, match=r"^job #1 \(model.max_seq_len=32\): eval.mmlu_generative.max_new_tokens=32 "
                                           "leaves no room"):
         check_jobs(sweep, check_job=check_job)
+    # a data folder that is not there, from a look at the folder
+    with pytest.raises(ConfigError, match=r"^job #1 \(eval.mmlu.path=/no/such/folder\): MMLU folder /no/such/folder "
+                                          "does not exist"):
+        check_jobs(["-m", *tiny_overrides, *EVAL[:1], *EVAL[2:], f"eval.mmlu.path={MMLU},/no/such/folder"],
+                   check_job=check_job)
     with pytest.raises(ConfigError, match=r"^job #1 \(eval.limit=0\): eval.limit must be > 0"):
         check_jobs(["-m", *tiny_overrides, *EVAL[:3], "eval.limit=1,0"], check_job=check_job)
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 from lmlab.errors import ConfigError
 from lmlab.eval.answers import gsm8k_answer, gsm8k_reference, numbers_equal, pass_at_k
-from lmlab.eval.datasets import load_gsm8k
+from lmlab.eval.datasets import check_gsm8k_source, load_gsm8k
 from lmlab.eval.prompts import GSM8K_STOP, gsm8k_prompt
 from lmlab.eval.registry import EVAL_TASKS, EvalTask, TaskResult, check_generation_room, truncation_notes
 from lmlab.eval.scoring import Scorer
@@ -33,16 +33,7 @@ class GSM8K(EvalTask):
         max_new_tokens: int = 256
 
     def __init__(self, cfg: Config):
-        if cfg.path is None:
-            raise ConfigError("eval=gsm8k needs eval.gsm8k.path: the GSM8K release's folder (train.jsonl, "
-                              f"{cfg.split}.jsonl), or hf to download it")
-        for name in ("n", "max_new_tokens"):
-            if getattr(cfg, name) <= 0:
-                raise ConfigError(f"eval.gsm8k.{name} must be > 0, got {getattr(cfg, name)}")
-        if cfg.shots < 0:
-            raise ConfigError(f"eval.gsm8k.shots must be >= 0, got {cfg.shots}")
-        if not cfg.k or any(not 0 < k <= cfg.n for k in cfg.k):
-            raise ConfigError(f"eval.gsm8k.k={list(cfg.k)}: each k must be in 1..n (n={cfg.n})")
+        self.check_settings(cfg)
         self.cfg = cfg
         self.sampler = SAMPLERS.build({"name": "top_p", "p": cfg.top_p, "temperature": cfg.temperature,
                                        "seed": cfg.seed})
@@ -53,8 +44,24 @@ class GSM8K(EvalTask):
         self.references = [gsm8k_reference(p.answer) for p in self.problems]
         self.prompts = [gsm8k_prompt(p, shots) for p in self.problems]
 
+    @staticmethod
+    def check_settings(cfg: Config) -> None:
+        """The settings on their own, and that the data's files are there (none read)."""
+        if cfg.path is None:
+            raise ConfigError("eval=gsm8k needs eval.gsm8k.path: the GSM8K release's folder (train.jsonl, "
+                              f"{cfg.split}.jsonl), or hf to download it")
+        for name in ("n", "max_new_tokens"):
+            if getattr(cfg, name) <= 0:
+                raise ConfigError(f"eval.gsm8k.{name} must be > 0, got {getattr(cfg, name)}")
+        if cfg.shots < 0:
+            raise ConfigError(f"eval.gsm8k.shots must be >= 0, got {cfg.shots}")
+        if not cfg.k or any(not 0 < k <= cfg.n for k in cfg.k):
+            raise ConfigError(f"eval.gsm8k.k={list(cfg.k)}: each k must be in 1..n (n={cfg.n})")
+        check_gsm8k_source(cfg.path, [cfg.split, "train"] if cfg.shots else [cfg.split])
+
     @classmethod
     def check(cls, cfg: Config, max_len: int) -> None:
+        cls.check_settings(cfg)
         check_generation_room("eval.gsm8k.max_new_tokens", cfg.max_new_tokens, max_len)
 
     def run(self, scorer: Scorer, limit: int | None) -> TaskResult:

@@ -11,7 +11,7 @@ from tqdm.auto import tqdm
 
 from lmlab.errors import ConfigError
 from lmlab.eval.answers import choice_letter
-from lmlab.eval.datasets import MMLU_LETTERS, MMLUQuestion, load_mmlu
+from lmlab.eval.datasets import MMLU_LETTERS, MMLUQuestion, check_mmlu_source, load_mmlu
 from lmlab.eval.prompts import (MMLU_CONTINUATIONS, MMLU_GENERATIVE_STOP, few_shot, mmlu_continuation_prompt,
                                 mmlu_generative_prompt, mmlu_option_continuations, mmlu_prompt)
 from lmlab.eval.registry import EVAL_TASKS, EvalTask, TaskResult, check_generation_room, truncation_notes
@@ -31,15 +31,21 @@ class MMLUQuestions:
     """The chosen split's questions and each one's prompt, read and checked when the task is built."""
 
     def __init__(self, cfg: MMLUConfig, task: str, prompt):
+        self.check(cfg, task)
+        self.by_subject = load_mmlu(cfg.path, cfg.split, cfg.subjects)
+        dev = load_mmlu(cfg.path, "dev", list(self.by_subject)) if cfg.shots else {}
+        shots = {subject: few_shot(dev, subject, cfg.shots) if cfg.shots else [] for subject in self.by_subject}
+        self.prompt = lambda q: prompt(q, shots[q.subject])
+
+    @staticmethod
+    def check(cfg: MMLUConfig, task: str) -> None:
+        """The settings on their own, and that the data's split folders are there (nothing read)."""
         if cfg.path is None:
             raise ConfigError(f"eval={task} needs eval.{task}.path: the MMLU release's folder (dev/ and {cfg.split}/ "
                               "of <subject>_<split>.csv files), or hf to download it")
         if cfg.shots < 0:
             raise ConfigError(f"eval.{task}.shots must be >= 0, got {cfg.shots}")
-        self.by_subject = load_mmlu(cfg.path, cfg.split, cfg.subjects)
-        dev = load_mmlu(cfg.path, "dev", list(self.by_subject)) if cfg.shots else {}
-        shots = {subject: few_shot(dev, subject, cfg.shots) if cfg.shots else [] for subject in self.by_subject}
-        self.prompt = lambda q: prompt(q, shots[q.subject])
+        check_mmlu_source(cfg.path, [cfg.split, "dev"] if cfg.shots else [cfg.split])
 
     def limited(self, limit: int | None) -> list[MMLUQuestion]:
         """The first `limit` questions of each subject (all without a limit)."""
@@ -75,6 +81,10 @@ class MMLU(EvalTask):
 
     def __init__(self, cfg: MMLUConfig):
         self.data = MMLUQuestions(cfg, self.task, self.prompt)
+
+    @classmethod
+    def check(cls, cfg: MMLUConfig, max_len: int) -> None:
+        MMLUQuestions.check(cfg, cls.task)
 
     @staticmethod
     def continuations(question: MMLUQuestion) -> tuple[str, ...]:
@@ -140,13 +150,19 @@ class MMLUGenerative(EvalTask):
         max_new_tokens: int = 32
 
     def __init__(self, cfg: Config):
-        if cfg.max_new_tokens <= 0:
-            raise ConfigError(f"eval.mmlu_generative.max_new_tokens must be > 0, got {cfg.max_new_tokens}")
+        self.check_tokens(cfg)
         self.cfg = cfg
         self.data = MMLUQuestions(cfg, "mmlu_generative", mmlu_generative_prompt)
 
+    @staticmethod
+    def check_tokens(cfg: Config) -> None:
+        if cfg.max_new_tokens <= 0:
+            raise ConfigError(f"eval.mmlu_generative.max_new_tokens must be > 0, got {cfg.max_new_tokens}")
+
     @classmethod
     def check(cls, cfg: Config, max_len: int) -> None:
+        cls.check_tokens(cfg)
+        MMLUQuestions.check(cfg, "mmlu_generative")
         check_generation_room("eval.mmlu_generative.max_new_tokens", cfg.max_new_tokens, max_len)
 
     def run(self, scorer: Scorer, limit: int | None) -> TaskResult:

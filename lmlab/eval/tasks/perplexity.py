@@ -22,11 +22,19 @@ class Perplexity(EvalTask):
         stride: int | None = None  # tokens between window starts; None: half the model's context
 
     def __init__(self, cfg: Config):
+        self.check_settings(cfg)
+        self.cfg = cfg
+
+    @staticmethod
+    def check_settings(cfg: Config) -> None:
         if cfg.path is not None and not Path(cfg.path).is_file():
             raise ConfigError(f"eval.perplexity.path={cfg.path} is not a file")
         if cfg.stride is not None and cfg.stride <= 0:
             raise ConfigError(f"eval.perplexity.stride must be > 0, got {cfg.stride}")
-        self.cfg = cfg
+
+    @classmethod
+    def check(cls, cfg: Config, max_len: int) -> None:
+        cls.check_settings(cfg)
 
     def run(self, scorer: Scorer, limit: int | None) -> TaskResult:
         """`limit`: score at most this many blocks of the model's context (the text's first)."""
