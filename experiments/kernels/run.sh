@@ -9,13 +9,13 @@
 #           tokens per step: bf16 against fp8 tensorwise and rowwise, compiled (FP8_VARIANTS)
 #   graphs  lmlab bench train on the ~400M config: the best compiled variant (BEST) per block against the whole
 #           step replayed from CUDA graphs (`+graphs`)
-#   graphs14  the ~1.4B config at 16 x 2048 tokens: BEST+graphs (the whole step compiled and replayed from CUDA
+#   graphs14  the ~1.4B config at B14_BATCH (16) x 2048 tokens: BEST+graphs (the whole step compiled and replayed from CUDA
 #           graphs), then BEST, each in a process of its own (two resident variants fill an H200 here)
 #   b16     the ~1.4B config at 16 x 2048 tokens per step: BEST against BEST with fp8=B16_FP8 (tensorwise; profiles),
 #           then the compiled reference alone in a process of its own (two resident variants fill an H200 here)
 #   fp8-loss  lmlab-train of the ~1.4B config on tinyshakespeare (CORPUS, bytes) for FP8_STEPS steps, each fp8
 #           entry of FP8_RECIPES (none tensorwise rowwise) in turn: the validation loss after the same tokens
-# fp8 needs torchao: carry its wheel. Env: CORPUS (outputs/data/tinyshakespeare.txt), FP8_STEPS (300), FP8_RECIPES, B16_FP8.
+# fp8 needs torchao: carry its wheel. Env: B14_BATCH, CORPUS (outputs/data/tinyshakespeare.txt), FP8_STEPS (300), FP8_RECIPES, B16_FP8.
 # Usage: experiments/kernels/run.sh OUT_DIR [tests|kernels|train|graphs|graphs14|fp8|b16|fp8-loss ...]   (tests kernels train by default)
 set -euo pipefail
 D=${1:?usage: run.sh OUT_DIR [tests|kernels|train ...]}
@@ -56,8 +56,8 @@ for part in $PARTS; do
                     --json "$D/train-400m-graphs.json" | tee "$D/train-400m-graphs.txt" ;;
         graphs14)
             for v in "$BEST+graphs" "$BEST"; do
-                $LMLAB bench train $B14_BENCH data.batch_size=16 --variants "$v" --steps 6 --warmup 3 \
-                    --json "$D/train-1.4b-b16-${v//+/_}.json" | tee "$D/train-1.4b-b16-${v//+/_}.txt"
+                $LMLAB bench train $B14_BENCH data.batch_size=${B14_BATCH:-16} --variants "$v" --steps 6 --warmup 3 \
+                    --json "$D/train-1.4b-b${B14_BATCH:-16}-${v//+/_}.json" | tee "$D/train-1.4b-b${B14_BATCH:-16}-${v//+/_}.txt"
             done ;;
         fp8-loss)
             for recipe in ${FP8_RECIPES:-none tensorwise rowwise}; do
