@@ -12,7 +12,8 @@ variant: the reference PyTorch path and `kernels=triton`, each eager and under t
 the optimizer step, under bf16 autocast on a GPU as `lmlab-train` runs it. Variants are timed in
 turns (median step after warm-up), from the same initial weights. Reported per variant: step
 time, tokens/s, MFU (the model's training FLOPs per token, 6 N plus attention scores, against the
-GPU's dense bf16 peak) and the step's peak memory above the resident weights and optimizer state.
+GPU's dense bf16 peak) and the step's peak memory above the resident weights and optimizer state
+(not for `+graphs`: its graphs' pool holds the step's memory from capture on).
 
 `--profile DIR` writes each variant's torch.profiler table of two steps (operators and kernels by
 their own device time) to DIR/<variant>.txt. `--lmlab-train` also runs `lmlab-train` itself with the last variant's settings and compares its
@@ -100,6 +101,7 @@ class Contender:
         self.loss_fn = LOSSES.build(cfg.loss)
         ops = KERNELS.build(chosen.kernels)
         install_kernels(ops, self.model, self.loss_fn)
+        self.graphed = chosen.graphs
         if chosen.graphs:  # as LanguageModelTask.configure_model chooses
             self.terms = graphed_model_terms(self.model, self.loss_fn)
         else:
@@ -122,7 +124,9 @@ class Contender:
 
 
 def _peak_step_bytes(contender: Contender, batch, device: torch.device) -> int | None:
-    if device.type != "cuda":
+    """Bytes a step allocates above what was allocated before it; None off a GPU, and for a `+graphs` variant,
+    whose step runs in the memory pool its CUDA graphs took at capture (already allocated, so it would read 0)."""
+    if device.type != "cuda" or contender.graphed:
         return None
     sync()
     resident = torch.cuda.memory_allocated(device)

@@ -60,6 +60,16 @@ def test_bench_train_times_each_variant_and_profiles(tmp_path, capsys):
     assert "vs reference" in capsys.readouterr().out
 
 
+def test_a_graphed_variant_reports_no_step_memory_rather_than_its_pool_as_zero():
+    class Graphed:
+        graphed = True
+
+        def step(self, *batch):
+            raise AssertionError("not stepped: its step memory was taken at capture")
+
+    assert train_bench._peak_step_bytes(Graphed(), (), torch.device("cuda")) is None
+
+
 def test_no_roofline_without_a_known_gpu():
     assert peak_bandwidth(torch.device("cpu")) is None and peak_flops(torch.device("cpu")) is None
 
