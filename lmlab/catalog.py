@@ -21,6 +21,7 @@ BUILTIN_MODULES = (
     "lmlab.training",
     "lmlab.training.tasks",
     "lmlab.training.fp8",
+    "lmlab.training.recompute",
     "lmlab.training.loggers",
     "lmlab.inference.quant",
     "lmlab.inference.samplers",

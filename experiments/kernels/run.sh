@@ -11,12 +11,15 @@
 #           step replayed from CUDA graphs (`+graphs`)
 #   graphs14  the ~1.4B config at B14_BATCH (16) x 2048 tokens: BEST+graphs (the whole step compiled and replayed from CUDA
 #           graphs), then BEST, each in a process of its own (two resident variants fill an H200 here)
+#   recompute  activation recomputation (recompute=selective, full) against none: the ~400M step, then the ~1.4B step
+#           at B14_BATCH (16) x 2048 tokens with BEST and BEST+recompute-selective (two resident variants), then
+#           BEST+recompute-full alone at twice that batch
 #   b16     the ~1.4B config at 16 x 2048 tokens per step: BEST against BEST with fp8=B16_FP8 (tensorwise; profiles),
 #           then the compiled reference alone in a process of its own (two resident variants fill an H200 here)
 #   fp8-loss  lmlab-train of the ~1.4B config on tinyshakespeare (CORPUS, bytes) for FP8_STEPS steps, each fp8
 #           entry of FP8_RECIPES (none tensorwise rowwise) in turn: the validation loss after the same tokens
 # fp8 needs torchao: carry its wheel. Env: B14_BATCH, CORPUS (outputs/data/tinyshakespeare.txt), FP8_STEPS (300), FP8_RECIPES, B16_FP8.
-# Usage: experiments/kernels/run.sh OUT_DIR [tests|kernels|train|graphs|graphs14|fp8|b16|fp8-loss ...]   (tests kernels train by default)
+# Usage: experiments/kernels/run.sh OUT_DIR [tests|kernels|train|graphs|graphs14|recompute|fp8|b16|fp8-loss ...]   (tests kernels train by default)
 set -euo pipefail
 D=${1:?usage: run.sh OUT_DIR [tests|kernels|train ...]}
 shift
@@ -59,6 +62,14 @@ for part in $PARTS; do
                 $LMLAB bench train $B14_BENCH data.batch_size=${B14_BATCH:-16} --variants "$v" --steps 6 --warmup 3 \
                     --json "$D/train-1.4b-b${B14_BATCH:-16}-${v//+/_}.json" | tee "$D/train-1.4b-b${B14_BATCH:-16}-${v//+/_}.txt"
             done ;;
+        recompute)
+            $LMLAB bench train $M --variants "$BEST,$BEST+recompute-selective,$BEST+recompute-full" --steps 8 --warmup 3 \
+                --json "$D/train-400m-recompute.json" | tee "$D/train-400m-recompute.txt"
+            $LMLAB bench train $B14_BENCH data.batch_size=${B14_BATCH:-16} --variants "$BEST,$BEST+recompute-selective" \
+                --steps 6 --warmup 3 --json "$D/train-1.4b-recompute.json" | tee "$D/train-1.4b-recompute.txt"
+            # twice the batch, which needs recomputation to fit: full recompute alone in its process
+            $LMLAB bench train $B14_BENCH data.batch_size=$((2 * ${B14_BATCH:-16})) --variants "$BEST+recompute-full" \
+                --steps 4 --warmup 2 --json "$D/train-1.4b-recompute-2x.json" | tee "$D/train-1.4b-recompute-2x.txt" ;;
         fp8-loss)
             for recipe in ${FP8_RECIPES:-none tensorwise rowwise}; do
                 python -m lmlab.cli.train $B14 data=text_files "data.paths=[${CORPUS:-outputs/data/tinyshakespeare.txt}]" \
@@ -67,6 +78,6 @@ for part in $PARTS; do
                     trainer.progress_bar=false trainer.checkpoint_every=100000 cache_dir="$D/cache" \
                     hydra.run.dir="$D/fp8-loss-$recipe" 2>&1 | grep -v -i warn | tail -3 | tee "$D/fp8-loss-$recipe.txt"
             done ;;
-        *) echo "unknown part '$part'; parts: tests kernels train graphs graphs14 fp8 b16 fp8-loss" >&2; exit 2 ;;
+        *) echo "unknown part '$part'; parts: tests kernels train graphs graphs14 recompute fp8 b16 fp8-loss" >&2; exit 2 ;;
     esac
 done

@@ -8,7 +8,8 @@ model, loss and optimizer on random tokens of the configured batch and context, 
 variant: the reference PyTorch path and `kernels=triton`, each eager and under torch.compile
 (`trainer.compile`'s per-block compile, or with `+graphs` the whole step replayed from CUDA graphs:
 `trainer.cuda_graphs`), optionally with float8 block matmuls (`+fp8-rowwise`, `+fp8-tensorwise`: the
-`fp8` config group). A step is forward, loss, backward, gradient clipping and
+`fp8` config group) and activation recomputation (`+recompute-selective`, `+recompute-full`: the `recompute`
+group). A step is forward, loss, backward, gradient clipping and
 the optimizer step, under bf16 autocast on a GPU as `lmlab-train` runs it. Variants are timed in
 turns (median step after warm-up), from the same initial weights. Reported per variant: step
 time, tokens/s, MFU (the model's training FLOPs per token, 6 N plus attention scores, against the
@@ -43,6 +44,7 @@ from lmlab.timing import interleaved_medians, sync
 from lmlab.tokenizers.base import expected_vocab_size
 from lmlab.training.compile import compile_for_training, graphed_model_terms
 from lmlab.training.fp8 import FP8
+from lmlab.training.recompute import RECOMPUTE
 from lmlab.training.hardware import peak_flops
 from lmlab.training.losses import LOSSES
 from lmlab.training.objective import model_terms
@@ -53,39 +55,47 @@ VARIANTS = ("reference", "triton", "reference+compile", "triton+compile")
 
 @dataclass(frozen=True)
 class Variant:
-    """What one variant runs: a `kernels` config, trainer.compile and trainer.cuda_graphs, and an `fp8` entry."""
+    """What one variant runs: a `kernels` config, trainer.compile and trainer.cuda_graphs, an `fp8` entry and a
+    `recompute` entry."""
 
     kernels: dict
     compiled: bool
     fp8: str = "none"
     graphs: bool = False
+    recompute: str = "none"
 
     def overrides(self) -> list[str]:
         """The same settings as lmlab-train overrides."""
         kernels = dict(self.kernels)
         return [f"kernels={kernels.pop('name')}", *(f"kernels.{op}=false" for op in kernels),
-                f"trainer.compile={self.compiled}", f"fp8={self.fp8}", f"trainer.cuda_graphs={self.graphs}"]
+                f"trainer.compile={self.compiled}", f"fp8={self.fp8}", f"trainer.cuda_graphs={self.graphs}",
+                f"recompute={self.recompute}"]
 
 
 def parse_variant(variant: str) -> Variant:
-    """`KERNELS[-OP...][+compile[+graphs]][+fp8-RECIPE]` -> Variant; `-OP` turns one kernel off, e.g.
-    `triton-attention+compile` is kernels=triton kernels.attention=false under torch.compile,
-    `reference+compile+fp8-rowwise` adds fp8=rowwise and `reference+compile+graphs` replays CUDA graphs."""
+    """`KERNELS[-OP...][+compile[+graphs]][+fp8-RECIPE][+recompute-POLICY]` -> Variant; `-OP` turns one kernel
+    off, e.g. `triton-attention+compile` is kernels=triton kernels.attention=false under torch.compile,
+    `reference+compile+fp8-rowwise` adds fp8=rowwise, `reference+compile+graphs` replays CUDA graphs and
+    `reference+compile+recompute-selective` adds recompute=selective."""
     spec, *options = variant.split("+")
     name, *off = spec.split("-")
     fp8 = [o.removeprefix("fp8-") for o in options if o.startswith("fp8-")]
-    unknown = [o for o in options if o not in ("compile", "graphs") and not o.startswith("fp8-")]
+    recompute = [o.removeprefix("recompute-") for o in options if o.startswith("recompute-")]
+    unknown = [o for o in options if o not in ("compile", "graphs") and not o.startswith(("fp8-", "recompute-"))]
     if "graphs" in options and "compile" not in options:
         unknown.append("graphs without compile")
-    if name not in KERNELS or unknown or len(fp8) > 1 or any(f not in FP8 for f in fp8):
-        raise SystemExit(f"lmlab bench train: unknown variant '{variant}'; use KERNELS[-OP...][+compile[+graphs]][+fp8-RECIPE] "
-                         f"with KERNELS in {', '.join(KERNELS.names())} and RECIPE in {', '.join(FP8.names())}")
+    if (name not in KERNELS or unknown or len(fp8) > 1 or any(f not in FP8 for f in fp8) or len(recompute) > 1
+            or any(r not in RECOMPUTE for r in recompute)):
+        raise SystemExit(f"lmlab bench train: unknown variant '{variant}'; use "
+                         "KERNELS[-OP...][+compile[+graphs]][+fp8-RECIPE][+recompute-POLICY] with KERNELS in "
+                         f"{', '.join(KERNELS.names())}, RECIPE in {', '.join(FP8.names())} and POLICY in "
+                         f"{', '.join(RECOMPUTE.names())}")
     fields = {f.name for f in KERNELS.get(name).fields()}
     if set(off) - fields:
         raise SystemExit(f"lmlab bench train: variant '{variant}': {name} has no kernel "
                          f"{', '.join(sorted(set(off) - fields))}; its fields: {', '.join(sorted(fields))}")
     return Variant({"name": name, **{op: False for op in off}}, "compile" in options, fp8[0] if fp8 else "none",
-                   "graphs" in options)
+                   "graphs" in options, recompute[0] if recompute else "none")
 
 
 class Contender:
@@ -98,6 +108,7 @@ class Contender:
         torch.manual_seed(cfg.seed)  # every variant starts from the same weights
         self.model = Transformer(cfg.model, vocab).to(device)
         FP8.build(chosen.fp8).install(self.model)  # before compiling, as lmlab-train does
+        RECOMPUTE.build(chosen.recompute).install(self.model)
         self.loss_fn = LOSSES.build(cfg.loss)
         ops = KERNELS.build(chosen.kernels)
         install_kernels(ops, self.model, self.loss_fn)
@@ -215,7 +226,8 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="lmlab bench train", description=__doc__.splitlines()[0])
     parser.add_argument("overrides", nargs="*", help="lmlab-train overrides, e.g. model=llama400m")
     parser.add_argument("--variants", default=",".join(VARIANTS),
-                        help=f"comma-separated KERNELS[-OP...][+compile[+graphs]][+fp8-RECIPE], e.g. triton-attention+compile "
+                        help=f"comma-separated KERNELS[-OP...][+compile[+graphs]][+fp8-RECIPE][+recompute-POLICY], e.g. "
+                             "triton-attention+compile "
                              f"(default: {','.join(VARIANTS)})")
     parser.add_argument("--steps", type=int, default=10, help="timed steps per variant (default 10)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps per variant first (default 3)")

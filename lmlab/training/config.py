@@ -93,6 +93,7 @@ class TrainConfig:
     kernels: Any = MISSING
     qat: Any = MISSING  # quantization-aware training: none, int8, int4
     fp8: Any = MISSING  # float8 training of the block matmuls: none, tensorwise, rowwise (torchao)
+    recompute: Any = MISSING  # activation recomputation in the blocks' backward: none, full, selective
     logger: Any = MISSING
     task: Any = MISSING  # pretrain, or a post-training stage from init_from (sft, dpo, reward_model, grpo, ppo)
     rl_loss: Any = MISSING  # the policy-gradient loss of task=grpo/ppo

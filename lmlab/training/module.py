@@ -35,6 +35,7 @@ from lmlab.training.losses import LOSSES
 from lmlab.training.noise_scale import NoiseScale
 from lmlab.training.objective import model_terms, takes_hidden
 from lmlab.training.progress import is_log_step
+from lmlab.training.recompute import RECOMPUTE
 from lmlab.training.step_guard import StepGuard
 
 log = logging.getLogger(__name__)
@@ -83,6 +84,8 @@ class LanguageModelTask(L.LightningModule):
             raise ConfigError(f"qat={cfg.qat.name} and fp8={cfg.fp8.name} both replace the model's Linears; pick one")
         if n := self.fp8.install(self.model):  # fp8=tensorwise/rowwise: the blocks' matmuls in float8
             log.info("fp8=%s: %d block Linears train with float8 matmuls", cfg.fp8.name, n)
+        if n := RECOMPUTE.build(cfg.recompute).install(self.model):  # after fp8: its Linears are the blocks' now
+            log.info("recompute=%s: %d blocks recompute their activations in the backward", cfg.recompute.name, n)
         self.loss_fn = LOSSES.build(cfg.loss)
         if takes_hidden(self.loss_fn):
             self.model.output_head()  # loss.fused_head: fails now, not at the first step, where the head cannot fuse

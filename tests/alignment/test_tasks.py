@@ -64,6 +64,14 @@ def test_packed_sft_trains_each_example_apart(data, tmp_path):
     assert math.isfinite(results["val/loss"]) and math.isfinite(results["train/loss"])
 
 
+def test_a_stage_recomputes_its_policy_and_trains_as_without(data, tmp_path):
+    # dpo: the frozen reference is a copy of the recomputing policy
+    plain, _ = run_stage(data, tmp_path / "plain", "dpo", "task.batch_size=8", "optim.lr=3e-3")
+    recomputed, ckpt = run_stage(data, tmp_path / "full", "dpo", "task.batch_size=8", "optim.lr=3e-3", "recompute=full")
+    assert recomputed["val/loss"] == pytest.approx(plain["val/loss"], rel=1e-4)
+    assert torch.load(ckpt, weights_only=False)[CONFIG_KEY]["recompute"]["name"] == "full"
+
+
 def test_dpo_and_the_reward_model_learn_the_preference(data, tmp_path):
     dpo, _ = run_stage(data, tmp_path, "dpo", "task.batch_size=8", "optim.lr=3e-3")
     assert dpo["val/reward_accuracy"] > 0.5 and dpo["val/margin"] > 0 and dpo["val/loss"] < math.log(2)

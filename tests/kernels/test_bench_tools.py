@@ -78,11 +78,13 @@ def test_bench_train_variants_name_kernels_compile_and_fp8():
     variant = train_bench.parse_variant("triton-attention+compile+fp8-rowwise")
     assert variant == train_bench.Variant({"name": "triton", "attention": False}, True, "rowwise")
     assert variant.overrides() == ["kernels=triton", "kernels.attention=false", "trainer.compile=True", "fp8=rowwise",
-                                   "trainer.cuda_graphs=False"]
+                                   "trainer.cuda_graphs=False", "recompute=none"]
+    assert train_bench.parse_variant("reference+compile+recompute-selective").recompute == "selective"
     assert train_bench.parse_variant("reference") == train_bench.Variant({"name": "reference"}, False, "none")
     graphed = train_bench.parse_variant("reference+compile+graphs")
     assert graphed.graphs and graphed.compiled and "trainer.cuda_graphs=True" in graphed.overrides()
-    for bad in ("reference+fast", "reference+fp8-fancy", "triton-nothing", "cuda", "reference+graphs"):
+    for bad in ("reference+fast", "reference+fp8-fancy", "triton-nothing", "cuda", "reference+graphs",
+                "reference+recompute-most"):
         try:
             train_bench.parse_variant(bad)
         except SystemExit as exit:

@@ -33,6 +33,7 @@ from lmlab.training.loggers import build_logger, final_scalars
 from lmlab.training.module import METRICS_KEY, optimizer_and_schedule
 from lmlab.training.progress import quiet_library_noise
 from lmlab.training.resume import resolve_auto_resume
+from lmlab.training.recompute import RECOMPUTE
 from lmlab.training.run import build_trainer
 from lmlab.training.tasks import Task, check_single_process
 
@@ -41,7 +42,7 @@ log = logging.getLogger(__name__)
 # The groups a stage takes from its own command line; every other one (model, tokenizer, data) is the
 # policy's, so a stage's checkpoint loads like the one it started from.
 STAGE_GROUPS = ("task", "optim", "sched", "loss", "rl_loss", "pref_loss", "reward", "trainer", "logger", "seed",
-                "init_from")
+                "init_from", "recompute")
 POLICY_GROUPS = ("model", "tokenizer", "data")  # init_from's; a stage reads its examples from task.data
 
 
@@ -100,6 +101,7 @@ class PostTraining(Task):
         L.seed_everything(cfg.seed, workers=True, verbose=False)
         policy, tokenizer, base = load(cfg.init_from)
         policy.train()
+        RECOMPUTE.build(cfg.recompute).install(policy)  # before build, which may copy the policy as a frozen reference
         module, datamodule = self.build(cfg, policy, tokenizer, CHAT_TEMPLATES.build(self.cfg.template))
         module.base_config = OmegaConf.to_container(base, resolve=True)
         logger = build_logger(cfg.logger, output_dir)

@@ -141,6 +141,11 @@ class TopKRouter(Router):
         # loss term that fights the language-modelling gradient (Wang et al., 2024).
         self.register_buffer("expert_bias", torch.zeros(cfg.n_experts))
 
+    @property
+    def updates_state_in_forward(self) -> bool:
+        """The training forward steps `expert_bias`: a second forward of the batch (recompute=) would step it twice."""
+        return bool(self.cfg.bias_update_rate)
+
     def forward(self, logits: torch.Tensor, token_ids: torch.Tensor | None = None) -> Routing:
         scores = self.score(logits)
         selection = scores + self.expert_bias
