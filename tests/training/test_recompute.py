@@ -97,6 +97,24 @@ def test_a_router_that_steps_its_bias_in_the_forward_is_refused(make_cfg, tiny_o
         RECOMPUTE.build("selective").install(Transformer(cfg.model, 320))
 
 
+@pytest.mark.parametrize("policy", POLICIES)
+def test_torch_compile_traces_one_graph_for_every_recomputed_block(make_cfg, tiny_overrides, policy):
+    # A function set on each block (rather than one shared class) made Dynamo skip the blocks, which then ran
+    # eagerly: on an H100 the ~400M step ran at 0.55x (selective) and 0.51x (full) the speed of compiled blocks.
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    from lmlab.training.compile import compile_for_training
+
+    torch._dynamo.reset()
+    counters.clear()
+    model, loss_fn = _model(make_cfg, [*tiny_overrides, "model.n_layers=4"], policy)
+    compile_for_training(model, loss_fn)
+    _loss_and_grads(model, loss_fn)
+    assert counters["stats"]["unique_graphs"] == 3 and not counters["graph_break"]  # the blocks', the norm's, the loss's
+
+
+@pytest.mark.slow
 def test_lmlab_train_runs_with_recompute_under_compile(tiny_overrides, tmp_path, make_cfg):
     from lmlab.training import train
 
