@@ -66,8 +66,8 @@ def recompute_block(name: str, block: nn.Module, context_fn=None) -> None:
 @functools.cache
 def recomputing(cls: type[nn.Module], context_fn) -> type[nn.Module]:
     """`cls` with its forward checkpointed. One class per (block class, context): blocks of a kind keep sharing
-    their code, so torch.compile still traces one graph for all of them (a function set on each instance would be
-    a new guard, and a recompile, per block)."""
+    their code, so torch.compile still traces one graph for all of them (Dynamo skipped, and left eager, blocks
+    whose forward was a function set on the instance)."""
 
     # no context_fn at all without one: torch.compile cannot trace checkpoint's default (noop_context_fn) passed in
     options = {} if context_fn is None else {"context_fn": context_fn}
