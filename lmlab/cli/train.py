@@ -52,15 +52,17 @@ def resume_command(hydra_cfg: DictConfig, output_dir: str) -> str:
 
 def _train(cfg: DictConfig, output_dir: str) -> float:
     from lmlab.training.loggers import check_installed
-    from lmlab.training.tasks import TASKS
+    from lmlab.training.tasks import TASKS, check_applied_groups
 
     check_installed(cfg.logger)
     check_fresh_folder(cfg, Path(output_dir))
+    task = TASKS.build(cfg.task)
+    check_applied_groups(task, cfg)
     hydra_cfg = HydraConfig.get()
     if not cfg.logger.run_name:  # here: Hydra's state is gone in the processes a parallel run spawns
         cfg.logger.run_name = sweep_run_name(hydra_cfg)
     try:
-        return TASKS.build(cfg.task).run(cfg, output_dir)["val_loss"]
+        return task.run(cfg, output_dir)["val_loss"]
     except RunInterrupted as stopped:
         raise RunInterrupted(f"{stopped}\nresume with:\n  {resume_command(hydra_cfg, output_dir)}",
                              stopped.exit_code) from None
@@ -69,10 +71,12 @@ def _train(cfg: DictConfig, output_dir: str) -> float:
 def check_job(cfg: DictConfig) -> None:
     """What every job of a sweep must pass before the first starts: its logger installed, its task's checks."""
     from lmlab.training.loggers import check_installed
-    from lmlab.training.tasks import TASKS
+    from lmlab.training.tasks import TASKS, check_applied_groups
 
     check_installed(cfg.logger)
-    TASKS.build(cfg.task).check_config(cfg)
+    task = TASKS.build(cfg.task)
+    check_applied_groups(task, cfg)
+    task.check_config(cfg)
 
 
 def main() -> None:

@@ -26,6 +26,8 @@ TASKS = Registry("task", group="task", doc="what lmlab-train trains: pre-trainin
 class Task:
     """Base of the entries."""
 
+    recomputes = False  # applies the `recompute` group to its model
+
     def __init__(self, cfg=None):
         self.cfg = cfg
 
@@ -35,6 +37,14 @@ class Task:
 
     def run(self, cfg: DictConfig, output_dir: str | Path) -> dict[str, float]:
         raise NotImplementedError
+
+
+def check_applied_groups(task: Task, cfg: DictConfig) -> None:
+    """Refuse a group setting that `task` would silently ignore."""
+    if cfg.recompute.name != "none" and not task.recomputes:
+        raise ConfigError(f"task={cfg.task.name} does not apply recompute={cfg.recompute.name}; activation "
+                          "recomputation is for task=pretrain and the post-training stages (sft, dpo, reward_model, "
+                          "grpo, ppo): leave recompute=none")
 
 
 def check_single_process(cfg: DictConfig) -> None:
@@ -47,6 +57,8 @@ def check_single_process(cfg: DictConfig) -> None:
 @TASKS.register("pretrain")
 class Pretrain(Task):
     """Next-token prediction on the `data` corpus, from scratch or from init_from's weights."""
+
+    recomputes = True
 
     def check_config(self, cfg: DictConfig) -> None:
         if cfg.ckpt_path == AUTO:  # which checkpoint that is, if any, shows only in the job's folder

@@ -97,6 +97,14 @@ def test_a_router_that_steps_its_bias_in_the_forward_is_refused(make_cfg, tiny_o
         RECOMPUTE.build("selective").install(Transformer(cfg.model, 320))
 
 
+def test_a_task_that_would_ignore_recompute_refuses_it(make_cfg, tiny_overrides):
+    from lmlab.cli.train import check_job
+
+    with pytest.raises(ConfigError, match="task=contrastive does not apply recompute=full"):
+        check_job(make_cfg([*tiny_overrides, "task=contrastive", "recompute=full"]))
+    check_job(make_cfg([*tiny_overrides, "recompute=full"]))  # pretrain applies it
+
+
 @pytest.mark.parametrize("policy", POLICIES)
 def test_torch_compile_traces_one_graph_for_every_recomputed_block(make_cfg, tiny_overrides, policy):
     # A function set on each block (rather than one shared class) made Dynamo skip the blocks, which then ran

@@ -72,6 +72,8 @@ class PostTraining(Task):
     """Base of the post-training entries: checks, loads the policy, builds the stage's module and data
     (`build`), fits them and saves `checkpoints/last.ckpt`."""
 
+    recomputes = True
+
     def build(self, cfg: DictConfig, policy: nn.Module, tokenizer: Tokenizer,
               template: ChatTemplate) -> tuple[StageModule, L.LightningDataModule]:
         raise NotImplementedError
