@@ -60,6 +60,8 @@ def recompute_block(name: str, block: nn.Module, context_fn=None) -> None:
         raise ConfigError(f"recompute: {', '.join(stateful)} update(s) state in the forward pass, which a recomputed "
                           "block would update twice (e.g. a router's bias_update_rate); use recompute=none or turn "
                           "that update off")
+    if hasattr(block, "recompute_context"):
+        raise ConfigError(f"recompute: {name} recomputes already; a second policy would nest its checkpoint")
     block.__class__ = recomputing(type(block), context_fn)
 
 

@@ -87,6 +87,8 @@ def test_every_picks_the_blocks_and_parameters_stay_as_they_were(make_cfg, tiny_
     for twin in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):  # copies recompute the same blocks
         assert [type(b) for b in twin.layers] == [type(b) for b in model.layers]
         assert twin.layers[0].self_attn.q_proj.weight is not model.layers[0].self_attn.q_proj.weight
+    with pytest.raises(ConfigError, match="layers.0 recomputes already"):
+        RECOMPUTE.build("selective").install(model)
     with pytest.raises(ConfigError, match="recompute.every must be >= 1"):
         RECOMPUTE.build({"name": "full", "every": 0})
 
