@@ -226,8 +226,8 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="lmlab bench train", description=__doc__.splitlines()[0])
     parser.add_argument("overrides", nargs="*", help="lmlab-train overrides, e.g. model=llama400m")
     parser.add_argument("--variants", default=",".join(VARIANTS),
-                        help=f"comma-separated KERNELS[-OP...][+compile[+graphs]][+fp8-RECIPE][+recompute-POLICY], e.g. "
-                             "triton-attention+compile "
+                        help="comma-separated KERNELS[-OP...][+compile[+graphs]][+fp8-RECIPE][+recompute-POLICY], "
+                             "e.g. triton-attention+compile "
                              f"(default: {','.join(VARIANTS)})")
     parser.add_argument("--steps", type=int, default=10, help="timed steps per variant (default 10)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps per variant first (default 3)")

@@ -6,8 +6,8 @@ from pathlib import Path
 import pytest
 
 from lmlab.errors import ConfigError
-from lmlab.eval.datasets import (GSM8KProblem, MMLUQuestion, check_gsm8k_source, check_mmlu_source, load_gsm8k, load_mmlu,
-                                 read_gsm8k, read_mmlu)
+from lmlab.eval.datasets import (GSM8KProblem, MMLUQuestion, check_gsm8k_source, check_mmlu_source, load_gsm8k,
+                                 load_mmlu, read_gsm8k, read_mmlu)
 
 FIXTURES = Path(__file__).parent / "fixtures"
 

@@ -32,8 +32,8 @@ from lmlab.training.checkpoints import CONFIG_KEY, TOKENIZER_KEY, load, read_che
 from lmlab.training.loggers import build_logger, final_scalars
 from lmlab.training.module import METRICS_KEY, optimizer_and_schedule
 from lmlab.training.progress import quiet_library_noise
-from lmlab.training.resume import resolve_auto_resume
 from lmlab.training.recompute import RECOMPUTE
+from lmlab.training.resume import resolve_auto_resume
 from lmlab.training.run import build_trainer
 from lmlab.training.tasks import Task, check_single_process
 
