@@ -52,12 +52,10 @@ def resume_command(hydra_cfg: DictConfig, output_dir: str) -> str:
 
 def _train(cfg: DictConfig, output_dir: str) -> float:
     from lmlab.training.loggers import check_installed
-    from lmlab.training.tasks import TASKS, check_applied_groups
 
     check_installed(cfg.logger)
     check_fresh_folder(cfg, Path(output_dir))
-    task = TASKS.build(cfg.task)
-    check_applied_groups(task, cfg)
+    task = _task(cfg)
     hydra_cfg = HydraConfig.get()
     if not cfg.logger.run_name:  # here: Hydra's state is gone in the processes a parallel run spawns
         cfg.logger.run_name = sweep_run_name(hydra_cfg)
@@ -71,12 +69,18 @@ def _train(cfg: DictConfig, output_dir: str) -> float:
 def check_job(cfg: DictConfig) -> None:
     """What every job of a sweep must pass before the first starts: its logger installed, its task's checks."""
     from lmlab.training.loggers import check_installed
-    from lmlab.training.tasks import TASKS, check_applied_groups
 
     check_installed(cfg.logger)
+    _task(cfg).check_config(cfg)
+
+
+def _task(cfg: DictConfig):
+    """The job's `task` entry, refusing the group settings it would ignore."""
+    from lmlab.training.tasks import TASKS, check_applied_groups
+
     task = TASKS.build(cfg.task)
     check_applied_groups(task, cfg)
-    task.check_config(cfg)
+    return task
 
 
 def main() -> None:

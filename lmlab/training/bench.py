@@ -44,10 +44,10 @@ from lmlab.timing import interleaved_medians, sync
 from lmlab.tokenizers.base import expected_vocab_size
 from lmlab.training.compile import compile_for_training, graphed_model_terms
 from lmlab.training.fp8 import FP8
-from lmlab.training.recompute import RECOMPUTE
 from lmlab.training.hardware import peak_flops
 from lmlab.training.losses import LOSSES
 from lmlab.training.objective import model_terms
+from lmlab.training.recompute import RECOMPUTE
 from lmlab.training.profile import profiler_for
 
 VARIANTS = ("reference", "triton", "reference+compile", "triton+compile")

@@ -84,7 +84,7 @@ class LanguageModelTask(L.LightningModule):
             raise ConfigError(f"qat={cfg.qat.name} and fp8={cfg.fp8.name} both replace the model's Linears; pick one")
         if n := self.fp8.install(self.model):  # fp8=tensorwise/rowwise: the blocks' matmuls in float8
             log.info("fp8=%s: %d block Linears train with float8 matmuls", cfg.fp8.name, n)
-        if n := RECOMPUTE.build(cfg.recompute).install(self.model):  # after fp8: its Linears are the blocks' now
+        if n := RECOMPUTE.build(cfg.recompute).install(self.model):
             log.info("recompute=%s: %d blocks recompute their activations in the backward", cfg.recompute.name, n)
         self.loss_fn = LOSSES.build(cfg.loss)
         if takes_hidden(self.loss_fn):
