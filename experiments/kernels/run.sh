@@ -16,10 +16,12 @@
 #           BEST+recompute-full alone at twice that batch
 #   b16     the ~1.4B config at 16 x 2048 tokens per step: BEST against BEST with fp8=B16_FP8 (tensorwise; profiles),
 #           then the compiled reference alone in a process of its own (two resident variants fill an H200 here)
+#   attention  the attention probes: the Gluon forward and dK/dV kernels (FlashAttention-3's overlap of the softmax
+#           with the tensor cores) against the shipped Triton kernels and cuDNN, then each pass apart
 #   fp8-loss  lmlab-train of the ~1.4B config on tinyshakespeare (CORPUS, bytes) for FP8_STEPS steps, each fp8
 #           entry of FP8_RECIPES (none tensorwise rowwise) in turn: the validation loss after the same tokens
 # fp8 needs torchao: carry its wheel. Env: B14_BATCH, CORPUS (outputs/data/tinyshakespeare.txt), FP8_STEPS (300), FP8_RECIPES, B16_FP8.
-# Usage: experiments/kernels/run.sh OUT_DIR [tests|kernels|train|graphs|graphs14|recompute|fp8|b16|fp8-loss ...]   (tests kernels train by default)
+# Usage: experiments/kernels/run.sh OUT_DIR [tests|kernels|train|graphs|graphs14|recompute|attention|fp8|b16|fp8-loss ...]   (tests kernels train by default)
 set -euo pipefail
 D=${1:?usage: run.sh OUT_DIR [tests|kernels|train ...]}
 shift
@@ -70,6 +72,13 @@ for part in $PARTS; do
             # twice the batch, which needs recomputation to fit: full recompute alone in its process
             $LMLAB bench train $B14_BENCH data.batch_size=$((2 * ${B14_BATCH:-16})) --variants "$BEST+recompute-full" \
                 --steps 4 --warmup 2 --json "$D/train-1.4b-recompute-2x.json" | tee "$D/train-1.4b-recompute-2x.txt" ;;
+        attention)
+            python experiments/kernels/attention_gluon_probe.py --json "$D/attention-gluon-probe.json" \
+                | tee "$D/attention-gluon-probe.txt"
+            python experiments/kernels/attention_gluon_bwd_probe.py --json "$D/attention-gluon-bwd-probe.json" \
+                | tee "$D/attention-gluon-bwd-probe.txt"
+            python experiments/kernels/attention_passes_probe.py --json "$D/attention-passes.json" \
+                | tee "$D/attention-passes.txt" ;;
         fp8-loss)
             for recipe in ${FP8_RECIPES:-none tensorwise rowwise}; do
                 python -m lmlab.cli.train $B14 data=text_files "data.paths=[${CORPUS:-outputs/data/tinyshakespeare.txt}]" \
@@ -78,6 +87,6 @@ for part in $PARTS; do
                     trainer.progress_bar=false trainer.checkpoint_every=100000 cache_dir="$D/cache" \
                     hydra.run.dir="$D/fp8-loss-$recipe" 2>&1 | grep -v -i warn | tail -3 | tee "$D/fp8-loss-$recipe.txt"
             done ;;
-        *) echo "unknown part '$part'; parts: tests kernels train graphs graphs14 recompute fp8 b16 fp8-loss" >&2; exit 2 ;;
+        *) echo "unknown part '$part'; parts: tests kernels train graphs graphs14 recompute attention fp8 b16 fp8-loss" >&2; exit 2 ;;
     esac
 done

@@ -1,0 +1,252 @@
+"""Does the softmax-backward overlap of FlashAttention-3 speed up lmlab's dK/dV kernel? A Gluon probe.
+
+lmlab's backward runs a dQ kernel (which also stores delta = rowsum(dO * O)), then a dK/dV kernel.
+Each program of the dK/dV kernel holds one block of keys and walks the query blocks below the
+diagonal: S^T = K Q^T and dP^T = V dO^T, then P^T = exp(S^T - LSE) and dS^T = P^T (dP^T - delta) on
+the CUDA cores, then dV += P^T dO and dK += dS^T Q. Triton waits for every wgmma group as soon as it
+is issued (the sm_90 PTX: `wgmma.wait_group 0` after each; `attention_sass.py`), so the tensor cores
+idle while the exponentials run. This Gluon kernel (causal, bf16, sm_90) issues query block i's
+S^T and dP^T, then block i-1's dV and dK updates, waits for the first two alone (wgmma groups
+complete in order), and computes block i's P^T and dS^T while the tensor cores run the updates.
+Q and dO arrive by TMA in a ring of NUM_BUF slots; block i-1+NUM_BUF loads into the slot that block
+i-1 frees. Programs follow `flash_triton`'s schedule (early key blocks, the heavy ones, first).
+
+Timed as the whole backward: the shipped dQ kernel (autotuned, it also writes delta) followed by
+this dK/dV kernel, against the shipped backward and cuDNN's, medians with L2 emptied, at the
+training steps' and the issue's shapes; dK and dV are checked against the shipped kernel's first.
+
+Probe limits: causal self-attention, as many K/V heads as query heads, sequence a multiple of 128,
+head_dim 64 or 128, bf16, Hopper.
+
+    python experiments/kernels/attention_gluon_bwd_probe.py --json OUT.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                              warpgroup_mma_init, warpgroup_mma_wait)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from lmlab.kernels import flash_triton
+from lmlab.kernels.bench import median_seconds
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from attention_gluon_probe import SHAPES, _schedule  # noqa: E402  (a sibling script, not a package)
+
+
+@gluon.jit
+def _load_q_do(q_desc, do_desc, q_smem, do_smem, q_bars, do_bars, row0, i, end, BLOCK_M: gl.constexpr,
+               NUM_BUF: gl.constexpr):
+    """Start the TMA copies of query block i's Q and dO into ring slot i % NUM_BUF (none when i >= end)."""
+    slot = i % NUM_BUF
+    ok = i < end
+    mbarrier.expect(q_bars.index(slot), q_desc.block_type.nbytes, pred=ok)
+    tma.async_copy_global_to_shared(q_desc, [row0 + i * BLOCK_M, 0], q_bars.index(slot), q_smem.index(slot), pred=ok)
+    mbarrier.expect(do_bars.index(slot), do_desc.block_type.nbytes, pred=ok)
+    tma.async_copy_global_to_shared(do_desc, [row0 + i * BLOCK_M, 0], do_bars.index(slot), do_smem.index(slot),
+                                    pred=ok)
+
+
+@gluon.jit
+def _transposed_scores(k_smem, v_smem, q_smem, do_smem, q_bars, do_bars, i, first, st_layout: gl.constexpr,
+                       BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_BUF: gl.constexpr):
+    """Issue query block i's S^T = K Q^T and dP^T = V dO^T once its Q and dO have landed: two wgmma groups."""
+    slot = i % NUM_BUF
+    phase = ((i - first) // NUM_BUF) & 1
+    zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, st_layout)
+    mbarrier.wait(q_bars.index(slot), phase)
+    st = warpgroup_mma(k_smem, q_smem.index(slot).permute((1, 0)), zero, use_acc=False, is_async=True)
+    mbarrier.wait(do_bars.index(slot), phase)
+    dpt = warpgroup_mma(v_smem, do_smem.index(slot).permute((1, 0)), zero, use_acc=False, is_async=True)
+    return st, dpt
+
+
+@gluon.jit
+def _softmax_grad(st, dpt, LSE, DELTA, stat0, i, start_n, qk_scale, st_layout: gl.constexpr,
+                  kv_layout: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+    """Query block i's P^T and dS^T (the causal mask where the block reaches the diagonal) as the next
+    wgmmas' register operands."""
+    cols = i * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, st_layout))  # query positions
+    lse2 = gl.load(LSE + stat0 + cols) * 1.4426950408889634  # natural log -> base 2
+    delta = gl.load(DELTA + stat0 + cols)
+    pt = gl.exp2(st * qk_scale - gl.expand_dims(lse2, 0))
+    if i * BLOCK_M < start_n + BLOCK_N:
+        rows = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, st_layout))  # key positions
+        pt = gl.where(gl.expand_dims(cols, 0) >= gl.expand_dims(rows, 1), pt, 0.0)
+    dst = pt * (dpt - gl.expand_dims(delta, 0))
+    operand: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kv_layout, k_width=2)
+    return gl.convert_layout(pt.to(gl.bfloat16), operand), gl.convert_layout(dst.to(gl.bfloat16), operand)
+
+
+@gluon.jit
+def _updates(pt, dst, dv, dk, q_smem, do_smem, i, NUM_BUF: gl.constexpr):
+    """Issue dV += P^T dO and dK += dS^T Q for query block i: two wgmma groups."""
+    slot = i % NUM_BUF
+    dv = warpgroup_mma(pt, do_smem.index(slot), dv, is_async=True)
+    dk = warpgroup_mma(dst, q_smem.index(slot), dk, is_async=True)
+    return dv, dk
+
+
+@gluon.jit
+def _bwd_dkdv(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, DELTA, SEQ, qk_scale, scale, N_SMS,
+              HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_BUF: gl.constexpr,
+              NUM_WARPS: gl.constexpr):
+    st_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
+                                                        instr_shape=[16, BLOCK_M, 16])
+    kv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
+                                                        instr_shape=[16, HEAD_DIM, 16])
+    n_blocks = SEQ // BLOCK_N
+    pid_n, bh = _schedule(n_blocks, gl.num_programs(0) // n_blocks, N_SMS, False)
+    start_n = pid_n * BLOCK_N
+    row0 = bh * SEQ  # this head's first row in the (batch * heads * seq, head_dim) views
+    stat0 = bh.to(gl.int64) * SEQ  # its first LSE and delta
+    first = start_n // BLOCK_M  # queries before start_n see none of these keys
+    end = SEQ // BLOCK_M
+
+    k_smem = gl.allocate_shared_memory(k_desc.dtype, [BLOCK_N, HEAD_DIM], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(v_desc.dtype, [BLOCK_N, HEAD_DIM], v_desc.layout)
+    q_smem = gl.allocate_shared_memory(q_desc.dtype, [NUM_BUF, BLOCK_M, HEAD_DIM], q_desc.layout)
+    do_smem = gl.allocate_shared_memory(do_desc.dtype, [NUM_BUF, BLOCK_M, HEAD_DIM], do_desc.layout)
+    kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    q_bars = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
+    do_bars = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(kv_bar, count=1)
+    for s in gl.static_range(NUM_BUF):
+        mbarrier.init(q_bars.index(s), count=1)
+        mbarrier.init(do_bars.index(s), count=1)
+    fence_async_shared()
+
+    mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(k_desc, [row0 + start_n, 0], kv_bar, k_smem)
+    tma.async_copy_global_to_shared(v_desc, [row0 + start_n, 0], kv_bar, v_smem)
+    for s in gl.static_range(NUM_BUF):
+        _load_q_do(q_desc, do_desc, q_smem, do_smem, q_bars, do_bars, row0, first + s, end, BLOCK_M, NUM_BUF)
+    mbarrier.wait(kv_bar, 0)
+
+    # The first query block on its own: nothing to overlap yet.
+    st, dpt = _transposed_scores(k_smem, v_smem, q_smem, do_smem, q_bars, do_bars, first, first, st_layout,
+                                 BLOCK_M, BLOCK_N, NUM_BUF)
+    st, dpt = warpgroup_mma_wait(0, deps=[st, dpt])
+    pt, dst = _softmax_grad(st, dpt, LSE, DELTA, stat0, first, start_n, qk_scale, st_layout, kv_layout, BLOCK_M,
+                            BLOCK_N)
+    dv = warpgroup_mma_init(gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, kv_layout))
+    dk = warpgroup_mma_init(gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, kv_layout))
+    # Then block i's S^T and dP^T, block i-1's updates, a wait for the former alone, block i's P^T and dS^T
+    # while the updates run. Each register written while a wgmma is in flight is a new one (the previous
+    # P^T and dS^T stay alive until their updates are waited for), so ptxas has no reason to serialize.
+    for i in range(first + 1, end):
+        st, dpt = _transposed_scores(k_smem, v_smem, q_smem, do_smem, q_bars, do_bars, i, first, st_layout,
+                                     BLOCK_M, BLOCK_N, NUM_BUF)
+        dv, dk = _updates(pt, dst, dv, dk, q_smem, do_smem, i - 1, NUM_BUF)
+        st, dpt = warpgroup_mma_wait(2, deps=[st, dpt])
+        pt_next, dst_next = _softmax_grad(st, dpt, LSE, DELTA, stat0, i, start_n, qk_scale, st_layout, kv_layout,
+                                          BLOCK_M, BLOCK_N)
+        dv, dk, pt, dst = warpgroup_mma_wait(0, deps=[dv, dk, pt, dst])
+        # query block i-1's Q and dO are no longer read: its slot takes block i - 1 + NUM_BUF
+        _load_q_do(q_desc, do_desc, q_smem, do_smem, q_bars, do_bars, row0, i - 1 + NUM_BUF, end, BLOCK_M, NUM_BUF)
+        dv = warpgroup_mma_init(dv)
+        dk = warpgroup_mma_init(dk)
+        pt = pt_next
+        dst = dst_next
+    dv, dk = _updates(pt, dst, dv, dk, q_smem, do_smem, end - 1, NUM_BUF)
+    dv, dk = warpgroup_mma_wait(0, deps=[dv, dk])
+
+    # K and V are no longer read: their buffers stage dK and dV for the TMA stores.
+    k_smem.store((dk * scale).to(dk_desc.dtype))
+    v_smem.store(dv.to(dv_desc.dtype))
+    fence_async_shared()
+    tma.async_copy_shared_to_global(dk_desc, [row0 + start_n, 0], k_smem)
+    tma.async_copy_shared_to_global(dv_desc, [row0 + start_n, 0], v_smem)
+    tma.store_wait(0)
+    mbarrier.invalidate(kv_bar)
+    for s in gl.static_range(NUM_BUF):
+        mbarrier.invalidate(q_bars.index(s))
+        mbarrier.invalidate(do_bars.index(s))
+
+
+def _shipped_dq(q, k, v, out, lse, d_out):
+    """The shipped dQ kernel (autotuned): (dq, delta), delta = rowsum(dO * O) as the dK/dV kernel reads it."""
+    b, h, s, d = q.shape
+    dq = torch.empty_like(q)
+    delta = torch.empty((b, h, s), dtype=torch.float32, device=q.device)
+    strides = [t.stride()[:3] for t in (q, k, v, out, d_out, dq)]
+    grid = lambda meta: (triton.cdiv(s, meta["BLOCK_M"]) * b * h,)  # noqa: E731
+    flash_triton._bwd_dq_kernel[grid](q, k, v, out, d_out, lse, delta, dq, *(x for st in strides for x in st), h, 1,
+                                      s, s, math.log2(math.e) / math.sqrt(d), 1 / math.sqrt(d),
+                                      torch.cuda.get_device_properties(q.device).multi_processor_count,
+                                      HEAD_DIM=d, CAUSAL=True, PREC="tf32")
+    return dq, delta
+
+
+def gluon_backward(q, k, v, out, lse, d_out, block_m: int, block_n: int, num_buf: int, warps: int):
+    """Causal attention's (dq, dk, dv) for contiguous bf16 (batch, heads, seq, head_dim) tensors: the shipped dQ
+    kernel, then the Gluon dK/dV kernel."""
+    b, h, s, d = q.shape
+    dq, delta = _shipped_dq(q, k, v, out, lse, d_out)
+    dk, dv = torch.empty_like(k), torch.empty_like(v)
+    descs = []
+    for t, rows in ((q, block_m), (k, block_n), (v, block_n), (d_out, block_m), (dk, block_n), (dv, block_n)):
+        layout = gl.NVMMASharedLayout.get_default_for([rows, d], gl.bfloat16)
+        descs.append(TensorDescriptor.from_tensor(t.view(b * h * s, d), [rows, d], layout))
+    sms = torch.cuda.get_device_properties(q.device).multi_processor_count
+    _bwd_dkdv[(s // block_n * b * h,)](*descs, lse, delta, s, math.log2(math.e) / math.sqrt(d), 1 / math.sqrt(d),
+                                       sms, HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n, NUM_BUF=num_buf,
+                                       NUM_WARPS=warps, num_warps=warps)
+    return dq, dk, dv
+
+
+SETTINGS = [(64, 128, 2, 8), (64, 128, 3, 8), (64, 64, 2, 4), (64, 64, 3, 4), (32, 64, 3, 4)]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    dev = torch.device("cuda")
+    rows = []
+    for b, h, s, d in SHAPES:
+        q, k, v = (torch.randn(b, h, s, d, device=dev, dtype=torch.bfloat16) for _ in range(3))
+        d_out = torch.randn_like(q)
+        out, lse = flash_triton.flash_attention_triton_forward(q, k, v, True)
+        expected = flash_triton._backward_op(q, k, v, out, lse, d_out, True, 1 / math.sqrt(d))
+        fwd_flops = 4 * b * h * s * s * d / 2
+        qc, kc, vc = (t.detach().clone().requires_grad_() for t in (q, k, v))
+        cudnn_out = torch.nn.functional.scaled_dot_product_attention(qc, kc, vc, is_causal=True)
+        candidates = {
+            "sdpa backward": lambda: torch.autograd.grad(cudnn_out, (qc, kc, vc), d_out, retain_graph=True),
+            "shipped backward": lambda: flash_triton._backward_op(q, k, v, out, lse, d_out, True, 1 / math.sqrt(d))}
+        for setting in SETTINGS:
+            candidates[f"dQ + gluon dK/dV {setting}"] = (
+                lambda setting=setting: gluon_backward(q, k, v, out, lse, d_out, *setting))
+        for name, fn in candidates.items():
+            try:
+                grads = fn()
+                err = max((g.float() - e.float()).abs().max().item() for g, e in zip(grads, expected))
+                seconds = median_seconds(fn, args.repeats, 3, dev)
+            except Exception as exc:  # a setting that does not compile or fit: reported, not fatal
+                print(f"B{b} H{h} S{s} D{d} {name}: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}",
+                      flush=True)
+                continue
+            row = {"shape": f"B{b} H{h} S{s} D{d}", "impl": name, "ms": seconds * 1e3,
+                   "tflops": 2.5 * fwd_flops / seconds / 1e12, "max_abs_err_vs_shipped": err}
+            rows.append(row)
+            print(f"{row['shape']:20} {name:36} {row['ms']:7.3f} ms {row['tflops']:6.1f} TFLOP/s "
+                  f"err vs shipped {err:.1e}", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(dev), "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

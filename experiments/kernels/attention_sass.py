@@ -1,0 +1,129 @@
+"""What the attention kernels compile to on sm_90, without a GPU: registers, spills, and how their wgmmas wait.
+
+Compiles, for sm_90a with the ptxas that ships with Triton, every 16-bit tile setting of
+`lmlab.kernels.flash_triton`'s three kernels (forward, dK/dV, dQ) and each setting of the Gluon
+forward (`attention_gluon_probe.py`) and dK/dV kernel (`attention_gluon_bwd_probe.py`), as a launch
+would specialize them (causal, bf16, one K/V head
+per query head, pointers and strides 16-byte aligned). Per kernel and setting it prints:
+
+- registers per thread and spilled bytes (`ptxas -v`);
+- HGMMA and `WARPGROUP.DEPBAR` counts in the SASS: one DEPBAR after every HGMMA means ptxas
+  serialized the wgmmas, which it also says in a C75xx "Potential Performance Loss" line, shown;
+- the `wgmma.wait_group` arguments in the PTX, in order: 0 waits for every wgmma in flight, N lets
+  the N most recent groups run on (the Gluon kernels' overlap of the softmax with the tensor cores).
+
+    python experiments/kernels/attention_sass.py [--head-dims 64 128]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon._runtime import GluonASTSource
+
+from lmlab.kernels import flash_triton
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import attention_gluon_bwd_probe  # noqa: E402  (sibling scripts, not a package)
+import attention_gluon_probe  # noqa: E402
+
+BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+SM90 = GPUTarget("cuda", 90, 32)
+POINTERS = {"Q": "bf16", "K": "bf16", "V": "bf16", "O": "bf16", "DO": "bf16", "DK": "bf16", "DV": "bf16",
+            "DQ": "bf16", "LSE": "fp32", "DELTA": "fp32"}
+FLOATS = ("qk_scale", "scale")
+
+
+def _signature(names: list[str], constants: dict, descriptor=None) -> tuple[dict, dict]:
+    """Triton's signature and alignment attributes for a launch with these argument names."""
+    signature, attrs = {}, {}
+    for i, name in enumerate(names):
+        if name in constants:
+            signature[name] = "constexpr"
+        elif name.endswith("_desc"):
+            signature[name] = descriptor(name)
+        elif name in POINTERS:
+            signature[name], attrs[(i,)] = "*" + POINTERS[name], [["tt.divisibility", 16]]
+        elif name in FLOATS:
+            signature[name] = "fp32"
+        else:
+            signature[name] = "i32"
+            if name.startswith(("stride", "SEQ")):
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    return signature, attrs
+
+
+def triton_kernel(kernel, head_dim: int, block_m: int, block_n: int, warps: int, stages: int):
+    constants = {"HEAD_DIM": head_dim, "CAUSAL": True, "PREC": "tf32", "BLOCK_M": block_m, "BLOCK_N": block_n,
+                 "GROUP": 1}
+    names = kernel.arg_names
+    signature, attrs = _signature(names, constants)
+    source = ASTSource(kernel, signature, {(names.index(k),): v for k, v in constants.items()}, attrs)
+    return triton.compile(source, target=SM90, options=dict(num_warps=warps, num_stages=stages))
+
+
+def gluon_kernel(kernel, head_dim: int, block_m: int, block_n: int, num_buf: int, warps: int):
+    """A Gluon probe kernel; its descriptors of query rows (q, o, do) take block_m rows, the others block_n."""
+    constants = {"HEAD_DIM": head_dim, "BLOCK_M": block_m, "BLOCK_N": block_n, "NUM_BUF": num_buf,
+                 "NUM_WARPS": warps}
+
+    def descriptor(name: str) -> str:
+        rows = block_m if name in ("q_desc", "o_desc", "do_desc") else block_n
+        layout = gl.NVMMASharedLayout.get_default_for([rows, head_dim], gl.bfloat16)
+        return f"tensordesc<bf16[{rows}, {head_dim}],{layout!r}>"
+
+    names = kernel.arg_names
+    signature, attrs = _signature(names, constants, descriptor)
+    source = GluonASTSource(kernel, signature, {(names.index(k),): v for k, v in constants.items()}, attrs)
+    return triton.compile(source, target=SM90, options=dict(num_warps=warps))
+
+
+def report(compiled) -> str:
+    ptx = compiled.asm["ptx"]
+    with tempfile.TemporaryDirectory() as tmp:
+        ptx_path, cubin = os.path.join(tmp, "k.ptx"), os.path.join(tmp, "k.cubin")
+        with open(ptx_path, "w") as f:
+            f.write(ptx)
+        log = subprocess.run([os.path.join(BIN, "ptxas"), "-v", "--gpu-name", "sm_90a", ptx_path, "-o", cubin],
+                             capture_output=True, text=True, check=True).stderr
+        sass = subprocess.run([os.path.join(BIN, "cuobjdump"), "-sass", cubin], capture_output=True, text=True,
+                              check=True).stdout
+    registers = re.search(r"Used (\d+) registers", log).group(1)
+    spills = re.search(r"(\d+) bytes spill stores", log).group(1)
+    waits = ",".join(re.findall(r"wgmma\.wait_group\.sync\.aligned (\d+)", ptx))
+    warnings = "; ".join(w[:100] for w in re.findall(r"\(C75\d\d\)[^\n]*", log))
+    return (f"{registers:>4} regs {spills:>5} B spilled  HGMMA {sass.count('HGMMA.'):3}  "
+            f"DEPBAR {len(re.findall('WARPGROUP.DEPBAR', sass)):3}  waits [{waits}]  {warnings}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
+    args = parser.parse_args()
+    kernels = {"forward": (flash_triton._fwd_kernel, flash_triton._FWD_BLOCKS),
+               "dK/dV": (flash_triton._bwd_dkdv_kernel, flash_triton._DKDV_BLOCKS),
+               "dQ": (flash_triton._bwd_dq_kernel, flash_triton._DQ_BLOCKS)}
+    for head_dim in args.head_dims:
+        for name, (kernel, blocks) in kernels.items():
+            for setting in blocks[0]:  # the 16-bit settings the autotuner picks from
+                print(f"D{head_dim} Triton {name:8} {str(setting):18} "
+                      f"{report(triton_kernel(kernel.fn, head_dim, *setting))}", flush=True)
+        gluon = {"forward": (attention_gluon_probe._fwd, attention_gluon_probe.SETTINGS),
+                 "dK/dV": (attention_gluon_bwd_probe._bwd_dkdv, attention_gluon_bwd_probe.SETTINGS)}
+        for name, (kernel, settings) in gluon.items():
+            for setting in settings:
+                print(f"D{head_dim} Gluon  {name:8} {str(setting):18} "
+                      f"{report(gluon_kernel(kernel, head_dim, *setting))}",
+                      flush=True)
+
+if __name__ == "__main__":
+    main()
