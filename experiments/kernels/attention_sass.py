@@ -2,8 +2,8 @@
 
 Compiles, for sm_90a with the ptxas that ships with Triton, every 16-bit tile setting of
 `lmlab.kernels.flash_triton`'s three kernels (forward, dK/dV, dQ) and each setting of the Gluon
-forward (`attention_gluon_probe.py`) and dK/dV kernel (`attention_gluon_bwd_probe.py`), as a launch
-would specialize them (causal, bf16, one K/V head
+forward (`attention_gluon_probe.py`) and dQ and dK/dV kernels (`attention_gluon_bwd_probe.py`), as a
+launch would specialize them (causal, bf16, one K/V head
 per query head, pointers and strides 16-byte aligned). Per kernel and setting it prints:
 
 - registers per thread and spilled bytes (`ptxas -v`);
@@ -118,7 +118,8 @@ def main() -> None:
                 print(f"D{head_dim} Triton {name:8} {str(setting):18} "
                       f"{report(triton_kernel(kernel.fn, head_dim, *setting))}", flush=True)
         gluon = {"forward": (attention_gluon_probe._fwd, attention_gluon_probe.SETTINGS),
-                 "dK/dV": (attention_gluon_bwd_probe._bwd_dkdv, attention_gluon_bwd_probe.SETTINGS)}
+                 "dK/dV": (attention_gluon_bwd_probe._bwd_dkdv, attention_gluon_bwd_probe.SETTINGS),
+                 "dQ": (attention_gluon_bwd_probe._bwd_dq, attention_gluon_bwd_probe.DQ_SETTINGS)}
         for name, (kernel, settings) in gluon.items():
             for setting in settings:
                 print(f"D{head_dim} Gluon  {name:8} {str(setting):18} "
