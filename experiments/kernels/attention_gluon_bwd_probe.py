@@ -40,23 +40,10 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from lmlab.kernels import flash_triton
-from lmlab.kernels.bench import median_seconds
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from attention_gluon_probe import SHAPES, _schedule, shape_arg, worst  # noqa: E402  (a sibling script)
-
-
-@gluon.jit
-def _load_q_do(q_desc, do_desc, q_smem, do_smem, q_bars, do_bars, row0, i, end, BLOCK_M: gl.constexpr,
-               NUM_BUF: gl.constexpr):
-    """Start the TMA copies of query block i's Q and dO into ring slot i % NUM_BUF (none when i >= end)."""
-    slot = i % NUM_BUF
-    ok = i < end
-    mbarrier.expect(q_bars.index(slot), q_desc.block_type.nbytes, pred=ok)
-    tma.async_copy_global_to_shared(q_desc, [row0 + i * BLOCK_M, 0], q_bars.index(slot), q_smem.index(slot), pred=ok)
-    mbarrier.expect(do_bars.index(slot), do_desc.block_type.nbytes, pred=ok)
-    tma.async_copy_global_to_shared(do_desc, [row0 + i * BLOCK_M, 0], do_bars.index(slot), do_smem.index(slot),
-                                    pred=ok)
+from attention_gluon_probe import (SHAPES, _schedule, load_block, measure, ring, shape_arg,  # noqa: E402
+                                   worst)  # (a sibling script, not a package)
 
 
 @gluon.jit
@@ -117,22 +104,16 @@ def _bwd_dkdv(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, DELTA, SEQ
 
     k_smem = gl.allocate_shared_memory(k_desc.dtype, [BLOCK_N, HEAD_DIM], k_desc.layout)
     v_smem = gl.allocate_shared_memory(v_desc.dtype, [BLOCK_N, HEAD_DIM], v_desc.layout)
-    q_smem = gl.allocate_shared_memory(q_desc.dtype, [NUM_BUF, BLOCK_M, HEAD_DIM], q_desc.layout)
-    do_smem = gl.allocate_shared_memory(do_desc.dtype, [NUM_BUF, BLOCK_M, HEAD_DIM], do_desc.layout)
     kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    q_bars = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
-    do_bars = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
     mbarrier.init(kv_bar, count=1)
-    for s in gl.static_range(NUM_BUF):
-        mbarrier.init(q_bars.index(s), count=1)
-        mbarrier.init(do_bars.index(s), count=1)
+    q_smem, do_smem, q_bars, do_bars = ring(q_desc, do_desc, NUM_BUF)
     fence_async_shared()
 
     mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(k_desc, [row0 + start_n, 0], kv_bar, k_smem)
     tma.async_copy_global_to_shared(v_desc, [row0 + start_n, 0], kv_bar, v_smem)
     for s in gl.static_range(NUM_BUF):
-        _load_q_do(q_desc, do_desc, q_smem, do_smem, q_bars, do_bars, row0, first + s, end, BLOCK_M, NUM_BUF)
+        load_block(q_desc, do_desc, q_smem, do_smem, q_bars, do_bars, row0, first + s, end, NUM_BUF)
     mbarrier.wait(kv_bar, 0)
 
     # The first query block on its own: nothing to overlap yet.
@@ -155,7 +136,7 @@ def _bwd_dkdv(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, DELTA, SEQ
                                           BLOCK_M, BLOCK_N)
         dv, dk, pt, dst = warpgroup_mma_wait(0, deps=[dv, dk, pt, dst])
         # query block i-1's Q and dO are no longer read: its slot takes block i - 1 + NUM_BUF
-        _load_q_do(q_desc, do_desc, q_smem, do_smem, q_bars, do_bars, row0, i - 1 + NUM_BUF, end, BLOCK_M, NUM_BUF)
+        load_block(q_desc, do_desc, q_smem, do_smem, q_bars, do_bars, row0, i - 1 + NUM_BUF, end, NUM_BUF)
         dv = warpgroup_mma_init(dv)
         dk = warpgroup_mma_init(dk)
         pt = pt_next
@@ -174,18 +155,6 @@ def _bwd_dkdv(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, DELTA, SEQ
     for s in gl.static_range(NUM_BUF):
         mbarrier.invalidate(q_bars.index(s))
         mbarrier.invalidate(do_bars.index(s))
-
-
-@gluon.jit
-def _load_kv(k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, row0, j, end, BLOCK_N: gl.constexpr,
-             NUM_BUF: gl.constexpr):
-    """Start the TMA copies of key block j's K and V into ring slot j % NUM_BUF (none when j >= end)."""
-    slot = j % NUM_BUF
-    ok = j < end
-    mbarrier.expect(k_bars.index(slot), k_desc.block_type.nbytes, pred=ok)
-    tma.async_copy_global_to_shared(k_desc, [row0 + j * BLOCK_N, 0], k_bars.index(slot), k_smem.index(slot), pred=ok)
-    mbarrier.expect(v_bars.index(slot), v_desc.block_type.nbytes, pred=ok)
-    tma.async_copy_global_to_shared(v_desc, [row0 + j * BLOCK_N, 0], v_bars.index(slot), v_smem.index(slot), pred=ok)
 
 
 @gluon.jit
@@ -235,22 +204,16 @@ def _bwd_dq(q_desc, k_desc, v_desc, do_desc, dq_desc, O, LSE, DELTA, SEQ, qk_sca
 
     q_smem = gl.allocate_shared_memory(q_desc.dtype, [BLOCK_M, HEAD_DIM], q_desc.layout)
     do_smem = gl.allocate_shared_memory(do_desc.dtype, [BLOCK_M, HEAD_DIM], do_desc.layout)
-    k_smem = gl.allocate_shared_memory(k_desc.dtype, [NUM_BUF, BLOCK_N, HEAD_DIM], k_desc.layout)
-    v_smem = gl.allocate_shared_memory(v_desc.dtype, [NUM_BUF, BLOCK_N, HEAD_DIM], v_desc.layout)
     qdo_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    k_bars = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
-    v_bars = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
     mbarrier.init(qdo_bar, count=1)
-    for i in gl.static_range(NUM_BUF):
-        mbarrier.init(k_bars.index(i), count=1)
-        mbarrier.init(v_bars.index(i), count=1)
+    k_smem, v_smem, k_bars, v_bars = ring(k_desc, v_desc, NUM_BUF)
     fence_async_shared()
 
     mbarrier.expect(qdo_bar, q_desc.block_type.nbytes + do_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(q_desc, [row0 + start_m, 0], qdo_bar, q_smem)
     tma.async_copy_global_to_shared(do_desc, [row0 + start_m, 0], qdo_bar, do_smem)
     for i in gl.static_range(NUM_BUF):
-        _load_kv(k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, row0, i, end, BLOCK_N, NUM_BUF)
+        load_block(k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, row0, i, end, NUM_BUF)
 
     # delta = rowsum(dO * O) while the tiles load, stored for the dK/dV kernel
     rows = start_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, rows_layout))
@@ -277,7 +240,7 @@ def _bwd_dq(q_desc, k_desc, v_desc, do_desc, dq_desc, O, LSE, DELTA, SEQ, qk_sca
         ds_next = _score_grad(s, dp, lse2, delta, j, start_m, qk_scale, s_layout, dq_layout, BLOCK_M, BLOCK_N)
         dq, ds = warpgroup_mma_wait(0, deps=[dq, ds])  # ds: kept alive until its update is done
         # key block j-1's K and V are no longer read: its slot takes block j - 1 + NUM_BUF
-        _load_kv(k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, row0, j - 1 + NUM_BUF, end, BLOCK_N, NUM_BUF)
+        load_block(k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, row0, j - 1 + NUM_BUF, end, NUM_BUF)
         dq = warpgroup_mma_init(dq)
         ds = ds_next
     dq = warpgroup_mma_wait(0, deps=[warpgroup_mma(ds, k_smem.index((end - 1) % NUM_BUF), dq, is_async=True)])
@@ -349,23 +312,6 @@ SETTINGS = [(64, 128, 2, 8), (64, 128, 3, 8), (64, 64, 2, 4), (64, 64, 3, 4), (3
 DQ_SETTINGS = [(128, 64, 2, 8), (128, 64, 3, 8), (128, 128, 2, 8), (64, 64, 2, 4), (64, 64, 3, 4)]
 
 
-def _measure(name: str, fn, expected, shape: str, flops: float, repeats: int, dev) -> dict | None:
-    """Check fn's gradients against the shipped ones, then time it; a setting that fails is reported, not fatal."""
-    try:
-        errors = {grad: worst(g, e) for grad, g, e in zip(("dq", "dk", "dv"), fn(), expected)}
-        grad = max(errors, key=lambda g: errors[g][0])
-        err, where = errors[grad][0], f"{grad} {errors[grad][1]}"
-        seconds = median_seconds(fn, repeats, 3, dev)
-    except Exception as exc:
-        print(f"{shape} {name}: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}", flush=True)
-        return None
-    row = {"shape": shape, "impl": name, "ms": seconds * 1e3, "tflops": flops / seconds / 1e12,
-           "max_abs_err_vs_shipped": err, "worst_at": where}
-    print(f"{shape:20} {name:44} {row['ms']:7.3f} ms {row['tflops']:6.1f} TFLOP/s err vs shipped {err:.1e} "
-          f"({where})", flush=True)
-    return row
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=20)
@@ -383,21 +329,27 @@ def main() -> None:
         flops = 2.5 * 4 * b * h * s * s * d / 2  # the backward's matmuls: 2.5 times the causal forward's
         qc, kc, vc = (t.detach().clone().requires_grad_() for t in (q, k, v))
         cudnn_out = torch.nn.functional.scaled_dot_product_attention(qc, kc, vc, is_causal=True)
-        measured = [_measure(name, fn, expected, shape, flops, args.repeats, dev) for name, fn in (
+
+        def check(grads: tuple) -> dict:
+            errors = {grad: worst(g, e) for grad, g, e in zip(("dq", "dk", "dv"), grads, expected)}
+            grad = max(errors, key=lambda g: errors[g][0])
+            return {"max_abs_err_vs_shipped": errors[grad][0], "worst_at": f"{grad} {errors[grad][1]}"}
+
+        measured = [measure(name, fn, check, shape, flops, args.repeats, dev) for name, fn in (
             ("sdpa backward", lambda: torch.autograd.grad(cudnn_out, (qc, kc, vc), d_out, retain_graph=True)),
             ("shipped backward", lambda: flash_triton._backward_op(q, k, v, out, lse, d_out, True, 1 / math.sqrt(d))))]
         dkdv = {}
         for setting in SETTINGS:
-            row = _measure(f"shipped dQ + gluon dK/dV {setting}", lambda setting=setting: gluon_backward(
-                q, k, v, out, lse, d_out, setting), expected, shape, flops, args.repeats, dev)
+            row = measure(f"shipped dQ + gluon dK/dV {setting}", lambda setting=setting: gluon_backward(
+                q, k, v, out, lse, d_out, setting), check, shape, flops, args.repeats, dev)
             measured.append(row)
             if row is not None:
                 dkdv[setting] = row["ms"]
         if dkdv:  # Gluon's dQ beside the fastest Gluon dK/dV
             best = min(dkdv, key=dkdv.get)
             for setting in DQ_SETTINGS:
-                measured.append(_measure(f"gluon dQ {setting} + dK/dV {best}", lambda setting=setting: gluon_backward(
-                    q, k, v, out, lse, d_out, best, setting), expected, shape, flops, args.repeats, dev))
+                measured.append(measure(f"gluon dQ {setting} + dK/dV {best}", lambda setting=setting: gluon_backward(
+                    q, k, v, out, lse, d_out, best, setting), check, shape, flops, args.repeats, dev))
         rows += [row for row in measured if row is not None]
     if args.json:
         with open(args.json, "w") as f:

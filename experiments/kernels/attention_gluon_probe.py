@@ -62,15 +62,33 @@ def _schedule(n_blocks, n_heads, N_SMS, HEAVY_LAST: gl.constexpr):
 
 
 @gluon.jit
-def _load_kv(k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, row0, i, n_kv,
-             BLOCK_N: gl.constexpr, NUM_BUF: gl.constexpr):
-    """Start the TMA copies of key block i's K and V into ring slot i % NUM_BUF (none when i >= n_kv)."""
+def ring(a_desc, b_desc, NUM_BUF: gl.constexpr):
+    """Shared memory for NUM_BUF blocks each of two tensors that TMA streams in (their descriptors' blocks), and an
+    mbarrier per block and tensor, initialised (the kernel fences after its last initialisation)."""
+    a_smem = gl.allocate_shared_memory(a_desc.dtype, [NUM_BUF, a_desc.block_shape[0], a_desc.block_shape[1]],
+                                       a_desc.layout)
+    b_smem = gl.allocate_shared_memory(b_desc.dtype, [NUM_BUF, b_desc.block_shape[0], b_desc.block_shape[1]],
+                                       b_desc.layout)
+    a_bars = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
+    b_bars = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
+    for slot in gl.static_range(NUM_BUF):
+        mbarrier.init(a_bars.index(slot), count=1)
+        mbarrier.init(b_bars.index(slot), count=1)
+    return a_smem, b_smem, a_bars, b_bars
+
+
+@gluon.jit
+def load_block(a_desc, b_desc, a_smem, b_smem, a_bars, b_bars, row0, i, end, NUM_BUF: gl.constexpr):
+    """Start the TMA copies of block i of both tensors (rows row0 + i * block rows) into ring slot i % NUM_BUF;
+    none when i >= end. Block i is that slot's ((i - first) // NUM_BUF)-th load, where first is the ring's first
+    block: its barriers' phase parity."""
+    BLOCK: gl.constexpr = a_desc.block_shape[0]
     slot = i % NUM_BUF
-    ok = i < n_kv
-    mbarrier.expect(k_bars.index(slot), k_desc.block_type.nbytes, pred=ok)
-    tma.async_copy_global_to_shared(k_desc, [row0 + i * BLOCK_N, 0], k_bars.index(slot), k_smem.index(slot), pred=ok)
-    mbarrier.expect(v_bars.index(slot), v_desc.block_type.nbytes, pred=ok)
-    tma.async_copy_global_to_shared(v_desc, [row0 + i * BLOCK_N, 0], v_bars.index(slot), v_smem.index(slot), pred=ok)
+    ok = i < end
+    mbarrier.expect(a_bars.index(slot), a_desc.block_type.nbytes, pred=ok)
+    tma.async_copy_global_to_shared(a_desc, [row0 + i * BLOCK, 0], a_bars.index(slot), a_smem.index(slot), pred=ok)
+    mbarrier.expect(b_bars.index(slot), b_desc.block_type.nbytes, pred=ok)
+    tma.async_copy_global_to_shared(b_desc, [row0 + i * BLOCK, 0], b_bars.index(slot), b_smem.index(slot), pred=ok)
 
 
 @gluon.jit
@@ -122,21 +140,15 @@ def _fwd(q_desc, k_desc, v_desc, o_desc, LSE, SEQ, qk_scale, N_SMS, HEAD_DIM: gl
     n_kv = (start_m + BLOCK_M) // BLOCK_N  # key blocks up to the diagonal's end
 
     q_smem = gl.allocate_shared_memory(q_desc.dtype, [BLOCK_M, HEAD_DIM], q_desc.layout)
-    k_smem = gl.allocate_shared_memory(k_desc.dtype, [NUM_BUF, BLOCK_N, HEAD_DIM], k_desc.layout)
-    v_smem = gl.allocate_shared_memory(v_desc.dtype, [NUM_BUF, BLOCK_N, HEAD_DIM], v_desc.layout)
     q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    k_bars = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
-    v_bars = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
     mbarrier.init(q_bar, count=1)
-    for i in gl.static_range(NUM_BUF):
-        mbarrier.init(k_bars.index(i), count=1)
-        mbarrier.init(v_bars.index(i), count=1)
+    k_smem, v_smem, k_bars, v_bars = ring(k_desc, v_desc, NUM_BUF)
     fence_async_shared()
 
     mbarrier.expect(q_bar, q_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(q_desc, [row0 + start_m, 0], q_bar, q_smem)
     for i in gl.static_range(NUM_BUF):
-        _load_kv(k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, row0, i, n_kv, BLOCK_N, NUM_BUF)
+        load_block(k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, row0, i, n_kv, NUM_BUF)
 
     m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
     l_i = gl.zeros([BLOCK_M], gl.float32, gl.SliceLayout(1, s_layout))
@@ -157,7 +169,7 @@ def _fwd(q_desc, k_desc, v_desc, o_desc, LSE, SEQ, qk_scale, N_SMS, HEAD_DIM: gl
                                            BLOCK_N)
         acc, p = warpgroup_mma_wait(0, deps=[acc, p])  # p: kept alive until its P V is done
         # block j-1's K and V are no longer read: its slot takes block j - 1 + NUM_BUF
-        _load_kv(k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, row0, j - 1 + NUM_BUF, n_kv, BLOCK_N, NUM_BUF)
+        load_block(k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, row0, j - 1 + NUM_BUF, n_kv, NUM_BUF)
         acc = warpgroup_mma_init(acc * gl.expand_dims(alpha, 1))
         p = p_next
     acc = warpgroup_mma_wait(0, deps=[_pv(p, acc, v_smem, v_bars, n_kv - 1, NUM_BUF)])
@@ -208,6 +220,24 @@ def worst(got: torch.Tensor, expected: torch.Tensor) -> tuple[float, str]:
     per_row = err.reshape(*err.shape[:3], -1).amax(-1)
     b, h, row = (int(i) for i in torch.unravel_index(per_row.argmax(), per_row.shape))
     return per_row.max().item(), f"b{b} h{h} row {row}"
+
+
+def measure(name: str, fn, check, shape: str, flops: float, repeats: int, dev: torch.device) -> dict | None:
+    """check(fn()) -> its error fields (the first two printed), then fn timed; a setting that fails to compile or
+    launch is reported, not fatal."""
+    try:
+        errors = check(fn())
+        seconds = median_seconds(fn, repeats, 3, dev)
+    except Exception as exc:
+        print(f"{shape} {name}: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}", flush=True)
+        return None
+    row = {"shape": shape, "impl": name, "ms": seconds * 1e3, "tflops": flops / seconds / 1e12, **errors}
+    err, where = list(errors.values())[:2]
+    print(f"{shape:20} {name:44} {row['ms']:7.3f} ms {row['tflops']:6.1f} TFLOP/s err {err:.1e} ({where})",
+          flush=True)
+    return row
+
+
 SETTINGS = [(128, 64, 2, 8), (128, 64, 3, 8), (128, 128, 2, 8), (64, 64, 2, 4), (64, 64, 3, 4), (64, 32, 3, 4)]
 
 
@@ -224,25 +254,20 @@ def main() -> None:
         flops = 4 * b * h * s * s * d / 2
         expected = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         expected_lse = flash_attention_triton_forward(q, k, v, True)[1]
+
+        def check(result: tuple) -> dict:
+            out, lse = result
+            err, where = worst(out, expected)
+            lse_err = 0.0 if lse is None else (lse - expected_lse).abs().max().item()
+            return {"max_abs_err": err, "worst_at": where, "lse_max_abs_err": lse_err}
+
         candidates = {"sdpa": lambda: (F.scaled_dot_product_attention(q, k, v, is_causal=True), None),
                       "shipped, autotuned": lambda: flash_attention_triton_forward(q, k, v, True)}
         for setting in SETTINGS:
             candidates[f"gluon {setting}"] = lambda setting=setting: gluon_forward(q, k, v, *setting)
-        for name, fn in candidates.items():
-            try:
-                out, lse = fn()
-                err, where = worst(out, expected)
-                lse_err = 0.0 if lse is None else (lse - expected_lse).abs().max().item()
-                seconds = median_seconds(fn, args.repeats, 3, dev)
-            except Exception as exc:  # a setting that does not compile or fit: reported, not fatal
-                print(f"B{b} H{h} S{s} D{d} {name}: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}",
-                      flush=True)
-                continue
-            row = {"shape": f"B{b} H{h} S{s} D{d}", "impl": name, "ms": seconds * 1e3,
-                   "tflops": flops / seconds / 1e12, "max_abs_err": err, "worst_at": where, "lse_max_abs_err": lse_err}
-            rows.append(row)
-            print(f"{row['shape']:20} {name:28} {row['ms']:7.3f} ms {row['tflops']:6.1f} TFLOP/s "
-                  f"err {err:.1e} (at {where}) lse err {lse_err:.1e}", flush=True)
+        measured = (measure(name, fn, check, f"B{b} H{h} S{s} D{d}", flops, args.repeats, dev)
+                    for name, fn in candidates.items())
+        rows += [row for row in measured if row is not None]
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(dev), "rows": rows}, f, indent=1)
