@@ -25,8 +25,6 @@ head_dim 64 or 128, bf16, Hopper.
 
 from __future__ import annotations
 
-import argparse
-import json
 import math
 import os
 import sys
@@ -42,22 +40,24 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from lmlab.kernels import flash_triton
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from attention_gluon_probe import (SHAPES, _schedule, load_block, measure, ring, shape_arg,  # noqa: E402
-                                   worst)  # (a sibling script, not a package)
+from attention_gluon_probe import (_schedule, load_block, load_pair, measure, parse_args,  # noqa: E402
+                                   resident_pair, ring, wgmma_layout, worst, write_rows)  # (a sibling script)
 
 
 @gluon.jit
-def _transposed_scores(k_smem, v_smem, q_smem, do_smem, q_bars, do_bars, i, first, st_layout: gl.constexpr,
-                       BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_BUF: gl.constexpr):
-    """Issue query block i's S^T = K Q^T and dP^T = V dO^T once its Q and dO have landed: two wgmma groups."""
+def _products(x_smem, y_smem, a_smem, b_smem, a_bars, b_bars, i, first, layout: gl.constexpr, NUM_BUF: gl.constexpr):
+    """Issue X A_i^T and Y B_i^T for ring block i (A_i, B_i; `first` the ring's first block) once each has landed: two
+    wgmma groups. dK/dV: S^T = K Q^T and dP^T = V dO^T; dQ: S = Q K^T and dP = dO V^T."""
     slot = i % NUM_BUF
     phase = ((i - first) // NUM_BUF) & 1
-    zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, st_layout)
-    mbarrier.wait(q_bars.index(slot), phase)
-    st = warpgroup_mma(k_smem, q_smem.index(slot).permute((1, 0)), zero, use_acc=False, is_async=True)
-    mbarrier.wait(do_bars.index(slot), phase)
-    dpt = warpgroup_mma(v_smem, do_smem.index(slot).permute((1, 0)), zero, use_acc=False, is_async=True)
-    return st, dpt
+    ROWS: gl.constexpr = x_smem.shape[0]
+    COLS: gl.constexpr = a_smem.shape[1]
+    zero = gl.zeros([ROWS, COLS], gl.float32, layout)
+    mbarrier.wait(a_bars.index(slot), phase)
+    xa = warpgroup_mma(x_smem, a_smem.index(slot).permute((1, 0)), zero, use_acc=False, is_async=True)
+    mbarrier.wait(b_bars.index(slot), phase)
+    yb = warpgroup_mma(y_smem, b_smem.index(slot).permute((1, 0)), zero, use_acc=False, is_async=True)
+    return xa, yb
 
 
 @gluon.jit
@@ -90,10 +90,8 @@ def _updates(pt, dst, dv, dk, q_smem, do_smem, i, NUM_BUF: gl.constexpr):
 def _bwd_dkdv(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, DELTA, SEQ, qk_scale, scale, N_SMS,
               HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_BUF: gl.constexpr,
               NUM_WARPS: gl.constexpr):
-    st_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
-                                                        instr_shape=[16, BLOCK_M, 16])
-    kv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
-                                                        instr_shape=[16, HEAD_DIM, 16])
+    st_layout: gl.constexpr = wgmma_layout(NUM_WARPS, BLOCK_M)
+    kv_layout: gl.constexpr = wgmma_layout(NUM_WARPS, HEAD_DIM)
     n_blocks = SEQ // BLOCK_N
     pid_n, bh = _schedule(n_blocks, gl.num_programs(0) // n_blocks, N_SMS, False)
     start_n = pid_n * BLOCK_N
@@ -102,23 +100,17 @@ def _bwd_dkdv(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, DELTA, SEQ
     first = start_n // BLOCK_M  # queries before start_n see none of these keys
     end = SEQ // BLOCK_M
 
-    k_smem = gl.allocate_shared_memory(k_desc.dtype, [BLOCK_N, HEAD_DIM], k_desc.layout)
-    v_smem = gl.allocate_shared_memory(v_desc.dtype, [BLOCK_N, HEAD_DIM], v_desc.layout)
-    kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    mbarrier.init(kv_bar, count=1)
+    k_smem, v_smem, kv_bar = resident_pair(k_desc, v_desc)
     q_smem, do_smem, q_bars, do_bars = ring(q_desc, do_desc, NUM_BUF)
     fence_async_shared()
 
-    mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(k_desc, [row0 + start_n, 0], kv_bar, k_smem)
-    tma.async_copy_global_to_shared(v_desc, [row0 + start_n, 0], kv_bar, v_smem)
+    load_pair(k_desc, v_desc, k_smem, v_smem, kv_bar, row0 + start_n)
     for s in gl.static_range(NUM_BUF):
         load_block(q_desc, do_desc, q_smem, do_smem, q_bars, do_bars, row0, first + s, end, NUM_BUF)
     mbarrier.wait(kv_bar, 0)
 
     # The first query block on its own: nothing to overlap yet.
-    st, dpt = _transposed_scores(k_smem, v_smem, q_smem, do_smem, q_bars, do_bars, first, first, st_layout,
-                                 BLOCK_M, BLOCK_N, NUM_BUF)
+    st, dpt = _products(k_smem, v_smem, q_smem, do_smem, q_bars, do_bars, first, first, st_layout, NUM_BUF)
     st, dpt = warpgroup_mma_wait(0, deps=[st, dpt])
     pt, dst = _softmax_grad(st, dpt, LSE, DELTA, stat0, first, start_n, qk_scale, st_layout, kv_layout, BLOCK_M,
                             BLOCK_N)
@@ -128,8 +120,7 @@ def _bwd_dkdv(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, DELTA, SEQ
     # while the updates run. Each register written while a wgmma is in flight is a new one (the previous
     # P^T and dS^T stay alive until their updates are waited for), so ptxas has no reason to serialize.
     for i in range(first + 1, end):
-        st, dpt = _transposed_scores(k_smem, v_smem, q_smem, do_smem, q_bars, do_bars, i, first, st_layout,
-                                     BLOCK_M, BLOCK_N, NUM_BUF)
+        st, dpt = _products(k_smem, v_smem, q_smem, do_smem, q_bars, do_bars, i, first, st_layout, NUM_BUF)
         dv, dk = _updates(pt, dst, dv, dk, q_smem, do_smem, i - 1, NUM_BUF)
         st, dpt = warpgroup_mma_wait(2, deps=[st, dpt])
         pt_next, dst_next = _softmax_grad(st, dpt, LSE, DELTA, stat0, i, start_n, qk_scale, st_layout, kv_layout,
@@ -158,20 +149,6 @@ def _bwd_dkdv(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, DELTA, SEQ
 
 
 @gluon.jit
-def _scores_and_grad(q_smem, do_smem, k_smem, v_smem, k_bars, v_bars, j, s_layout: gl.constexpr,
-                     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_BUF: gl.constexpr):
-    """Issue key block j's S = Q K^T and dP = dO V^T once its K and V have landed: two wgmma groups."""
-    slot = j % NUM_BUF
-    phase = (j // NUM_BUF) & 1
-    zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
-    mbarrier.wait(k_bars.index(slot), phase)
-    s = warpgroup_mma(q_smem, k_smem.index(slot).permute((1, 0)), zero, use_acc=False, is_async=True)
-    mbarrier.wait(v_bars.index(slot), phase)
-    dp = warpgroup_mma(do_smem, v_smem.index(slot).permute((1, 0)), zero, use_acc=False, is_async=True)
-    return s, dp
-
-
-@gluon.jit
 def _score_grad(s, dp, lse2, delta, j, start_m, qk_scale, s_layout: gl.constexpr, dq_layout: gl.constexpr,
                 BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
     """Key block j's dS = P (dP - delta), P = exp(S - LSE) with the causal mask where the block reaches the
@@ -191,10 +168,8 @@ def _bwd_dq(q_desc, k_desc, v_desc, do_desc, dq_desc, O, LSE, DELTA, SEQ, qk_sca
             NUM_WARPS: gl.constexpr):
     """dQ for one query block, and delta = rowsum(dO * O) for the dK/dV kernel: S and dP of key block j, then
     block j-1's dQ update, a wait for the first two alone, block j's dS while the update computes."""
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
-                                                       instr_shape=[16, BLOCK_N, 16])
-    dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
-                                                        instr_shape=[16, HEAD_DIM, 16])
+    s_layout: gl.constexpr = wgmma_layout(NUM_WARPS, BLOCK_N)
+    dq_layout: gl.constexpr = wgmma_layout(NUM_WARPS, HEAD_DIM)
     rows_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [NUM_WARPS, 1], [1, 0])
     n_blocks = SEQ // BLOCK_M
     pid_m, bh = _schedule(n_blocks, gl.num_programs(0) // n_blocks, N_SMS, True)
@@ -202,16 +177,11 @@ def _bwd_dq(q_desc, k_desc, v_desc, do_desc, dq_desc, O, LSE, DELTA, SEQ, qk_sca
     row0 = bh * SEQ
     end = (start_m + BLOCK_M) // BLOCK_N  # key blocks up to the diagonal's end
 
-    q_smem = gl.allocate_shared_memory(q_desc.dtype, [BLOCK_M, HEAD_DIM], q_desc.layout)
-    do_smem = gl.allocate_shared_memory(do_desc.dtype, [BLOCK_M, HEAD_DIM], do_desc.layout)
-    qdo_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    mbarrier.init(qdo_bar, count=1)
+    q_smem, do_smem, qdo_bar = resident_pair(q_desc, do_desc)
     k_smem, v_smem, k_bars, v_bars = ring(k_desc, v_desc, NUM_BUF)
     fence_async_shared()
 
-    mbarrier.expect(qdo_bar, q_desc.block_type.nbytes + do_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(q_desc, [row0 + start_m, 0], qdo_bar, q_smem)
-    tma.async_copy_global_to_shared(do_desc, [row0 + start_m, 0], qdo_bar, do_smem)
+    load_pair(q_desc, do_desc, q_smem, do_smem, qdo_bar, row0 + start_m)
     for i in gl.static_range(NUM_BUF):
         load_block(k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, row0, i, end, NUM_BUF)
 
@@ -227,14 +197,12 @@ def _bwd_dq(q_desc, k_desc, v_desc, do_desc, dq_desc, O, LSE, DELTA, SEQ, qk_sca
     lse2 = gl.load(LSE + stat0 + start_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout)))
     lse2 = lse2 * 1.4426950408889634  # natural log -> base 2
 
-    s, dp = _scores_and_grad(q_smem, do_smem, k_smem, v_smem, k_bars, v_bars, 0, s_layout, BLOCK_M, BLOCK_N,
-                             NUM_BUF)
+    s, dp = _products(q_smem, do_smem, k_smem, v_smem, k_bars, v_bars, 0, 0, s_layout, NUM_BUF)
     s, dp = warpgroup_mma_wait(0, deps=[s, dp])
     ds = _score_grad(s, dp, lse2, delta, 0, start_m, qk_scale, s_layout, dq_layout, BLOCK_M, BLOCK_N)
     dq = warpgroup_mma_init(gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, dq_layout))
     for j in range(1, end):
-        s, dp = _scores_and_grad(q_smem, do_smem, k_smem, v_smem, k_bars, v_bars, j, s_layout, BLOCK_M, BLOCK_N,
-                                 NUM_BUF)
+        s, dp = _products(q_smem, do_smem, k_smem, v_smem, k_bars, v_bars, j, 0, s_layout, NUM_BUF)
         dq = warpgroup_mma(ds, k_smem.index((j - 1) % NUM_BUF), dq, is_async=True)
         s, dp = warpgroup_mma_wait(1, deps=[s, dp])
         ds_next = _score_grad(s, dp, lse2, delta, j, start_m, qk_scale, s_layout, dq_layout, BLOCK_M, BLOCK_N)
@@ -313,11 +281,7 @@ DQ_SETTINGS = [(128, 64, 2, 8), (128, 64, 3, 8), (128, 128, 2, 8), (64, 64, 2, 4
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=20)
-    parser.add_argument("--json", default=None)
-    parser.add_argument("--shapes", type=shape_arg, nargs="+", default=SHAPES, help="B,H,S,D ...")
-    args = parser.parse_args()
+    args = parse_args(__doc__.splitlines()[0])
     dev = torch.device("cuda")
     rows = []
     for b, h, s, d in args.shapes:
@@ -351,9 +315,7 @@ def main() -> None:
                 measured.append(measure(f"gluon dQ {setting} + dK/dV {best}", lambda setting=setting: gluon_backward(
                     q, k, v, out, lse, d_out, best, setting), check, shape, flops, args.repeats, dev))
         rows += [row for row in measured if row is not None]
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(dev), "rows": rows}, f, indent=1)
+    write_rows(args.json, dev, rows)
 
 
 if __name__ == "__main__":

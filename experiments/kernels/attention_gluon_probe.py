@@ -46,6 +46,12 @@ from lmlab.kernels.bench import median_seconds
 from lmlab.kernels.flash_triton import flash_attention_triton_forward
 
 
+@gluon.constexpr_function
+def wgmma_layout(num_warps, n):
+    """Registers of a (rows, n) wgmma result: the warps stacked along the rows, 16 rows each."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, n, 16])
+
+
 @gluon.jit
 def _schedule(n_blocks, n_heads, N_SMS, HEAVY_LAST: gl.constexpr):
     """flash_triton._schedule for causal attention: (block, head) of this program, heaviest blocks first."""
@@ -75,6 +81,26 @@ def ring(a_desc, b_desc, NUM_BUF: gl.constexpr):
         mbarrier.init(a_bars.index(slot), count=1)
         mbarrier.init(b_bars.index(slot), count=1)
     return a_smem, b_smem, a_bars, b_bars
+
+
+@gluon.jit
+def resident_pair(a_desc, b_desc):
+    """Shared memory for one block each of two tensors that stay for the whole program, and one mbarrier for both,
+    initialised."""
+    a_smem = gl.allocate_shared_memory(a_desc.dtype, a_desc.block_shape, a_desc.layout)
+    b_smem = gl.allocate_shared_memory(b_desc.dtype, b_desc.block_shape, b_desc.layout)
+    bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    mbarrier.init(bar, count=1)
+    return a_smem, b_smem, bar
+
+
+@gluon.jit
+def load_pair(a_desc, b_desc, a_smem, b_smem, bar, row):
+    """Start the TMA copies of both tensors' blocks at `row` into a resident pair; `bar` completes its phase 0
+    once both have landed."""
+    mbarrier.expect(bar, a_desc.block_type.nbytes + b_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(a_desc, [row, 0], bar, a_smem)
+    tma.async_copy_global_to_shared(b_desc, [row, 0], bar, b_smem)
 
 
 @gluon.jit
@@ -129,10 +155,8 @@ def _pv(p, acc, v_smem, v_bars, j, NUM_BUF: gl.constexpr):
 @gluon.jit
 def _fwd(q_desc, k_desc, v_desc, o_desc, LSE, SEQ, qk_scale, N_SMS, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
          BLOCK_N: gl.constexpr, NUM_BUF: gl.constexpr, NUM_WARPS: gl.constexpr):
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
-                                                       instr_shape=[16, BLOCK_N, 16])
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
-                                                       instr_shape=[16, HEAD_DIM, 16])
+    s_layout: gl.constexpr = wgmma_layout(NUM_WARPS, BLOCK_N)
+    o_layout: gl.constexpr = wgmma_layout(NUM_WARPS, HEAD_DIM)
     n_blocks = SEQ // BLOCK_M
     pid_m, bh = _schedule(n_blocks, gl.num_programs(0) // n_blocks, N_SMS, True)
     start_m = pid_m * BLOCK_M
@@ -241,12 +265,22 @@ def measure(name: str, fn, check, shape: str, flops: float, repeats: int, dev: t
 SETTINGS = [(128, 64, 2, 8), (128, 64, 3, 8), (128, 128, 2, 8), (64, 64, 2, 4), (64, 64, 3, 4), (64, 32, 3, 4)]
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def parse_args(description: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--json", default=None)
     parser.add_argument("--shapes", type=shape_arg, nargs="+", default=SHAPES, help="B,H,S,D ...")
-    args = parser.parse_args()
+    return parser.parse_args()
+
+
+def write_rows(path: str | None, dev: torch.device, rows: list[dict]) -> None:
+    if path:
+        with open(path, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(dev), "rows": rows}, f, indent=1)
+
+
+def main() -> None:
+    args = parse_args(__doc__.splitlines()[0])
     dev = torch.device("cuda")
     rows = []
     for b, h, s, d in args.shapes:
@@ -268,9 +302,7 @@ def main() -> None:
         measured = (measure(name, fn, check, f"B{b} H{h} S{s} D{d}", flops, args.repeats, dev)
                     for name, fn in candidates.items())
         rows += [row for row in measured if row is not None]
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(dev), "rows": rows}, f, indent=1)
+    write_rows(args.json, dev, rows)
 
 
 if __name__ == "__main__":
