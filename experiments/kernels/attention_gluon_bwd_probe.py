@@ -61,13 +61,17 @@ def _products(x_smem, y_smem, a_smem, b_smem, a_bars, b_bars, i, first, layout: 
 
 
 @gluon.jit
-def _softmax_grad(st, dpt, LSE, DELTA, stat0, i, start_n, qk_scale, st_layout: gl.constexpr,
+def _query_stats(LSE, DELTA, stat0, i, st_layout: gl.constexpr, BLOCK_M: gl.constexpr):
+    """Query block i's positions, base-2 LSE and delta, along the columns of S^T (loaded while wgmmas run)."""
+    cols = i * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, st_layout))
+    return cols, gl.load(LSE + stat0 + cols) * 1.4426950408889634, gl.load(DELTA + stat0 + cols)
+
+
+@gluon.jit
+def _softmax_grad(st, dpt, cols, lse2, delta, i, start_n, qk_scale, st_layout: gl.constexpr,
                   kv_layout: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
     """Query block i's P^T and dS^T (the causal mask where the block reaches the diagonal) as the next
     wgmmas' register operands."""
-    cols = i * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, st_layout))  # query positions
-    lse2 = gl.load(LSE + stat0 + cols) * 1.4426950408889634  # natural log -> base 2
-    delta = gl.load(DELTA + stat0 + cols)
     pt = gl.exp2(st * qk_scale - gl.expand_dims(lse2, 0))
     if i * BLOCK_M < start_n + BLOCK_N:
         rows = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, st_layout))  # key positions
@@ -111,8 +115,9 @@ def _bwd_dkdv(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, DELTA, SEQ
 
     # The first query block on its own: nothing to overlap yet.
     st, dpt = _products(k_smem, v_smem, q_smem, do_smem, q_bars, do_bars, first, first, st_layout, NUM_BUF)
+    cols, lse2, delta = _query_stats(LSE, DELTA, stat0, first, st_layout, BLOCK_M)
     st, dpt = warpgroup_mma_wait(0, deps=[st, dpt])
-    pt, dst = _softmax_grad(st, dpt, LSE, DELTA, stat0, first, start_n, qk_scale, st_layout, kv_layout, BLOCK_M,
+    pt, dst = _softmax_grad(st, dpt, cols, lse2, delta, first, start_n, qk_scale, st_layout, kv_layout, BLOCK_M,
                             BLOCK_N)
     dv = warpgroup_mma_init(gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, kv_layout))
     dk = warpgroup_mma_init(gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, kv_layout))
@@ -122,8 +127,9 @@ def _bwd_dkdv(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, DELTA, SEQ
     for i in range(first + 1, end):
         st, dpt = _products(k_smem, v_smem, q_smem, do_smem, q_bars, do_bars, i, first, st_layout, NUM_BUF)
         dv, dk = _updates(pt, dst, dv, dk, q_smem, do_smem, i - 1, NUM_BUF)
+        cols, lse2, delta = _query_stats(LSE, DELTA, stat0, i, st_layout, BLOCK_M)
         st, dpt = warpgroup_mma_wait(2, deps=[st, dpt])
-        pt_next, dst_next = _softmax_grad(st, dpt, LSE, DELTA, stat0, i, start_n, qk_scale, st_layout, kv_layout,
+        pt_next, dst_next = _softmax_grad(st, dpt, cols, lse2, delta, i, start_n, qk_scale, st_layout, kv_layout,
                                           BLOCK_M, BLOCK_N)
         dv, dk, pt, dst = warpgroup_mma_wait(0, deps=[dv, dk, pt, dst])
         # query block i-1's Q and dO are no longer read: its slot takes block i - 1 + NUM_BUF
