@@ -35,13 +35,13 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_init, warpgroup_mma_wait)
-from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from lmlab.kernels import flash_triton
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from attention_gluon_probe import (_schedule, load_block, load_pair, measure, parse_args,  # noqa: E402
-                                   resident_pair, ring, wgmma_layout, worst, write_rows)  # (a sibling script)
+from attention_gluon_probe import (_schedule, descriptors, load_block, load_pair, measure,  # noqa: E402
+                                   parse_args, release, resident_pair, ring, wgmma_layout, worst,
+                                   write_rows)  # (a sibling script, not a package)
 
 
 @gluon.jit
@@ -148,10 +148,7 @@ def _bwd_dkdv(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, DELTA, SEQ
     tma.async_copy_shared_to_global(dk_desc, [row0 + start_n, 0], k_smem)
     tma.async_copy_shared_to_global(dv_desc, [row0 + start_n, 0], v_smem)
     tma.store_wait(0)
-    mbarrier.invalidate(kv_bar)
-    for s in gl.static_range(NUM_BUF):
-        mbarrier.invalidate(q_bars.index(s))
-        mbarrier.invalidate(do_bars.index(s))
+    release(kv_bar, q_bars, do_bars, NUM_BUF)
 
 
 @gluon.jit
@@ -223,10 +220,7 @@ def _bwd_dq(q_desc, k_desc, v_desc, do_desc, dq_desc, O, LSE, DELTA, SEQ, qk_sca
     fence_async_shared()
     tma.async_copy_shared_to_global(dq_desc, [row0 + start_m, 0], q_smem)
     tma.store_wait(0)
-    mbarrier.invalidate(qdo_bar)
-    for i in gl.static_range(NUM_BUF):
-        mbarrier.invalidate(k_bars.index(i))
-        mbarrier.invalidate(v_bars.index(i))
+    release(qdo_bar, k_bars, v_bars, NUM_BUF)
 
 
 def _shipped_dq(q, k, v, out, lse, d_out):
@@ -243,22 +237,12 @@ def _shipped_dq(q, k, v, out, lse, d_out):
     return dq, delta
 
 
-def _descriptors(tensors_and_rows, head_dim: int) -> list:
-    """TMA descriptors of contiguous (batch, heads, seq, head_dim) tensors as (rows, head_dim) views, each with
-    its block's rows."""
-    descs = []
-    for t, rows in tensors_and_rows:
-        layout = gl.NVMMASharedLayout.get_default_for([rows, head_dim], gl.bfloat16)
-        descs.append(TensorDescriptor.from_tensor(t.view(-1, head_dim), [rows, head_dim], layout))
-    return descs
-
-
 def gluon_dq(q, k, v, out, lse, d_out, block_m: int, block_n: int, num_buf: int, warps: int):
     """The Gluon dQ kernel: (dq, delta)."""
     b, h, s, d = q.shape
     dq = torch.empty_like(q)
     delta = torch.empty((b, h, s), dtype=torch.float32, device=q.device)
-    descs = _descriptors(((q, block_m), (k, block_n), (v, block_n), (d_out, block_m), (dq, block_m)), d)
+    descs = descriptors(((q, block_m), (k, block_n), (v, block_n), (d_out, block_m), (dq, block_m)), d)
     sms = torch.cuda.get_device_properties(q.device).multi_processor_count
     _bwd_dq[(s // block_m * b * h,)](*descs, out, lse, delta, s, math.log2(math.e) / math.sqrt(d), 1 / math.sqrt(d),
                                      sms, HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n, NUM_BUF=num_buf,
@@ -274,7 +258,7 @@ def gluon_backward(q, k, v, out, lse, d_out, dkdv_setting: tuple, dq_setting: tu
                  else gluon_dq(q, k, v, out, lse, d_out, *dq_setting))
     block_m, block_n, num_buf, warps = dkdv_setting
     dk, dv = torch.empty_like(k), torch.empty_like(v)
-    descs = _descriptors(((q, block_m), (k, block_n), (v, block_n), (d_out, block_m), (dk, block_n), (dv, block_n)), d)
+    descs = descriptors(((q, block_m), (k, block_n), (v, block_n), (d_out, block_m), (dk, block_n), (dv, block_n)), d)
     sms = torch.cuda.get_device_properties(q.device).multi_processor_count
     _bwd_dkdv[(s // block_n * b * h,)](*descs, lse, delta, s, math.log2(math.e) / math.sqrt(d), 1 / math.sqrt(d),
                                        sms, HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n, NUM_BUF=num_buf,

@@ -118,6 +118,15 @@ def load_block(a_desc, b_desc, a_smem, b_smem, a_bars, b_bars, row0, i, end, NUM
 
 
 @gluon.jit
+def release(resident_bar, a_bars, b_bars, NUM_BUF: gl.constexpr):
+    """Invalidate a kernel's mbarriers at its end: the resident tiles' and the ring's."""
+    mbarrier.invalidate(resident_bar)
+    for slot in gl.static_range(NUM_BUF):
+        mbarrier.invalidate(a_bars.index(slot))
+        mbarrier.invalidate(b_bars.index(slot))
+
+
+@gluon.jit
 def _scores(q_smem, k_smem, k_bars, j, s_layout: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
             NUM_BUF: gl.constexpr):
     """Issue key block j's Q K^T once its K has landed: an asynchronous wgmma group."""
@@ -205,10 +214,17 @@ def _fwd(q_desc, k_desc, v_desc, o_desc, LSE, SEQ, qk_scale, N_SMS, HEAD_DIM: gl
     offs = start_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
     gl.store(LSE + bh.to(gl.int64) * SEQ + offs, (m_i + gl.log2(l_i)) * 0.6931471805599453)
     tma.store_wait(0)
-    mbarrier.invalidate(q_bar)
-    for i in gl.static_range(NUM_BUF):
-        mbarrier.invalidate(k_bars.index(i))
-        mbarrier.invalidate(v_bars.index(i))
+    release(q_bar, k_bars, v_bars, NUM_BUF)
+
+
+def descriptors(tensors_and_rows, head_dim: int) -> list:
+    """TMA descriptors of contiguous (batch, heads, seq, head_dim) tensors as (rows, head_dim) views, each with
+    its block's rows."""
+    descs = []
+    for t, rows in tensors_and_rows:
+        layout = gl.NVMMASharedLayout.get_default_for([rows, head_dim], gl.bfloat16)
+        descs.append(TensorDescriptor.from_tensor(t.view(-1, head_dim), [rows, head_dim], layout))
+    return descs
 
 
 def gluon_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_m: int, block_n: int, num_buf: int,
@@ -217,10 +233,7 @@ def gluon_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_m: in
     b, h, s, d = q.shape
     out = torch.empty_like(q)
     lse = torch.empty((b, h, s), dtype=torch.float32, device=q.device)
-    descs = []
-    for t, block in ((q, block_m), (k, block_n), (v, block_n), (out, block_m)):
-        layout = gl.NVMMASharedLayout.get_default_for([block, d], gl.bfloat16)
-        descs.append(TensorDescriptor.from_tensor(t.view(b * h * s, d), [block, d], layout))
+    descs = descriptors(((q, block_m), (k, block_n), (v, block_n), (out, block_m)), d)
     sms = torch.cuda.get_device_properties(q.device).multi_processor_count
     _fwd[(s // block_m * b * h,)](*descs, lse, s, math.log2(math.e) / math.sqrt(d), sms, HEAD_DIM=d,
                                   BLOCK_M=block_m, BLOCK_N=block_n, NUM_BUF=num_buf, NUM_WARPS=warps,
