@@ -1,10 +1,9 @@
 """What the attention kernels compile to on sm_90, without a GPU: registers, spills, and how their wgmmas wait.
 
 Compiles, for sm_90a with the ptxas that ships with Triton, every 16-bit tile setting of
-`lmlab.kernels.flash_triton`'s three kernels (forward, dK/dV, dQ) and each setting of the Gluon
-forward (`attention_gluon_probe.py`) and dQ and dK/dV kernels (`attention_gluon_bwd_probe.py`), as a
-launch would specialize them (causal, bf16, one K/V head
-per query head, pointers and strides 16-byte aligned). Per kernel and setting it prints:
+`lmlab.kernels.flash_triton`'s three kernels (forward, dK/dV, dQ) and each setting that the probes
+sweep of `lmlab.kernels.flash_gluon`'s (the Hopper path), as a launch would specialize them (causal,
+bf16, one K/V head per query head, pointers and strides 16-byte aligned). Per kernel and setting it prints:
 
 - registers per thread and spilled bytes (`ptxas -v`);
 - HGMMA and `WARPGROUP.DEPBAR` counts in the SASS: one DEPBAR after every HGMMA means ptxas
@@ -30,10 +29,10 @@ from triton.compiler import ASTSource
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon._runtime import GluonASTSource
 
-from lmlab.kernels import flash_triton
+from lmlab.kernels import flash_gluon, flash_triton
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import attention_gluon_bwd_probe  # noqa: E402  (sibling scripts, not a package)
+import attention_gluon_bwd_probe  # noqa: E402  (sibling scripts, not a package): their sweeps
 import attention_gluon_probe  # noqa: E402
 
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
@@ -57,7 +56,7 @@ def _signature(names: list[str], constants: dict, descriptor=None) -> tuple[dict
             signature[name] = "fp32"
         else:
             signature[name] = "i32"
-            if name.startswith(("stride", "SEQ")):
+            if name.startswith(("stride", "SEQ")) or name.endswith(("_RB", "_RH", "_CH")):
                 attrs[(i,)] = [["tt.divisibility", 16]]
     return signature, attrs
 
@@ -72,12 +71,12 @@ def triton_kernel(kernel, head_dim: int, block_m: int, block_n: int, warps: int,
 
 
 def gluon_kernel(kernel, head_dim: int, block_m: int, block_n: int, num_buf: int, warps: int):
-    """A Gluon probe kernel; its descriptors of query rows (q, o, do) take block_m rows, the others block_n."""
+    """A flash_gluon kernel; its descriptors of query rows (q, o, do, dq) take block_m rows, the others block_n."""
     constants = {"HEAD_DIM": head_dim, "BLOCK_M": block_m, "BLOCK_N": block_n, "NUM_BUF": num_buf,
-                 "NUM_WARPS": warps}
+                 "NUM_WARPS": warps, "GROUP": 1}
 
     def descriptor(name: str) -> str:
-        rows = block_m if name in ("q_desc", "o_desc", "do_desc") else block_n
+        rows = block_m if name in ("q_desc", "o_desc", "do_desc", "dq_desc") else block_n
         layout = gl.NVMMASharedLayout.get_default_for([rows, head_dim], gl.bfloat16)
         return f"tensordesc<bf16[{rows}, {head_dim}],{layout!r}>"
 
@@ -117,9 +116,9 @@ def main() -> None:
             for setting in blocks[0]:  # the 16-bit settings the autotuner picks from
                 print(f"D{head_dim} Triton {name:8} {str(setting):18} "
                       f"{report(triton_kernel(kernel.fn, head_dim, *setting))}", flush=True)
-        gluon = {"forward": (attention_gluon_probe._fwd, attention_gluon_probe.SETTINGS),
-                 "dK/dV": (attention_gluon_bwd_probe._bwd_dkdv, attention_gluon_bwd_probe.SETTINGS),
-                 "dQ": (attention_gluon_bwd_probe._bwd_dq, attention_gluon_bwd_probe.DQ_SETTINGS)}
+        gluon = {"forward": (flash_gluon._fwd, attention_gluon_probe.SETTINGS),
+                 "dK/dV": (flash_gluon._bwd_dkdv, attention_gluon_bwd_probe.SETTINGS),
+                 "dQ": (flash_gluon._bwd_dq, attention_gluon_bwd_probe.DQ_SETTINGS)}
         for name, (kernel, settings) in gluon.items():
             for setting in settings:
                 print(f"D{head_dim} Gluon  {name:8} {str(setting):18} "

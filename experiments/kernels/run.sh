@@ -16,8 +16,9 @@
 #           BEST+recompute-full alone at twice that batch
 #   b16     the ~1.4B config at 16 x 2048 tokens per step: BEST against BEST with fp8=B16_FP8 (tensorwise; profiles),
 #           then the compiled reference alone in a process of its own (two resident variants fill an H200 here)
-#   attention  the attention probes: the Gluon forward, dQ and dK/dV kernels (FlashAttention-3's overlap of the
-#           softmax with the tensor cores) against the shipped Triton kernels and cuDNN, then each pass apart
+#   attention  the attention probes: the tile settings of the Hopper path's Gluon forward, dQ and dK/dV kernels
+#           (FlashAttention-3's overlap of the softmax with the tensor cores) against the portable Triton kernels
+#           and cuDNN, then each pass apart
 #   fp8-loss  lmlab-train of the ~1.4B config on tinyshakespeare (CORPUS, bytes) for FP8_STEPS steps, each fp8
 #           entry of FP8_RECIPES (none tensorwise rowwise) in turn: the validation loss after the same tokens
 # fp8 needs torchao: carry its wheel. Env: B14_BATCH, CORPUS (outputs/data/tinyshakespeare.txt), FP8_STEPS (300), FP8_RECIPES, B16_FP8.
@@ -73,7 +74,7 @@ for part in $PARTS; do
             $LMLAB bench train $B14_BENCH data.batch_size=$((2 * ${B14_BATCH:-16})) --variants "$BEST+recompute-full" \
                 --steps 4 --warmup 2 --json "$D/train-1.4b-recompute-2x.json" | tee "$D/train-1.4b-recompute-2x.txt" ;;
         attention)
-            # kernels not yet run on a GPU (2026-12-05): one that hangs must not take the whole call with it
+            # a kernel that hangs must not take the whole call with it
             timeout 200 python experiments/kernels/attention_gluon_probe.py --json "$D/attention-gluon-probe.json" \
                 | tee "$D/attention-gluon-probe.txt" || true
             timeout 240 python experiments/kernels/attention_gluon_bwd_probe.py \
