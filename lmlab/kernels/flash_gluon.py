@@ -61,10 +61,10 @@ DKDV_SETTINGS: tuple[Setting, ...] = ((64, 64, 2, 4), (64, 64, 3, 4), (32, 64, 3
 
 
 def applies(q: torch.Tensor, k: torch.Tensor, causal: bool) -> bool:
-    """Whether these 4-D inputs take the Gluon kernels."""
+    """Whether these 4-D inputs take the Gluon kernels (on NVIDIA's sm_90 only: ROCm's MI200 also reads 9.0)."""
     return (q.is_cuda and causal and q.dtype in _GL_DTYPES and q.shape[-1] in HEAD_DIMS
             and q.shape[2] == k.shape[2] and q.shape[2] % SEQ_MULTIPLE == 0
-            and torch.cuda.get_device_capability(q.device) == (9, 0))
+            and torch.version.hip is None and torch.cuda.get_device_capability(q.device) == (9, 0))
 
 
 # ----------------------------------------------------------------------------------------------- device code

@@ -31,8 +31,8 @@ torch.compile treats them as opaque calls and autotuning keeps running eagerly.
 
 On Hopper (sm_90), causal self-attention in 16-bit with head_dim 64 or 128 and a sequence length that is a
 multiple of 128 runs `flash_gluon`'s kernels instead: written in Gluon, they overlap the softmax with the
-tensor cores as FlashAttention-3 does, which Triton's compiler does not (10-14% faster forward and backward at
-head_dim 128 on an H100; experiments/kernels/README.md). `GLUON = False` (or LMLAB_FLASH_GLUON=0) turns that
+tensor cores as FlashAttention-3 does, which Triton's compiler does not (on an H100 at head_dim 128, the forward
+1.08-1.20x and the backward 1.10-1.13x these kernels; experiments/kernels/README.md). `GLUON = False` (or LMLAB_FLASH_GLUON=0) turns that
 path off.
 
 With TRITON_INTERPRET=1 the kernels run on CPU tensors through Triton's interpreter (one small
