@@ -17,7 +17,7 @@ compute the latter:
 The streamed tiles arrive by TMA in a ring of NUM_BUF slots: block t-1+NUM_BUF loads into the slot that block
 t-1 frees. A register written while a wgmma is in flight would make ptxas serialize every wgmma (warnings
 C7514/C7515); in this order each is written after a wait that leaves nothing in flight, and the sm_90a SASS
-has no `WARPGROUP.DEPBAR` after its HGMMAs. Programs follow `flash_triton._schedule` (heaviest blocks first,
+has four `WARPGROUP.DEPBAR`s per kernel, not one per HGMMA. Programs follow `flash_triton._schedule` (heaviest blocks first,
 heads in groups that share K/V in L2).
 
 Inputs are read where they lie: a (batch, heads, seq, head_dim) tensor whose rows sit at a fixed stride (a
@@ -614,7 +614,7 @@ def backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tenso
         dq_launches["triton"] = functools.partial(triton_dq, dq, delta)
     key = (q.dtype, dim, seq, group)
     if dq_setting is None:
-        _fastest(("dq", *key), dq_launches)()
+        _fastest(("dq", *key, triton_dq is not None), dq_launches)()
     else:
         dq_launches.get(dq_setting, functools.partial(launch_dq, *dq_setting))()
     dkdv_launches = {s: functools.partial(launch_dkdv, *s) for s in DKDV_SETTINGS}
