@@ -29,7 +29,7 @@ from triton.compiler import ASTSource
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon._runtime import GluonASTSource
 
-from lmlab.kernels import flash_gluon, flash_triton
+from lmlab.kernels import flash_gluon_kernels, flash_triton
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import attention_gluon_bwd_probe  # noqa: E402  (sibling scripts, not a package): their sweeps
@@ -116,9 +116,9 @@ def main() -> None:
             for setting in blocks[0]:  # the 16-bit settings the autotuner picks from
                 print(f"D{head_dim} Triton {name:8} {str(setting):18} "
                       f"{report(triton_kernel(kernel.fn, head_dim, *setting))}", flush=True)
-        gluon = {"forward": (flash_gluon._fwd, attention_gluon_probe.SETTINGS),
-                 "dK/dV": (flash_gluon._bwd_dkdv, attention_gluon_bwd_probe.SETTINGS),
-                 "dQ": (flash_gluon._bwd_dq, attention_gluon_bwd_probe.DQ_SETTINGS)}
+        gluon = {"forward": (flash_gluon_kernels.forward_kernel, attention_gluon_probe.SETTINGS),
+                 "dK/dV": (flash_gluon_kernels.dkdv_kernel, attention_gluon_bwd_probe.SETTINGS),
+                 "dQ": (flash_gluon_kernels.dq_kernel, attention_gluon_bwd_probe.DQ_SETTINGS)}
         for name, (kernel, settings) in gluon.items():
             for setting in settings:
                 print(f"D{head_dim} Gluon  {name:8} {str(setting):18} "

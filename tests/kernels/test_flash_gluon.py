@@ -99,9 +99,15 @@ def test_rows_view_addresses_every_head(layout: str) -> None:
             torch.testing.assert_close(rows.view[row:row + s, col:col + d], t[i, j], rtol=0, atol=0)
 
 
-def test_misaligned_rows_are_copied() -> None:
-    """TMA needs 16-byte aligned rows: a row stride of 100 elements (200 bytes) is read from a contiguous copy."""
-    t = torch.randn(2, 16, 100, dtype=torch.bfloat16)[..., :64].unsqueeze(1)
+@pytest.mark.parametrize("misaligned", ["rows", "start"])
+def test_misaligned_tensors_are_copied(misaligned: str) -> None:
+    """TMA needs 16-byte aligned rows and start: a row stride of 100 elements (200 bytes), or a contiguous tensor
+    that starts 2 bytes into its storage, is read from an aligned contiguous copy."""
+    if misaligned == "rows":
+        t = torch.randn(2, 16, 100, dtype=torch.bfloat16)[..., :64].unsqueeze(1)
+    else:
+        t = torch.randn(2 * 16 * 64 + 1, dtype=torch.bfloat16)[1:].view(2, 1, 16, 64)
+        assert t.is_contiguous() and t.data_ptr() % 16
     rows = flash_gluon._Rows.of(t)
-    assert rows.view.data_ptr() != t.data_ptr() and rows.view.stride() == (64, 1)
+    assert rows.view.data_ptr() != t.data_ptr() and rows.view.data_ptr() % 16 == 0 and rows.view.stride() == (64, 1)
     torch.testing.assert_close(rows.view[16:32], t[1, 0], rtol=0, atol=0)

@@ -1,0 +1,444 @@
+"""The Gluon kernels of lmlab's Hopper attention (`flash_gluon` launches them): forward, dQ and dK/dV.
+
+Why Gluon: Triton 3.6 waits for every wgmma group as soon as it is issued (the shipped kernels' sm_90 PTX has
+a `wgmma.wait_group 0` after each; experiments/kernels/attention_sass.py), so the tensor cores idle while the
+exponentials run. Gluon, Triton's lower-level language, lets a kernel say when to wait. Each kernel here issues
+block j's score products, then block j-1's accumulating product, waits for the former alone (wgmma groups
+complete in order) and runs block j's softmax (or its gradient) on the CUDA cores while the tensor cores
+compute the latter:
+  forward  a query block resident; per key block S = Q K^T, then the previous block's O += P V
+  dQ       a query block resident; per key block S and dP = dO V^T, then the previous block's dQ += dS K; it
+           also stores delta = rowsum(dO * O) for the dK/dV kernel
+  dK/dV    a key block resident; per query block (of every query head its kv head serves) S^T = K Q^T and
+           dP^T = V dO^T, then the previous block's dV += P^T dO and dK += dS^T Q
+The streamed tiles arrive by TMA in a ring of NUM_BUF slots: block t-1+NUM_BUF loads into the slot that block
+t-1 frees. A register written while a wgmma is in flight would make ptxas serialize every wgmma (warnings
+C7514/C7515); in this order each is written after a wait that leaves nothing in flight, and the sm_90a SASS
+has four `WARPGROUP.DEPBAR`s per kernel, not one per HGMMA. Programs follow `flash_triton._schedule`
+(heaviest blocks first, heads in groups that share K/V in L2).
+
+The tensors come as TMA descriptors over 2-D views of their storage: head h of batch b starts at row
+b * RB + h * RH, column h * CH of each (`flash_gluon._Rows`); LSE, delta and the outputs are contiguous.
+"""
+
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                              warpgroup_mma_init, warpgroup_mma_wait)
+
+
+@gluon.constexpr_function
+def wgmma_layout(num_warps, n):
+    """Registers of a (rows, n) wgmma result: the warps stacked along the rows, 16 rows each."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, n, 16])
+
+
+@gluon.jit
+def _schedule(n_blocks, n_heads, N_SMS, HEAVY_LAST: gl.constexpr):
+    """flash_triton._schedule for causal attention: (block, head) of this program, heaviest blocks first."""
+    pid = gl.program_id(0)
+    group = gl.minimum(gl.cdiv(4 * N_SMS, n_blocks + 1), n_heads)
+    last = n_heads // group - 1
+    first = gl.minimum(pid // (group * n_blocks), last) * group
+    size = gl.where(first == last * group, n_heads - first, group)
+    rest = pid - first * n_blocks
+    block = rest // size
+    if HEAVY_LAST:
+        block = n_blocks - 1 - block
+    return block, first + rest % size
+
+
+@gluon.jit
+def _origin(b, h, RB, RH, CH):
+    """(row, column) where head h of batch b starts in a tensor's 2-D view (`_Rows`)."""
+    return b * RB + h * RH, h * CH
+
+
+@gluon.jit
+def _ring(a_desc, b_desc, NUM_BUF: gl.constexpr):
+    """Shared memory for NUM_BUF blocks each of two tensors that TMA streams in, and an mbarrier per block and
+    tensor, initialised (the kernel fences after its last initialisation)."""
+    a_smem = gl.allocate_shared_memory(a_desc.dtype, [NUM_BUF] + a_desc.block_shape, a_desc.layout)
+    b_smem = gl.allocate_shared_memory(b_desc.dtype, [NUM_BUF] + b_desc.block_shape, b_desc.layout)
+    a_bars = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
+    b_bars = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
+    for slot in gl.static_range(NUM_BUF):
+        mbarrier.init(a_bars.index(slot), count=1)
+        mbarrier.init(b_bars.index(slot), count=1)
+    return a_smem, b_smem, a_bars, b_bars
+
+
+@gluon.jit
+def _resident_pair(a_desc, b_desc):
+    """Shared memory for one block each of two tensors that stay for the whole program, and one mbarrier for
+    both, initialised."""
+    a_smem = gl.allocate_shared_memory(a_desc.dtype, a_desc.block_shape, a_desc.layout)
+    b_smem = gl.allocate_shared_memory(b_desc.dtype, b_desc.block_shape, b_desc.layout)
+    bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    mbarrier.init(bar, count=1)
+    return a_smem, b_smem, bar
+
+
+@gluon.jit
+def _load_pair(a_desc, b_desc, a_smem, b_smem, bar, a_row, a_col, b_row, b_col):
+    """Start the TMA copies of both tensors' blocks into a resident pair; `bar` completes its phase 0 once both
+    have landed."""
+    mbarrier.expect(bar, a_desc.block_type.nbytes + b_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(a_desc, [a_row, a_col], bar, a_smem)
+    tma.async_copy_global_to_shared(b_desc, [b_row, b_col], bar, b_smem)
+
+
+@gluon.jit
+def _load_block(a_desc, b_desc, a_smem, b_smem, a_bars, b_bars, a_row, a_col, b_row, b_col, t, end,
+                NUM_BUF: gl.constexpr):
+    """Start the TMA copies of the ring's block t (both tensors' blocks at the given rows) into slot
+    t % NUM_BUF; none when t >= end. Block t is its slot's (t // NUM_BUF)-th load: its barriers' phase parity."""
+    slot = t % NUM_BUF
+    ok = t < end
+    mbarrier.expect(a_bars.index(slot), a_desc.block_type.nbytes, pred=ok)
+    tma.async_copy_global_to_shared(a_desc, [a_row, a_col], a_bars.index(slot), a_smem.index(slot), pred=ok)
+    mbarrier.expect(b_bars.index(slot), b_desc.block_type.nbytes, pred=ok)
+    tma.async_copy_global_to_shared(b_desc, [b_row, b_col], b_bars.index(slot), b_smem.index(slot), pred=ok)
+
+
+@gluon.jit
+def _query_program(K_RB, K_RH, K_CH, V_RB, V_RH, V_CH, HEADS, GROUP, SEQ, N_SMS, BLOCK_M: gl.constexpr):
+    """A query-block program (forward, dQ): its batch * heads index, batch, head and first query, and where its
+    kv head's K and V start."""
+    n_blocks = SEQ // BLOCK_M
+    pid_m, bh = _schedule(n_blocks, gl.num_programs(0) // n_blocks, N_SMS, True)
+    b = bh // HEADS
+    h = bh % HEADS
+    k_row, k_col = _origin(b, h // GROUP, K_RB, K_RH, K_CH)
+    v_row, v_col = _origin(b, h // GROUP, V_RB, V_RH, V_CH)
+    return bh, b, h, pid_m * BLOCK_M, k_row, k_col, v_row, v_col
+
+
+@gluon.jit
+def _load_keys(k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, k_row, k_col, v_row, v_col, t, end,
+               NUM_BUF: gl.constexpr):
+    """Start loading key block t of a kv head (K and V from the given origins) as the ring's block t."""
+    BLOCK_N: gl.constexpr = k_desc.block_shape[0]
+    _load_block(k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, k_row + t * BLOCK_N, k_col, v_row + t * BLOCK_N,
+                v_col, t, end, NUM_BUF)
+
+
+@gluon.jit
+def _release(resident_bar, a_bars, b_bars, NUM_BUF: gl.constexpr):
+    """Invalidate a kernel's mbarriers at its end: the resident tiles' and the ring's."""
+    mbarrier.invalidate(resident_bar)
+    for slot in gl.static_range(NUM_BUF):
+        mbarrier.invalidate(a_bars.index(slot))
+        mbarrier.invalidate(b_bars.index(slot))
+
+
+@gluon.jit
+def _products(x_smem, y_smem, a_smem, b_smem, a_bars, b_bars, t, layout: gl.constexpr, NUM_BUF: gl.constexpr):
+    """Issue X A_t^T and Y B_t^T for the ring's block t once each has landed: two wgmma groups. dK/dV:
+    S^T = K Q^T and dP^T = V dO^T; dQ: S = Q K^T and dP = dO V^T."""
+    slot = t % NUM_BUF
+    phase = (t // NUM_BUF) & 1
+    ROWS: gl.constexpr = x_smem.shape[0]
+    COLS: gl.constexpr = a_smem.shape[1]
+    zero = gl.zeros([ROWS, COLS], gl.float32, layout)
+    mbarrier.wait(a_bars.index(slot), phase)
+    xa = warpgroup_mma(x_smem, a_smem.index(slot).permute((1, 0)), zero, use_acc=False, is_async=True)
+    mbarrier.wait(b_bars.index(slot), phase)
+    yb = warpgroup_mma(y_smem, b_smem.index(slot).permute((1, 0)), zero, use_acc=False, is_async=True)
+    return xa, yb
+
+
+@gluon.jit
+def _scores(q_smem, k_smem, k_bars, j, s_layout: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+            NUM_BUF: gl.constexpr):
+    """Issue key block j's Q K^T once its K has landed: an asynchronous wgmma group."""
+    slot = j % NUM_BUF
+    mbarrier.wait(k_bars.index(slot), (j // NUM_BUF) & 1)
+    zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
+    return warpgroup_mma(q_smem, k_smem.index(slot).permute((1, 0)), zero, use_acc=False, is_async=True)
+
+
+@gluon.jit
+def _softmax(s, m_i, l_i, j, start_m, qk_scale, s_layout: gl.constexpr, o_layout: gl.constexpr,
+             DTYPE: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+    """Block j's online-softmax step (the causal mask where the block reaches the diagonal): its P as the
+    P V wgmma's register operand, the new row max and sum, and the factor that rescales the output."""
+    if j * BLOCK_N + BLOCK_N > start_m:
+        rows = start_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
+        cols = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        s = gl.where(gl.expand_dims(cols, 0) <= gl.expand_dims(rows, 1), s, float("-inf"))
+    m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
+    p = gl.exp2(s * qk_scale - gl.expand_dims(m_new, 1))
+    alpha = gl.exp2(m_i - m_new)
+    l_i = l_i * alpha + gl.sum(p, 1)
+    p = gl.convert_layout(p.to(DTYPE), gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2))
+    return p, m_new, l_i, gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))
+
+
+@gluon.jit
+def _pv(p, acc, v_smem, v_bars, j, NUM_BUF: gl.constexpr):
+    """Issue block j's P V into the accumulator once its V has landed: an asynchronous wgmma group."""
+    slot = j % NUM_BUF
+    mbarrier.wait(v_bars.index(slot), (j // NUM_BUF) & 1)
+    return warpgroup_mma(p, v_smem.index(slot), acc, is_async=True)
+
+
+@gluon.jit
+def forward_kernel(q_desc, k_desc, v_desc, o_desc, LSE, Q_RB, Q_RH, Q_CH, K_RB, K_RH, K_CH, V_RB, V_RH, V_CH, HEADS, GROUP,
+         SEQ, qk_scale, N_SMS, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+         NUM_BUF: gl.constexpr, NUM_WARPS: gl.constexpr):
+    s_layout: gl.constexpr = wgmma_layout(NUM_WARPS, BLOCK_N)
+    o_layout: gl.constexpr = wgmma_layout(NUM_WARPS, HEAD_DIM)
+    bh, b, h, start_m, k_row, k_col, v_row, v_col = _query_program(K_RB, K_RH, K_CH, V_RB, V_RH, V_CH, HEADS, GROUP,
+                                                                   SEQ, N_SMS, BLOCK_M)
+    q_row, q_col = _origin(b, h, Q_RB, Q_RH, Q_CH)
+    n_kv = (start_m + BLOCK_M) // BLOCK_N  # key blocks up to the diagonal's end
+
+    q_smem = gl.allocate_shared_memory(q_desc.dtype, [BLOCK_M, HEAD_DIM], q_desc.layout)
+    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_bar, count=1)
+    k_smem, v_smem, k_bars, v_bars = _ring(k_desc, v_desc, NUM_BUF)
+    fence_async_shared()
+
+    mbarrier.expect(q_bar, q_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(q_desc, [q_row + start_m, q_col], q_bar, q_smem)
+    for t in gl.static_range(NUM_BUF):
+        _load_keys(k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, k_row, k_col, v_row, v_col, t, n_kv, NUM_BUF)
+
+    m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
+    l_i = gl.zeros([BLOCK_M], gl.float32, gl.SliceLayout(1, s_layout))
+    acc = warpgroup_mma_init(gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout))
+    mbarrier.wait(q_bar, 0)
+    s = warpgroup_mma_wait(0, deps=[_scores(q_smem, k_smem, k_bars, 0, s_layout, BLOCK_M, BLOCK_N, NUM_BUF)])
+    p, m_i, l_i, alpha = _softmax(s, m_i, l_i, 0, start_m, qk_scale, s_layout, o_layout, q_desc.dtype, BLOCK_M,
+                                  BLOCK_N)
+    for j in range(1, n_kv):
+        s = _scores(q_smem, k_smem, k_bars, j, s_layout, BLOCK_M, BLOCK_N, NUM_BUF)
+        acc = _pv(p, acc, v_smem, v_bars, j - 1, NUM_BUF)
+        s = warpgroup_mma_wait(1, deps=[s])
+        p_next, m_i, l_i, alpha = _softmax(s, m_i, l_i, j, start_m, qk_scale, s_layout, o_layout, q_desc.dtype,
+                                           BLOCK_M, BLOCK_N)
+        acc, p = warpgroup_mma_wait(0, deps=[acc, p])  # p: kept alive until its P V is done
+        # block j-1's K and V are no longer read: its slot takes block j - 1 + NUM_BUF
+        _load_keys(k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, k_row, k_col, v_row, v_col, j - 1 + NUM_BUF, n_kv,
+                   NUM_BUF)
+        acc = warpgroup_mma_init(acc * gl.expand_dims(alpha, 1))
+        p = p_next
+    acc = warpgroup_mma_wait(0, deps=[_pv(p, acc, v_smem, v_bars, n_kv - 1, NUM_BUF)])
+
+    out = acc / gl.expand_dims(gl.convert_layout(l_i, gl.SliceLayout(1, o_layout)), 1)
+    q_smem.store(out.to(o_desc.dtype))  # Q is no longer read: its buffer stages O for the TMA store
+    fence_async_shared()
+    tma.async_copy_shared_to_global(o_desc, [bh * SEQ + start_m, 0], q_smem)
+    offs = start_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
+    gl.store(LSE + bh.to(gl.int64) * SEQ + offs, (m_i + gl.log2(l_i)) * 0.6931471805599453)
+    tma.store_wait(0)
+    _release(q_bar, k_bars, v_bars, NUM_BUF)
+
+
+@gluon.jit
+def _score_grad(s, dp, lse2, delta, j, start_m, qk_scale, s_layout: gl.constexpr, dq_layout: gl.constexpr,
+                DTYPE: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+    """Key block j's dS = P (dP - delta), P = exp(S - LSE) with the causal mask where the block reaches the
+    diagonal, as the dQ wgmma's register operand."""
+    p = gl.exp2(s * qk_scale - gl.expand_dims(lse2, 1))
+    if j * BLOCK_N + BLOCK_N > start_m:
+        rows = start_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
+        cols = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        p = gl.where(gl.expand_dims(cols, 0) <= gl.expand_dims(rows, 1), p, 0.0)
+    ds = p * (dp - gl.expand_dims(delta, 1))
+    return gl.convert_layout(ds.to(DTYPE), gl.DotOperandLayout(operand_index=0, parent=dq_layout, k_width=2))
+
+
+@gluon.jit
+def dq_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, O, LSE, DELTA, Q_RB, Q_RH, Q_CH, K_RB, K_RH, K_CH,
+            V_RB, V_RH, V_CH, DO_RB, DO_RH, DO_CH, HEADS, GROUP, SEQ, qk_scale, scale, N_SMS,
+            HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_BUF: gl.constexpr,
+            NUM_WARPS: gl.constexpr):
+    """dQ for one query block, and delta = rowsum(dO * O) for the dK/dV kernel (O, LSE, DELTA and dQ
+    contiguous)."""
+    s_layout: gl.constexpr = wgmma_layout(NUM_WARPS, BLOCK_N)
+    dq_layout: gl.constexpr = wgmma_layout(NUM_WARPS, HEAD_DIM)
+    rows_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [NUM_WARPS, 1], [1, 0])
+    bh, b, h, start_m, k_row, k_col, v_row, v_col = _query_program(K_RB, K_RH, K_CH, V_RB, V_RH, V_CH, HEADS, GROUP,
+                                                                   SEQ, N_SMS, BLOCK_M)
+    q_row, q_col = _origin(b, h, Q_RB, Q_RH, Q_CH)
+    do_row, do_col = _origin(b, h, DO_RB, DO_RH, DO_CH)
+    end = (start_m + BLOCK_M) // BLOCK_N  # key blocks up to the diagonal's end
+
+    q_smem, do_smem, qdo_bar = _resident_pair(q_desc, do_desc)
+    k_smem, v_smem, k_bars, v_bars = _ring(k_desc, v_desc, NUM_BUF)
+    fence_async_shared()
+
+    _load_pair(q_desc, do_desc, q_smem, do_smem, qdo_bar, q_row + start_m, q_col, do_row + start_m, do_col)
+    for t in gl.static_range(NUM_BUF):
+        _load_keys(k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, k_row, k_col, v_row, v_col, t, end, NUM_BUF)
+
+    # delta = rowsum(dO * O) while the tiles load, stored for the dK/dV kernel
+    stat0 = bh.to(gl.int64) * SEQ
+    rows = start_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, rows_layout))
+    cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, rows_layout))
+    o = gl.load(O + (stat0 + gl.expand_dims(rows, 1)) * HEAD_DIM + gl.expand_dims(cols, 0))
+    mbarrier.wait(qdo_bar, 0)
+    delta = gl.sum(o.to(gl.float32) * do_smem.load(rows_layout).to(gl.float32), 1)
+    gl.store(DELTA + stat0 + rows, delta)
+    delta = gl.convert_layout(delta, gl.SliceLayout(1, s_layout))
+    lse2 = gl.load(LSE + stat0 + start_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout)))
+    lse2 = lse2 * 1.4426950408889634  # natural log -> base 2
+
+    s, dp = _products(q_smem, do_smem, k_smem, v_smem, k_bars, v_bars, 0, s_layout, NUM_BUF)
+    s, dp = warpgroup_mma_wait(0, deps=[s, dp])
+    ds = _score_grad(s, dp, lse2, delta, 0, start_m, qk_scale, s_layout, dq_layout, q_desc.dtype, BLOCK_M, BLOCK_N)
+    dq = warpgroup_mma_init(gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, dq_layout))
+    for j in range(1, end):
+        s, dp = _products(q_smem, do_smem, k_smem, v_smem, k_bars, v_bars, j, s_layout, NUM_BUF)
+        dq = warpgroup_mma(ds, k_smem.index((j - 1) % NUM_BUF), dq, is_async=True)
+        s, dp = warpgroup_mma_wait(1, deps=[s, dp])
+        ds_next = _score_grad(s, dp, lse2, delta, j, start_m, qk_scale, s_layout, dq_layout, q_desc.dtype, BLOCK_M,
+                              BLOCK_N)
+        dq, ds = warpgroup_mma_wait(0, deps=[dq, ds])  # ds: kept alive until its update is done
+        # key block j-1's K and V are no longer read: its slot takes block j - 1 + NUM_BUF
+        _load_keys(k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, k_row, k_col, v_row, v_col, j - 1 + NUM_BUF, end,
+                   NUM_BUF)
+        dq = warpgroup_mma_init(dq)
+        ds = ds_next
+    dq = warpgroup_mma_wait(0, deps=[warpgroup_mma(ds, k_smem.index((end - 1) % NUM_BUF), dq, is_async=True)])
+
+    q_smem.store((dq * scale).to(dq_desc.dtype))  # Q is no longer read: its buffer stages dQ for the TMA store
+    fence_async_shared()
+    tma.async_copy_shared_to_global(dq_desc, [bh * SEQ + start_m, 0], q_smem)
+    tma.store_wait(0)
+    _release(qdo_bar, k_bars, v_bars, NUM_BUF)
+
+
+@gluon.jit
+def _query_stats(LSE, DELTA, stat0, i, st_layout: gl.constexpr, BLOCK_M: gl.constexpr):
+    """Query block i's positions, base-2 LSE and delta, along the columns of S^T (loaded while wgmmas run)."""
+    cols = i * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, st_layout))
+    return cols, gl.load(LSE + stat0 + cols) * 1.4426950408889634, gl.load(DELTA + stat0 + cols)
+
+
+@gluon.jit
+def _softmax_grad(st, dpt, cols, lse2, delta, i, start_n, qk_scale, st_layout: gl.constexpr,
+                  kv_layout: gl.constexpr, DTYPE: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+    """Query block i's P^T and dS^T (the causal mask where the block reaches the diagonal) as the next
+    wgmmas' register operands."""
+    pt = gl.exp2(st * qk_scale - gl.expand_dims(lse2, 0))
+    if i * BLOCK_M < start_n + BLOCK_N:
+        rows = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, st_layout))  # key positions
+        pt = gl.where(gl.expand_dims(cols, 0) >= gl.expand_dims(rows, 1), pt, 0.0)
+    dst = pt * (dpt - gl.expand_dims(delta, 0))
+    operand: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kv_layout, k_width=2)
+    return gl.convert_layout(pt.to(DTYPE), operand), gl.convert_layout(dst.to(DTYPE), operand)
+
+
+@gluon.jit
+def _updates(pt, dst, dv, dk, q_smem, do_smem, t, NUM_BUF: gl.constexpr):
+    """Issue dV += P^T dO and dK += dS^T Q for the ring's block t: two wgmma groups."""
+    slot = t % NUM_BUF
+    dv = warpgroup_mma(pt, do_smem.index(slot), dv, is_async=True)
+    dk = warpgroup_mma(dst, q_smem.index(slot), dk, is_async=True)
+    return dv, dk
+
+
+@gluon.jit
+def _query_block(t, first, n_q, hk, GROUP):
+    """The dK/dV ring's block t, as (query head, query block): the group's query heads in turn, each from query
+    block `first` on (n_q blocks). The loop steps with `_next_query_block` instead: no division per block."""
+    g = t // n_q
+    return hk * GROUP + g, first + t - g * n_q
+
+
+@gluon.jit
+def _next_query_block(h, i, first, n_blocks):
+    """The block after query block i of query head h: the next, or the next head's first."""
+    wrap = i + 1 == n_blocks
+    return gl.where(wrap, h + 1, h), gl.where(wrap, first, i + 1)
+
+
+@gluon.jit
+def _load_queries(q_desc, do_desc, q_smem, do_smem, q_bars, do_bars, Q_RB, Q_RH, Q_CH, DO_RB, DO_RH, DO_CH, b, h,
+                  i, t, end, BLOCK_M: gl.constexpr, NUM_BUF: gl.constexpr):
+    """Start loading Q and dO of query block i of query head h as the ring's block t; none when t >= end."""
+    q_row, q_col = _origin(b, h, Q_RB, Q_RH, Q_CH)
+    do_row, do_col = _origin(b, h, DO_RB, DO_RH, DO_CH)
+    _load_block(q_desc, do_desc, q_smem, do_smem, q_bars, do_bars, q_row + i * BLOCK_M, q_col,
+                do_row + i * BLOCK_M, do_col, t, end, NUM_BUF)
+
+
+@gluon.jit
+def dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, DELTA, Q_RB, Q_RH, Q_CH, K_RB, K_RH, K_CH,
+              V_RB, V_RH, V_CH, DO_RB, DO_RH, DO_CH, HEADS, GROUP, SEQ, qk_scale, scale, N_SMS,
+              HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_BUF: gl.constexpr,
+              NUM_WARPS: gl.constexpr):
+    """dK and dV for one key block of one kv head, over the query blocks of every query head it serves (LSE,
+    DELTA, dK and dV contiguous)."""
+    st_layout: gl.constexpr = wgmma_layout(NUM_WARPS, BLOCK_M)
+    kv_layout: gl.constexpr = wgmma_layout(NUM_WARPS, HEAD_DIM)
+    n_blocks = SEQ // BLOCK_N
+    pid_n, bhk = _schedule(n_blocks, gl.num_programs(0) // n_blocks, N_SMS, False)
+    kv_heads = HEADS // GROUP
+    b = bhk // kv_heads
+    hk = bhk % kv_heads
+    start_n = pid_n * BLOCK_N
+    k_row, k_col = _origin(b, hk, K_RB, K_RH, K_CH)
+    v_row, v_col = _origin(b, hk, V_RB, V_RH, V_CH)
+    first = start_n // BLOCK_M  # queries before start_n see none of these keys
+    n_q_blocks = SEQ // BLOCK_M
+    n_q = n_q_blocks - first
+    end = GROUP * n_q
+
+    k_smem, v_smem, kv_bar = _resident_pair(k_desc, v_desc)
+    q_smem, do_smem, q_bars, do_bars = _ring(q_desc, do_desc, NUM_BUF)
+    fence_async_shared()
+
+    _load_pair(k_desc, v_desc, k_smem, v_smem, kv_bar, k_row + start_n, k_col, v_row + start_n, v_col)
+    for t in gl.static_range(NUM_BUF):
+        h_load, i_load = _query_block(t, first, n_q, hk, GROUP)
+        _load_queries(q_desc, do_desc, q_smem, do_smem, q_bars, do_bars, Q_RB, Q_RH, Q_CH, DO_RB, DO_RH, DO_CH, b,
+                      h_load, i_load, t, end, BLOCK_M, NUM_BUF)
+    mbarrier.wait(kv_bar, 0)
+
+    # The first query block on its own: nothing to overlap yet.
+    h = hk * GROUP
+    i = first
+    st, dpt = _products(k_smem, v_smem, q_smem, do_smem, q_bars, do_bars, 0, st_layout, NUM_BUF)
+    cols, lse2, delta = _query_stats(LSE, DELTA, (b * HEADS + h).to(gl.int64) * SEQ, i, st_layout, BLOCK_M)
+    st, dpt = warpgroup_mma_wait(0, deps=[st, dpt])
+    pt, dst = _softmax_grad(st, dpt, cols, lse2, delta, i, start_n, qk_scale, st_layout, kv_layout, q_desc.dtype,
+                            BLOCK_M, BLOCK_N)
+    dv = warpgroup_mma_init(gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, kv_layout))
+    dk = warpgroup_mma_init(gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, kv_layout))
+    # Then block t's S^T and dP^T, block t-1's updates, a wait for the former alone, block t's P^T and dS^T
+    # while the updates run. Each register written while a wgmma is in flight is a new one (the previous
+    # P^T and dS^T stay alive until their updates are waited for), so ptxas has no reason to serialize.
+    for t in range(1, end):
+        h, i = _next_query_block(h, i, first, n_q_blocks)
+        st, dpt = _products(k_smem, v_smem, q_smem, do_smem, q_bars, do_bars, t, st_layout, NUM_BUF)
+        dv, dk = _updates(pt, dst, dv, dk, q_smem, do_smem, t - 1, NUM_BUF)
+        cols, lse2, delta = _query_stats(LSE, DELTA, (b * HEADS + h).to(gl.int64) * SEQ, i, st_layout, BLOCK_M)
+        st, dpt = warpgroup_mma_wait(2, deps=[st, dpt])
+        pt_next, dst_next = _softmax_grad(st, dpt, cols, lse2, delta, i, start_n, qk_scale, st_layout, kv_layout,
+                                          q_desc.dtype, BLOCK_M, BLOCK_N)
+        dv, dk, pt, dst = warpgroup_mma_wait(0, deps=[dv, dk, pt, dst])
+        # block t-1's Q and dO are no longer read: its slot takes block t - 1 + NUM_BUF
+        h_load, i_load = _next_query_block(h_load, i_load, first, n_q_blocks)
+        _load_queries(q_desc, do_desc, q_smem, do_smem, q_bars, do_bars, Q_RB, Q_RH, Q_CH, DO_RB, DO_RH, DO_CH, b,
+                      h_load, i_load, t - 1 + NUM_BUF, end, BLOCK_M, NUM_BUF)
+        dv = warpgroup_mma_init(dv)
+        dk = warpgroup_mma_init(dk)
+        pt = pt_next
+        dst = dst_next
+    dv, dk = _updates(pt, dst, dv, dk, q_smem, do_smem, end - 1, NUM_BUF)
+    dv, dk = warpgroup_mma_wait(0, deps=[dv, dk])
+
+    # K and V are no longer read: their buffers stage dK and dV for the TMA stores.
+    k_smem.store((dk * scale).to(dk_desc.dtype))
+    v_smem.store(dv.to(dv_desc.dtype))
+    fence_async_shared()
+    tma.async_copy_shared_to_global(dk_desc, [bhk * SEQ + start_n, 0], k_smem)
+    tma.async_copy_shared_to_global(dv_desc, [bhk * SEQ + start_n, 0], v_smem)
+    tma.store_wait(0)
+    _release(kv_bar, q_bars, do_bars, NUM_BUF)
