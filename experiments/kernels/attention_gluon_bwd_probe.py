@@ -13,8 +13,9 @@ dS while the tensor cores run the updates.
 Timed as whole backwards, medians with L2 emptied, at the training steps' and the issue's shapes,
 against the portable Triton backward (`flash_triton.GLUON` off) and cuDNN's: the Triton dQ kernel
 with the Gluon dK/dV kernel at each setting, then the Gluon dQ kernel at each setting with the
-fastest of those, then lmlab's backward as it ships (each kernel's setting picked by timing). Every
-result's dQ, dK and dV are checked against the Triton kernels' first.
+fastest of those, the fused kernel (`flash_gluon_fused`: dQ reduced from the dK/dV pass) at each
+setting, then lmlab's backward as it ships (each kernel's setting picked by timing). Every result's
+dQ, dK and dV are checked against the Triton kernels' first.
 
 Limits: causal self-attention, sequence a multiple of 128, head_dim 64 or 128, bf16, Hopper.
 
@@ -49,15 +50,22 @@ def _triton_dq(q, k, v, out, lse, d_out, dq, delta) -> None:
                                       HEAD_DIM=d, CAUSAL=True, PREC="tf32")
 
 
-def gluon_backward(q, k, v, out, lse, d_out, dkdv_setting: tuple, dq_setting: tuple | str = "triton"):
-    """flash_gluon's backward at these tile settings: (dq, dk, dv); dq_setting "triton" runs the Triton dQ."""
+def gluon_backward(q, k, v, out, lse, d_out, dkdv_setting: tuple | None = None, dq_setting: tuple | str = "triton",
+                   fused_setting: tuple | None = None):
+    """flash_gluon's backward at these tile settings: (dq, dk, dv); dq_setting "triton" runs the Triton dQ,
+    fused_setting the fused kernel instead of the two."""
     scale = 1 / math.sqrt(q.shape[-1])
     triton_dq = functools.partial(_triton_dq, q, k, v, out, lse, d_out)
+    if fused_setting is not None:
+        return flash_gluon.backward(q, k, v, out, lse, d_out, scale, fused_setting=fused_setting)
     return flash_gluon.backward(q, k, v, out, lse, d_out, scale, triton_dq, dq_setting, dkdv_setting)
 
 
 SETTINGS = [(64, 128, 2, 8), (64, 128, 3, 8), (64, 64, 2, 4), (64, 64, 3, 4), (32, 64, 3, 4)]  # dK/dV
 DQ_SETTINGS = [(128, 64, 2, 8), (128, 64, 3, 8), (128, 128, 2, 8), (64, 64, 2, 4), (64, 64, 3, 4)]
+# the fused kernel's (at 64 also one that flash_gluon leaves out; at 128 one more that ptxas serializes)
+FUSED_SETTINGS = {64: [(64, 64, 2, 4), (64, 64, 3, 4), (64, 128, 2, 8), (64, 128, 3, 8)],
+                  128: [(64, 128, 2, 8), (64, 64, 2, 4)]}
 
 
 def main() -> None:
@@ -95,6 +103,9 @@ def main() -> None:
             for setting in DQ_SETTINGS:
                 measured.append(measure(f"gluon dQ {setting} + dK/dV {best}", lambda setting=setting: gluon_backward(
                     q, k, v, out, lse, d_out, best, setting), check, shape, flops, args.repeats, dev))
+        for setting in FUSED_SETTINGS[d]:
+            measured.append(measure(f"gluon fused dK/dV/dQ {setting}", lambda setting=setting: gluon_backward(
+                q, k, v, out, lse, d_out, fused_setting=setting), check, shape, flops, args.repeats, dev))
         measured.append(measure("lmlab backward (settings timed)", triton_backward, check, shape, flops, args.repeats,
                                 dev))
         rows += [row for row in measured if row is not None]

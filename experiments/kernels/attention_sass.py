@@ -29,7 +29,7 @@ from triton.compiler import ASTSource
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon._runtime import GluonASTSource
 
-from lmlab.kernels import flash_gluon_kernels, flash_triton
+from lmlab.kernels import flash_gluon_fused, flash_gluon_kernels, flash_triton
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import attention_gluon_bwd_probe  # noqa: E402  (sibling scripts, not a package): their sweeps
@@ -71,14 +71,16 @@ def triton_kernel(kernel, head_dim: int, block_m: int, block_n: int, warps: int,
 
 
 def gluon_kernel(kernel, head_dim: int, block_m: int, block_n: int, num_buf: int, warps: int):
-    """A flash_gluon kernel; its descriptors of query rows (q, o, do, dq) take block_m rows, the others block_n."""
+    """A flash_gluon kernel; its descriptors of query rows (q, o, do, dq) take block_m rows, the others block_n.
+    The fused backward's dq_desc is float32 (the dQ it reduces into)."""
     constants = {"HEAD_DIM": head_dim, "BLOCK_M": block_m, "BLOCK_N": block_n, "NUM_BUF": num_buf,
                  "NUM_WARPS": warps, "GROUP": 1}
 
     def descriptor(name: str) -> str:
         rows = block_m if name in ("q_desc", "o_desc", "do_desc", "dq_desc") else block_n
-        layout = gl.NVMMASharedLayout.get_default_for([rows, head_dim], gl.bfloat16)
-        return f"tensordesc<bf16[{rows}, {head_dim}],{layout!r}>"
+        fp32 = kernel is flash_gluon_fused.dkdvq_kernel and name == "dq_desc"
+        layout = gl.NVMMASharedLayout.get_default_for([rows, head_dim], gl.float32 if fp32 else gl.bfloat16)
+        return f"tensordesc<{'fp32' if fp32 else 'bf16'}[{rows}, {head_dim}],{layout!r}>"
 
     names = kernel.arg_names
     signature, attrs = _signature(names, constants, descriptor)
@@ -118,7 +120,8 @@ def main() -> None:
                       f"{report(triton_kernel(kernel.fn, head_dim, *setting))}", flush=True)
         gluon = {"forward": (flash_gluon_kernels.forward_kernel, attention_gluon_probe.SETTINGS),
                  "dK/dV": (flash_gluon_kernels.dkdv_kernel, attention_gluon_bwd_probe.SETTINGS),
-                 "dQ": (flash_gluon_kernels.dq_kernel, attention_gluon_bwd_probe.DQ_SETTINGS)}
+                 "dQ": (flash_gluon_kernels.dq_kernel, attention_gluon_bwd_probe.DQ_SETTINGS),
+                 "fused": (flash_gluon_fused.dkdvq_kernel, attention_gluon_bwd_probe.FUSED_SETTINGS[head_dim])}
         for name, (kernel, settings) in gluon.items():
             for setting in settings:
                 print(f"D{head_dim} Gluon  {name:8} {str(setting):18} "

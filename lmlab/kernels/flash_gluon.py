@@ -13,7 +13,9 @@ Outputs (out, lse, dq, dk, dv) are contiguous, as the Triton kernels' are.
 
 Each kernel's tile setting (BLOCK_M, BLOCK_N, NUM_BUF, warps) is timed on the first call per (dtype, head_dim,
 seq, group) and the fastest kept; the dQ candidates include the Triton dQ kernel (`backward`'s triton_dq),
-which was the fastest at B1 H16 S16384 D64 on an H100 (experiments/kernels/README.md).
+which was the fastest at B1 H16 S16384 D64 on an H100 (experiments/kernels/README.md). `backward` can also
+run FlashAttention-3's fused backward (`flash_gluon_fused`: dQ reduced from the dK/dV pass by TMA, five block
+matmuls instead of seven); it measured slower than the two kernels, so it runs only when asked for.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import triton
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from lmlab.kernels.flash_gluon_fused import dkdvq_kernel, prepare_kernel
 from lmlab.kernels.flash_gluon_kernels import dkdv_kernel, dq_kernel, forward_kernel
 from lmlab.kernels.flash_triton import _sm_count
 
@@ -42,6 +45,13 @@ Setting = tuple[int, int, int, int]  # (BLOCK_M, BLOCK_N, NUM_BUF, num_warps)
 FWD_SETTINGS: tuple[Setting, ...] = ((128, 64, 3, 8), (64, 64, 2, 4), (64, 64, 3, 4))
 DQ_SETTINGS: tuple[Setting, ...] = ((64, 64, 3, 4), (64, 64, 2, 4), (128, 64, 3, 8))
 DKDV_SETTINGS: tuple[Setting, ...] = ((64, 64, 2, 4), (64, 64, 3, 4), (32, 64, 3, 4))
+# The fused backward's (opt-in: `backward`'s fused_setting), per head_dim: compiled for sm_90a, these keep the
+# wgmmas overlapped; all but head_dim 128's hold their registers without spilling (it spills 288 bytes a thread);
+# the others need more shared memory than a block has, or ptxas serializes their wgmmas
+# (experiments/kernels/attention_sass.py).
+FUSED_SETTINGS: dict[int, tuple[Setting, ...]] = {64: ((64, 64, 2, 4), (64, 128, 2, 8), (64, 128, 3, 8)),
+                                                  128: ((64, 128, 2, 8),)}
+_PREPARE_ROWS = 64  # rows per program of the fused backward's delta and zeroing
 
 
 def applies(q: torch.Tensor, k: torch.Tensor, causal: bool) -> bool:
@@ -142,13 +152,14 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, set
 def backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
              d_out: torch.Tensor, scale: float,
              triton_dq: Callable[[torch.Tensor, torch.Tensor], None] | None = None,
-             dq_setting: Setting | str | None = None, dkdv_setting: Setting | None = None
-             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`forward`'s gradients: (dq, dk, dv), contiguous, in q's dtype. The dQ kernel runs first (it stores
-    delta = rowsum(dO * O), which the dK/dV kernel reads). `triton_dq(dq, delta)`, when given, fills both with
-    flash_triton's dQ kernel: one more dQ candidate, named "triton". `dq_setting` and `dkdv_setting` pick the
-    tiles (dq_setting may be "triton"); by default the fastest of DQ_SETTINGS (and "triton") and of
-    DKDV_SETTINGS."""
+             dq_setting: Setting | str | None = None, dkdv_setting: Setting | None = None,
+             fused_setting: Setting | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`forward`'s gradients: (dq, dk, dv), contiguous, in q's dtype. Two kernels: dQ (which stores delta =
+    rowsum(dO * O)), then dK/dV, each at the fastest of DQ_SETTINGS and DKDV_SETTINGS (timed on the first call
+    per (dtype, head_dim, seq, group)) unless `dq_setting` / `dkdv_setting` pin them. `triton_dq(dq, delta)`, when
+    given, fills both with flash_triton's dQ kernel: one more dQ candidate, named "triton" (dq_setting may name
+    it). `fused_setting` runs the fused kernel (`flash_gluon_fused`) at those tiles instead: slower than the two
+    kernels at every shape measured (experiments/kernels/README.md, 2026-12-06), so never picked by default."""
     batch, heads, seq, dim = q.shape
     kv_heads = k.shape[1]
     group = heads // kv_heads
@@ -158,6 +169,7 @@ def backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tenso
     qr, kr, vr, dor, dqr, dkr, dvr = (_Rows.of(t) for t in (q, k, v, d_out, dq, dk, dv))
     origins = (*qr.origin, *kr.origin, *vr.origin, *dor.origin, heads, group, seq, scale * _LOG2E, scale,
                _sm_count(q.device))
+    key = (q.dtype, dim, seq, group)
 
     def launch_dq(block_m: int, block_n: int, num_buf: int, warps: int) -> None:
         dq_kernel[_grid(seq, block_m, batch * heads)](
@@ -172,15 +184,30 @@ def backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tenso
             *origins, HEAD_DIM=dim, BLOCK_M=block_m, BLOCK_N=block_n, NUM_BUF=num_buf, NUM_WARPS=warps,
             num_warps=warps)
 
-    dq_launches: dict[object, Callable[[], None]] = {s: functools.partial(launch_dq, *s) for s in DQ_SETTINGS}
-    if triton_dq is not None:
-        dq_launches["triton"] = functools.partial(triton_dq, dq, delta)
-    key = (q.dtype, dim, seq, group)
-    if dq_setting is None:
-        _fastest(("dq", *key, triton_dq is not None), dq_launches)()
-    else:
-        dq_launches.get(dq_setting, functools.partial(launch_dq, *dq_setting))()
-    dkdv_launches = {s: functools.partial(launch_dkdv, *s) for s in DKDV_SETTINGS}
-    (functools.partial(launch_dkdv, *dkdv_setting) if dkdv_setting
-     else _fastest(("dkdv", *key), dkdv_launches))()
+    def two_kernels() -> None:
+        dq_launches: dict[object, Callable[[], None]] = {s: functools.partial(launch_dq, *s) for s in DQ_SETTINGS}
+        if triton_dq is not None:
+            dq_launches["triton"] = functools.partial(triton_dq, dq, delta)
+        if dq_setting is None:
+            _fastest(("dq", *key, triton_dq is not None), dq_launches)()
+        else:
+            dq_launches.get(dq_setting, functools.partial(launch_dq, *dq_setting))()
+        dkdv_launches = {s: functools.partial(launch_dkdv, *s) for s in DKDV_SETTINGS}
+        (functools.partial(launch_dkdv, *dkdv_setting) if dkdv_setting
+         else _fastest(("dkdv", *key), dkdv_launches))()
+
+    def fused(block_m: int, block_n: int, num_buf: int, warps: int) -> None:
+        acc = torch.empty(batch * heads * seq, dim, dtype=torch.float32, device=q.device)  # dQ, reduced into
+        prepare_kernel[(batch * heads * seq // _PREPARE_ROWS,)](
+            out, dor.view, delta, acc, *dor.origin, dor.view.stride(0), heads, seq, HEAD_DIM=dim,
+            BLOCK=_PREPARE_ROWS, NUM_WARPS=4, num_warps=4)
+        acc_layout = gl.NVMMASharedLayout.get_default_for([block_m, dim], gl.float32)
+        dkdvq_kernel[_grid(seq, block_n, batch * kv_heads)](
+            qr.descriptor(block_m, dim), kr.descriptor(block_n, dim), vr.descriptor(block_n, dim),
+            dor.descriptor(block_m, dim), dkr.descriptor(block_n, dim), dvr.descriptor(block_n, dim),
+            TensorDescriptor.from_tensor(acc, [block_m, dim], acc_layout), lse, delta, *origins, HEAD_DIM=dim,
+            BLOCK_M=block_m, BLOCK_N=block_n, NUM_BUF=num_buf, NUM_WARPS=warps, num_warps=warps)
+        dq.copy_(acc.view(dq.shape))
+
+    (functools.partial(fused, *fused_setting) if fused_setting else two_kernels)()
     return dq, dk, dv

@@ -321,17 +321,21 @@ def _query_stats(LSE, DELTA, stat0, i, st_layout: gl.constexpr, BLOCK_M: gl.cons
 
 
 @gluon.jit
-def _softmax_grad(st, dpt, cols, lse2, delta, i, start_n, qk_scale, st_layout: gl.constexpr,
-                  kv_layout: gl.constexpr, DTYPE: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
-    """Query block i's P^T and dS^T (the causal mask where the block reaches the diagonal) as the next
-    wgmmas' register operands."""
+def _softmax_grad(st, dpt, cols, lse2, delta, i, start_n, qk_scale, st_layout: gl.constexpr, DTYPE: gl.constexpr,
+                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+    """Query block i's P^T and dS^T in DTYPE (the causal mask where the block reaches the diagonal)."""
     pt = gl.exp2(st * qk_scale - gl.expand_dims(lse2, 0))
     if i * BLOCK_M < start_n + BLOCK_N:
         rows = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, st_layout))  # key positions
         pt = gl.where(gl.expand_dims(cols, 0) >= gl.expand_dims(rows, 1), pt, 0.0)
     dst = pt * (dpt - gl.expand_dims(delta, 0))
-    operand: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kv_layout, k_width=2)
-    return gl.convert_layout(pt.to(DTYPE), operand), gl.convert_layout(dst.to(DTYPE), operand)
+    return pt.to(DTYPE), dst.to(DTYPE)
+
+
+@gluon.jit
+def _operand(x, acc_layout: gl.constexpr):
+    """x as the register operand A of a wgmma whose accumulator has acc_layout."""
+    return gl.convert_layout(x, gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2))
 
 
 @gluon.jit
@@ -344,18 +348,31 @@ def _updates(pt, dst, dv, dk, q_smem, do_smem, t, NUM_BUF: gl.constexpr):
 
 
 @gluon.jit
-def _query_block(t, first, n_q, hk, GROUP):
+def _query_block(t, first, n_q, hk, GROUP: gl.constexpr):
     """The dK/dV ring's block t, as (query head, query block): the group's query heads in turn, each from query
     block `first` on (n_q blocks). The loop steps with `_next_query_block` instead: no division per block."""
-    g = t // n_q
-    return hk * GROUP + g, first + t - g * n_q
+    if GROUP == 1:
+        h = hk
+        i = first + t
+    else:
+        g = t // n_q
+        h = hk * GROUP + g
+        i = first + t - g * n_q
+    return h, i
 
 
 @gluon.jit
-def _next_query_block(h, i, first, n_blocks):
-    """The block after query block i of query head h: the next, or the next head's first."""
-    wrap = i + 1 == n_blocks
-    return gl.where(wrap, h + 1, h), gl.where(wrap, first, i + 1)
+def _next_query_block(h, i, first, n_blocks, GROUP: gl.constexpr):
+    """The block after query block i of query head h: the next, or the next head's first. With one query head
+    per kv head, h stays one value, so what derives from it (its rows, LSE and delta) leaves the loop."""
+    if GROUP == 1:
+        h_next = h
+        i_next = i + 1
+    else:
+        wrap = i + 1 == n_blocks
+        h_next = gl.where(wrap, h + 1, h)
+        i_next = gl.where(wrap, first, i + 1)
+    return h_next, i_next
 
 
 @gluon.jit
@@ -369,14 +386,13 @@ def _load_queries(q_desc, do_desc, q_smem, do_smem, q_bars, do_bars, Q_RB, Q_RH,
 
 
 @gluon.jit
-def dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, DELTA, Q_RB, Q_RH, Q_CH, K_RB, K_RH, K_CH,
-              V_RB, V_RH, V_CH, DO_RB, DO_RH, DO_CH, HEADS, GROUP, SEQ, qk_scale, scale, N_SMS,
-              HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_BUF: gl.constexpr,
-              NUM_WARPS: gl.constexpr):
-    """dK and dV for one key block of one kv head, over the query blocks of every query head it serves (LSE,
-    DELTA, dK and dV contiguous)."""
-    st_layout: gl.constexpr = wgmma_layout(NUM_WARPS, BLOCK_M)
-    kv_layout: gl.constexpr = wgmma_layout(NUM_WARPS, HEAD_DIM)
+def _key_program(q_desc, k_desc, v_desc, do_desc, Q_RB, Q_RH, Q_CH, K_RB, K_RH, K_CH, V_RB, V_RH, V_CH, DO_RB, DO_RH,
+                 DO_CH, HEADS, GROUP: gl.constexpr, SEQ, N_SMS, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                 NUM_BUF: gl.constexpr):
+    """A key-block program (dK/dV, fused backward): its kv head's batch and index, its batch * kv heads index,
+    first key, first query block and its ring's length (the query blocks of every query head it serves), the
+    last ring block whose load it started, and its shared memory: K and V resident (landed on return), Q and dO
+    streamed, the first NUM_BUF blocks on their way."""
     n_blocks = SEQ // BLOCK_N
     pid_n, bhk = _schedule(n_blocks, gl.num_programs(0) // n_blocks, N_SMS, False)
     kv_heads = HEADS // GROUP
@@ -386,8 +402,7 @@ def dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, DELTA, Q
     k_row, k_col = _origin(b, hk, K_RB, K_RH, K_CH)
     v_row, v_col = _origin(b, hk, V_RB, V_RH, V_CH)
     first = start_n // BLOCK_M  # queries before start_n see none of these keys
-    n_q_blocks = SEQ // BLOCK_M
-    n_q = n_q_blocks - first
+    n_q = SEQ // BLOCK_M - first
     end = GROUP * n_q
 
     k_smem, v_smem, kv_bar = _resident_pair(k_desc, v_desc)
@@ -400,31 +415,60 @@ def dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, DELTA, Q
         _load_queries(q_desc, do_desc, q_smem, do_smem, q_bars, do_bars, Q_RB, Q_RH, Q_CH, DO_RB, DO_RH, DO_CH, b,
                       h_load, i_load, t, end, BLOCK_M, NUM_BUF)
     mbarrier.wait(kv_bar, 0)
+    return (b, hk, bhk, start_n, first, end, h_load, i_load, k_smem, v_smem, kv_bar, q_smem, do_smem, q_bars,
+            do_bars)
 
-    # The first query block on its own: nothing to overlap yet.
+
+@gluon.jit
+def _first_query_block(k_smem, v_smem, q_smem, do_smem, q_bars, do_bars, LSE, DELTA, b, hk, HEADS,
+                       GROUP: gl.constexpr, SEQ, first, start_n, qk_scale, st_layout: gl.constexpr,
+                       DTYPE: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_BUF: gl.constexpr):
+    """A key-block program's first ring block on its own (nothing to overlap yet): its query head and block, its
+    P^T and dS^T."""
     h = hk * GROUP
     i = first
     st, dpt = _products(k_smem, v_smem, q_smem, do_smem, q_bars, do_bars, 0, st_layout, NUM_BUF)
     cols, lse2, delta = _query_stats(LSE, DELTA, (b * HEADS + h).to(gl.int64) * SEQ, i, st_layout, BLOCK_M)
     st, dpt = warpgroup_mma_wait(0, deps=[st, dpt])
-    pt, dst = _softmax_grad(st, dpt, cols, lse2, delta, i, start_n, qk_scale, st_layout, kv_layout, q_desc.dtype,
-                            BLOCK_M, BLOCK_N)
+    pt, dst = _softmax_grad(st, dpt, cols, lse2, delta, i, start_n, qk_scale, st_layout, DTYPE, BLOCK_M, BLOCK_N)
+    return h, i, pt, dst
+
+
+@gluon.jit
+def dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, DELTA, Q_RB, Q_RH, Q_CH, K_RB, K_RH, K_CH,
+              V_RB, V_RH, V_CH, DO_RB, DO_RH, DO_CH, HEADS, GROUP: gl.constexpr, SEQ, qk_scale, scale,
+              N_SMS, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_BUF: gl.constexpr,
+              NUM_WARPS: gl.constexpr):
+    """dK and dV for one key block of one kv head, over the query blocks of every query head it serves (LSE,
+    DELTA, dK and dV contiguous)."""
+    st_layout: gl.constexpr = wgmma_layout(NUM_WARPS, BLOCK_M)
+    kv_layout: gl.constexpr = wgmma_layout(NUM_WARPS, HEAD_DIM)
+    (b, hk, bhk, start_n, first, end, h_load, i_load, k_smem, v_smem, kv_bar, q_smem, do_smem, q_bars,
+     do_bars) = _key_program(q_desc, k_desc, v_desc, do_desc, Q_RB, Q_RH, Q_CH, K_RB, K_RH, K_CH, V_RB, V_RH, V_CH,
+                             DO_RB, DO_RH, DO_CH, HEADS, GROUP, SEQ, N_SMS, BLOCK_M, BLOCK_N, NUM_BUF)
+    n_q_blocks = SEQ // BLOCK_M
+
+    h, i, pt, dst = _first_query_block(k_smem, v_smem, q_smem, do_smem, q_bars, do_bars, LSE, DELTA, b, hk, HEADS,
+                                       GROUP, SEQ, first, start_n, qk_scale, st_layout, q_desc.dtype, BLOCK_M,
+                                       BLOCK_N, NUM_BUF)
+    pt, dst = _operand(pt, kv_layout), _operand(dst, kv_layout)
     dv = warpgroup_mma_init(gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, kv_layout))
     dk = warpgroup_mma_init(gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, kv_layout))
     # Then block t's S^T and dP^T, block t-1's updates, a wait for the former alone, block t's P^T and dS^T
     # while the updates run. Each register written while a wgmma is in flight is a new one (the previous
     # P^T and dS^T stay alive until their updates are waited for), so ptxas has no reason to serialize.
     for t in range(1, end):
-        h, i = _next_query_block(h, i, first, n_q_blocks)
+        h, i = _next_query_block(h, i, first, n_q_blocks, GROUP)
         st, dpt = _products(k_smem, v_smem, q_smem, do_smem, q_bars, do_bars, t, st_layout, NUM_BUF)
         dv, dk = _updates(pt, dst, dv, dk, q_smem, do_smem, t - 1, NUM_BUF)
         cols, lse2, delta = _query_stats(LSE, DELTA, (b * HEADS + h).to(gl.int64) * SEQ, i, st_layout, BLOCK_M)
         st, dpt = warpgroup_mma_wait(2, deps=[st, dpt])
-        pt_next, dst_next = _softmax_grad(st, dpt, cols, lse2, delta, i, start_n, qk_scale, st_layout, kv_layout,
+        pt_next, dst_next = _softmax_grad(st, dpt, cols, lse2, delta, i, start_n, qk_scale, st_layout,
                                           q_desc.dtype, BLOCK_M, BLOCK_N)
+        pt_next, dst_next = _operand(pt_next, kv_layout), _operand(dst_next, kv_layout)
         dv, dk, pt, dst = warpgroup_mma_wait(0, deps=[dv, dk, pt, dst])
         # block t-1's Q and dO are no longer read: its slot takes block t - 1 + NUM_BUF
-        h_load, i_load = _next_query_block(h_load, i_load, first, n_q_blocks)
+        h_load, i_load = _next_query_block(h_load, i_load, first, n_q_blocks, GROUP)
         _load_queries(q_desc, do_desc, q_smem, do_smem, q_bars, do_bars, Q_RB, Q_RH, Q_CH, DO_RB, DO_RH, DO_CH, b,
                       h_load, i_load, t - 1 + NUM_BUF, end, BLOCK_M, NUM_BUF)
         dv = warpgroup_mma_init(dv)
@@ -434,11 +478,17 @@ def dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, DELTA, Q
     dv, dk = _updates(pt, dst, dv, dk, q_smem, do_smem, end - 1, NUM_BUF)
     dv, dk = warpgroup_mma_wait(0, deps=[dv, dk])
 
-    # K and V are no longer read: their buffers stage dK and dV for the TMA stores.
+    _store_dkdv(dk, dv, scale, k_smem, v_smem, dk_desc, dv_desc, bhk * SEQ + start_n)
+    _release(kv_bar, q_bars, do_bars, NUM_BUF)
+
+
+@gluon.jit
+def _store_dkdv(dk, dv, scale, k_smem, v_smem, dk_desc, dv_desc, row):
+    """Store a key block's dK (times scale) and dV at `row` of their contiguous 2-D views, through K's and V's
+    buffers (no longer read), and wait for every TMA store and reduction of the program."""
     k_smem.store((dk * scale).to(dk_desc.dtype))
     v_smem.store(dv.to(dv_desc.dtype))
     fence_async_shared()
-    tma.async_copy_shared_to_global(dk_desc, [bhk * SEQ + start_n, 0], k_smem)
-    tma.async_copy_shared_to_global(dv_desc, [bhk * SEQ + start_n, 0], v_smem)
+    tma.async_copy_shared_to_global(dk_desc, [row, 0], k_smem)
+    tma.async_copy_shared_to_global(dv_desc, [row, 0], v_smem)
     tma.store_wait(0)
-    _release(kv_bar, q_bars, do_bars, NUM_BUF)

@@ -12,6 +12,7 @@ pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
 
 from lmlab.kernels import flash_gluon, flash_triton  # noqa: E402
 from lmlab.kernels.flash_triton import FlashAttentionTriton, flash_attention_triton_forward  # noqa: E402
+from lmlab.kernels.flash_reference import FlashAttentionReference  # noqa: E402
 from tests.kernels.test_flash_triton import assert_near, check_against_reference, inputs  # noqa: E402
 
 hopper = pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)),
@@ -21,6 +22,12 @@ hopper = pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_de
 def assert_takes_gluon_path(q: torch.Tensor, k: torch.Tensor) -> None:
     q4, k4 = (t[:, None] if t.dim() == 3 else t for t in (q, k))
     assert flash_triton._hopper_path(q4, k4, True) is flash_gluon
+
+
+def _projection_views(b: int, s: int, h: int, kv_h: int, d: int, dtype: torch.dtype) -> list[torch.Tensor]:
+    """q, k, v as "b s (h d) -> b h s d" views of one fused projection (read in place by the kernels)."""
+    x = torch.randn(b, s, (h + 2 * kv_h) * d, device="cuda", dtype=dtype)
+    return [t.unflatten(-1, (-1, d)).transpose(1, 2).requires_grad_() for t in x.split([h * d, kv_h * d, kv_h * d], -1)]
 
 
 @pytest.mark.gpu
@@ -42,8 +49,7 @@ def test_matches_reference(shape_q, shape_kv, dtype: torch.dtype) -> None:
 def test_projection_views_and_strided_grad() -> None:
     """q, k, v as "b s (h d) -> b h s d" views of one fused projection and a strided dO: read in place."""
     b, s, h, d = 2, 256, 4, 64
-    x = torch.randn(b, s, 3 * h * d, device="cuda", dtype=torch.bfloat16)
-    q, k, v = (t.unflatten(-1, (h, d)).transpose(1, 2).requires_grad_() for t in x.split(h * d, dim=-1))
+    q, k, v = _projection_views(b, s, h, h, d, torch.bfloat16)
     assert flash_gluon._Rows.of(q).view.data_ptr() == q.data_ptr()  # no copy
     d_out = torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
     assert_takes_gluon_path(q, k)
@@ -69,6 +75,40 @@ def test_custom_scale_matches_the_portable_kernels() -> None:
     torch.testing.assert_close(lse, ref_lse, atol=2e-2, rtol=1e-4)
     for name, g, r in zip("qkv", grads, ref_grads):
         assert_near(g, r, torch.bfloat16, f"d{name}")
+
+
+@pytest.mark.gpu
+@hopper
+@pytest.mark.parametrize("d, setting", [(d, s) for d, settings in flash_gluon.FUSED_SETTINGS.items() for s in settings])
+@pytest.mark.parametrize("heads, kv_heads, dtype, layout", [
+    (4, 4, torch.bfloat16, "contiguous"),   # MHA
+    (8, 2, torch.float16, "contiguous"),    # GQA 8:2
+    (4, 1, torch.bfloat16, "projection"),   # MQA, views of a fused projection, strided dO
+])
+def test_fused_backward_matches_reference(d: int, setting, heads: int, kv_heads: int, dtype: torch.dtype,
+                                          layout: str) -> None:
+    """The fused backward (dQ reduced from the dK/dV pass) at each of its settings gives the float32
+    reference's gradients, and the two-kernel backward's."""
+    b, s = 2, 384
+    if layout == "contiguous":
+        q, k, v = inputs((b, heads, s, d), (b, kv_heads, s, d), dtype, seed=5)
+        d_out = torch.randn_like(q)
+    else:
+        q, k, v = _projection_views(b, s, heads, kv_heads, d, dtype)
+        d_out = torch.randn(b, s, heads, d, device="cuda", dtype=dtype).transpose(1, 2)
+    scale = d ** -0.5
+    out, lse = flash_gluon.forward(q.detach(), k.detach(), v.detach(), scale)
+    grads = flash_gluon.backward(q.detach(), k.detach(), v.detach(), out, lse, d_out, scale, fused_setting=setting)
+    two_kernels = flash_gluon.backward(q.detach(), k.detach(), v.detach(), out, lse, d_out, scale,
+                                       dq_setting=flash_gluon.DQ_SETTINGS[0],
+                                       dkdv_setting=flash_gluon.DKDV_SETTINGS[0])
+    ref_inputs = [t.detach().float().requires_grad_() for t in (q, k, v)]
+    ref = FlashAttentionReference.apply(*ref_inputs, True)
+    ref_grads = torch.autograd.grad(ref, ref_inputs, d_out.float())
+    for name, g, r, pair in zip("qkv", grads, ref_grads, two_kernels):
+        assert g.dtype == dtype and g.is_contiguous()
+        assert_near(g, r, dtype, f"d{name}")
+        assert_near(g, pair, dtype, f"d{name} against the two kernels")
 
 
 @pytest.mark.gpu
