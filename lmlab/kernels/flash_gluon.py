@@ -169,7 +169,6 @@ def backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tenso
     qr, kr, vr, dor, dqr, dkr, dvr = (_Rows.of(t) for t in (q, k, v, d_out, dq, dk, dv))
     origins = (*qr.origin, *kr.origin, *vr.origin, *dor.origin, heads, group, seq, scale * _LOG2E, scale,
                _sm_count(q.device))
-    key = (q.dtype, dim, seq, group)
 
     def launch_dq(block_m: int, block_n: int, num_buf: int, warps: int) -> None:
         dq_kernel[_grid(seq, block_m, batch * heads)](
@@ -184,19 +183,8 @@ def backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tenso
             *origins, HEAD_DIM=dim, BLOCK_M=block_m, BLOCK_N=block_n, NUM_BUF=num_buf, NUM_WARPS=warps,
             num_warps=warps)
 
-    def two_kernels() -> None:
-        dq_launches: dict[object, Callable[[], None]] = {s: functools.partial(launch_dq, *s) for s in DQ_SETTINGS}
-        if triton_dq is not None:
-            dq_launches["triton"] = functools.partial(triton_dq, dq, delta)
-        if dq_setting is None:
-            _fastest(("dq", *key, triton_dq is not None), dq_launches)()
-        else:
-            dq_launches.get(dq_setting, functools.partial(launch_dq, *dq_setting))()
-        dkdv_launches = {s: functools.partial(launch_dkdv, *s) for s in DKDV_SETTINGS}
-        (functools.partial(launch_dkdv, *dkdv_setting) if dkdv_setting
-         else _fastest(("dkdv", *key), dkdv_launches))()
-
-    def fused(block_m: int, block_n: int, num_buf: int, warps: int) -> None:
+    if fused_setting is not None:
+        block_m, block_n, num_buf, warps = fused_setting
         acc = torch.empty(batch * heads * seq, dim, dtype=torch.float32, device=q.device)  # dQ, reduced into
         prepare_kernel[(batch * heads * seq // _PREPARE_ROWS,)](
             out, dor.view, delta, acc, *dor.origin, dor.view.stride(0), heads, seq, HEAD_DIM=dim,
@@ -208,6 +196,16 @@ def backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tenso
             TensorDescriptor.from_tensor(acc, [block_m, dim], acc_layout), lse, delta, *origins, HEAD_DIM=dim,
             BLOCK_M=block_m, BLOCK_N=block_n, NUM_BUF=num_buf, NUM_WARPS=warps, num_warps=warps)
         dq.copy_(acc.view(dq.shape))
-
-    (functools.partial(fused, *fused_setting) if fused_setting else two_kernels)()
+        return dq, dk, dv
+    dq_launches: dict[object, Callable[[], None]] = {s: functools.partial(launch_dq, *s) for s in DQ_SETTINGS}
+    if triton_dq is not None:
+        dq_launches["triton"] = functools.partial(triton_dq, dq, delta)
+    key = (q.dtype, dim, seq, group)
+    if dq_setting is None:
+        _fastest(("dq", *key, triton_dq is not None), dq_launches)()
+    else:
+        dq_launches.get(dq_setting, functools.partial(launch_dq, *dq_setting))()
+    dkdv_launches = {s: functools.partial(launch_dkdv, *s) for s in DKDV_SETTINGS}
+    (functools.partial(launch_dkdv, *dkdv_setting) if dkdv_setting
+     else _fastest(("dkdv", *key), dkdv_launches))()
     return dq, dk, dv
