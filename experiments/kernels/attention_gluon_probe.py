@@ -43,10 +43,10 @@ def portable(fn):
     return run
 
 
-def gluon_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_m: int, block_n: int, num_buf: int,
-                  warps: int) -> tuple[torch.Tensor, torch.Tensor]:
+def gluon_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, setting: flash_gluon.Setting
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """flash_gluon's forward at one tile setting: (out, lse)."""
-    return flash_gluon.forward(q, k, v, 1 / math.sqrt(q.shape[-1]), (block_m, block_n, num_buf, warps))
+    return flash_gluon.forward(q, k, v, 1 / math.sqrt(q.shape[-1]), setting)
 
 
 SHAPES = [(16, 16, 2048, 64), (16, 16, 2048, 128), (4, 16, 4096, 128), (1, 16, 16384, 64)]
@@ -83,7 +83,9 @@ def measure(name: str, fn, check, shape: str, flops: float, repeats: int, dev: t
     return row
 
 
-SETTINGS = [(128, 64, 2, 8), (128, 64, 3, 8), (128, 128, 2, 8), (64, 64, 2, 4), (64, 64, 3, 4), (64, 32, 3, 4)]
+# (BLOCK_M, BLOCK_N, NUM_BUF, num_warps, A_IN_REGS: Q as the register operand of Q K^T)
+SETTINGS = flash_gluon._both(((128, 64, 2, 8), (128, 64, 3, 8), (128, 128, 2, 8), (64, 64, 2, 4), (64, 64, 3, 4),
+                              (64, 32, 3, 4)))
 
 
 def parse_args(description: str) -> argparse.Namespace:
@@ -119,7 +121,7 @@ def main() -> None:
         candidates = {"sdpa": lambda: (F.scaled_dot_product_attention(q, k, v, is_causal=True), None),
                       "triton, autotuned": lambda: portable(flash_attention_triton_forward)(q, k, v, True)}
         for setting in SETTINGS:
-            candidates[f"gluon {setting}"] = lambda setting=setting: gluon_forward(q, k, v, *setting)
+            candidates[f"gluon {setting}"] = lambda setting=setting: gluon_forward(q, k, v, setting)
         candidates["lmlab forward (setting timed)"] = lambda: flash_attention_triton_forward(q, k, v, True)
         measured = (measure(name, fn, check, f"B{b} H{h} S{s} D{d}", flops, args.repeats, dev)
                     for name, fn in candidates.items())

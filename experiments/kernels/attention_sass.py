@@ -5,7 +5,8 @@ Compiles, for sm_90a with the ptxas that ships with Triton, every 16-bit tile se
 sweep of `lmlab.kernels.flash_gluon`'s (the Hopper path), as a launch would specialize them (causal,
 bf16, one K/V head per query head, pointers and strides 16-byte aligned). Per kernel and setting it prints:
 
-- registers per thread and spilled bytes (`ptxas -v`);
+- registers per thread, spilled bytes (`ptxas -v`) and shared memory per block (an H100's or H200's SM holds
+  228 KiB: two blocks of up to 113 KiB share one);
 - HGMMA and `WARPGROUP.DEPBAR` counts in the SASS: one DEPBAR after every HGMMA means ptxas
   serialized the wgmmas, which it also says in a C75xx "Potential Performance Loss" line, shown;
 - the `wgmma.wait_group` arguments in the PTX, in order: 0 waits for every wgmma in flight, N lets
@@ -70,15 +71,17 @@ def triton_kernel(kernel, head_dim: int, block_m: int, block_n: int, warps: int,
     return triton.compile(source, target=SM90, options=dict(num_warps=warps, num_stages=stages))
 
 
-def gluon_kernel(kernel, head_dim: int, block_m: int, block_n: int, num_buf: int, warps: int):
+def gluon_kernel(kernel, head_dim: int, block_m: int, block_n: int, num_buf: int, warps: int, fifth: int):
     """A flash_gluon kernel; its descriptors of query rows (q, o, do, dq) take block_m rows, the others block_n.
-    The fused backward's dq_desc is float32 (the dQ it reduces into)."""
+    The fused backward's dq_desc is float32 (the dQ it reduces into), and its setting's fifth entry DQ_SLOTS; the
+    other kernels' is A_IN_REGS."""
+    fused = kernel is flash_gluon_fused.dkdvq_kernel
     constants = {"HEAD_DIM": head_dim, "BLOCK_M": block_m, "BLOCK_N": block_n, "NUM_BUF": num_buf,
-                 "NUM_WARPS": warps, "GROUP": 1}
+                 "NUM_WARPS": warps, "GROUP": 1, "DQ_SLOTS" if fused else "A_IN_REGS": fifth}
 
     def descriptor(name: str) -> str:
         rows = block_m if name in ("q_desc", "o_desc", "do_desc", "dq_desc") else block_n
-        fp32 = kernel is flash_gluon_fused.dkdvq_kernel and name == "dq_desc"
+        fp32 = fused and name == "dq_desc"
         layout = gl.NVMMASharedLayout.get_default_for([rows, head_dim], gl.float32 if fp32 else gl.bfloat16)
         return f"tensordesc<{'fp32' if fp32 else 'bf16'}[{rows}, {head_dim}],{layout!r}>"
 
@@ -102,8 +105,9 @@ def report(compiled) -> str:
     spills = re.search(r"(\d+) bytes spill stores", log).group(1)
     waits = ",".join(re.findall(r"wgmma\.wait_group\.sync\.aligned (\d+)", ptx))
     warnings = "; ".join(w[:100] for w in re.findall(r"\(C75\d\d\)[^\n]*", log))
-    return (f"{registers:>4} regs {spills:>5} B spilled  HGMMA {sass.count('HGMMA.'):3}  "
-            f"DEPBAR {len(re.findall('WARPGROUP.DEPBAR', sass)):3}  waits [{waits}]  {warnings}")
+    return (f"{registers:>4} regs {spills:>5} B spilled {compiled.metadata.shared / 1024:6.1f} KiB shared  "
+            f"HGMMA {sass.count('HGMMA.'):3}  DEPBAR {len(re.findall('WARPGROUP.DEPBAR', sass)):3}  "
+            f"waits [{waits}]  {warnings}")
 
 
 def main() -> None:
@@ -119,7 +123,7 @@ def main() -> None:
                 print(f"D{head_dim} Triton {name:8} {str(setting):18} "
                       f"{report(triton_kernel(kernel.fn, head_dim, *setting))}", flush=True)
         gluon = {"forward": (flash_gluon_kernels.forward_kernel, attention_gluon_probe.SETTINGS),
-                 "dK/dV": (flash_gluon_kernels.dkdv_kernel, attention_gluon_bwd_probe.SETTINGS),
+                 "dK/dV": (flash_gluon_kernels.dkdv_kernel, attention_gluon_bwd_probe.SETTINGS[head_dim]),
                  "dQ": (flash_gluon_kernels.dq_kernel, attention_gluon_bwd_probe.DQ_SETTINGS),
                  "fused": (flash_gluon_fused.dkdvq_kernel, attention_gluon_bwd_probe.FUSED_SETTINGS[head_dim])}
         for name, (kernel, settings) in gluon.items():

@@ -77,6 +77,36 @@ def test_custom_scale_matches_the_portable_kernels() -> None:
         assert_near(g, r, torch.bfloat16, f"d{name}")
 
 
+def _setting_cases() -> list[tuple[str, int, flash_gluon.Setting]]:
+    """(kernel, head_dim, setting) for each setting `flash_gluon` picks from."""
+    return [case for d in flash_gluon.HEAD_DIMS for case in (
+        *(("forward", d, s) for s in flash_gluon.FWD_SETTINGS), *(("dq", d, s) for s in flash_gluon.DQ_SETTINGS),
+        *(("dkdv", d, s) for s in flash_gluon.DKDV_SETTINGS[d]))]
+
+
+@pytest.mark.gpu
+@hopper
+@pytest.mark.parametrize("kernel, d, setting", _setting_cases())
+def test_every_setting_matches_reference(kernel: str, d: int, setting) -> None:
+    """Each tile setting of each kernel, not only the one timing picks, gives the float32 reference's output or
+    gradients (GQA 8:2, so the dK/dV kernel walks two query heads)."""
+    q, k, v = inputs((2, 8, 384, d), (2, 2, 384, d), torch.bfloat16, seed=7)
+    scale = d ** -0.5
+    ref_inputs = [t.detach().float().requires_grad_() for t in (q, k, v)]
+    ref = FlashAttentionReference.apply(*ref_inputs, True)
+    out, lse = flash_gluon.forward(q.detach(), k.detach(), v.detach(), scale,
+                                   setting if kernel == "forward" else None)
+    if kernel == "forward":
+        assert_near(out, ref, torch.bfloat16, "out")
+        return
+    d_out = torch.randn_like(q)
+    pinned = {"dq_setting": setting} if kernel == "dq" else {"dkdv_setting": setting}
+    grads = flash_gluon.backward(q.detach(), k.detach(), v.detach(), out, lse, d_out, scale, **pinned)
+    ref_grads = torch.autograd.grad(ref, ref_inputs, d_out.float())
+    for name, g, r in zip("qkv", grads, ref_grads):
+        assert_near(g, r, torch.bfloat16, f"d{name}")
+
+
 @pytest.mark.gpu
 @hopper
 @pytest.mark.parametrize("d, setting", [(d, s) for d, settings in flash_gluon.FUSED_SETTINGS.items() for s in settings])
@@ -101,7 +131,7 @@ def test_fused_backward_matches_reference(d: int, setting, heads: int, kv_heads:
     grads = flash_gluon.backward(q.detach(), k.detach(), v.detach(), out, lse, d_out, scale, fused_setting=setting)
     two_kernels = flash_gluon.backward(q.detach(), k.detach(), v.detach(), out, lse, d_out, scale,
                                        dq_setting=flash_gluon.DQ_SETTINGS[0],
-                                       dkdv_setting=flash_gluon.DKDV_SETTINGS[0])
+                                       dkdv_setting=flash_gluon.DKDV_SETTINGS[d][0])
     ref_inputs = [t.detach().float().requires_grad_() for t in (q, k, v)]
     ref = FlashAttentionReference.apply(*ref_inputs, True)
     ref_grads = torch.autograd.grad(ref, ref_inputs, d_out.float())
