@@ -22,10 +22,12 @@
 #   gluon-bwd  the Hopper attention's GPU tests, the backward probe (the fused dK/dV/dQ kernel among its rows) at
 #           the issue's two shapes and the ~400M step's, `lmlab bench kernels --only attention` (forward+backward
 #           against SDPA), then the forward probe
+#   attention-train  the ~400M step (16 x 2048) and the ~1.4B step (B14_BATCH x 2048) with BEST (cuDNN's attention)
+#           against BEST's kernels with lmlab's attention (ATTN_VARIANT: the Gluon kernels on Hopper)
 #   fp8-loss  lmlab-train of the ~1.4B config on tinyshakespeare (CORPUS, bytes) for FP8_STEPS steps, each fp8
 #           entry of FP8_RECIPES (none tensorwise rowwise) in turn: the validation loss after the same tokens
 # fp8 needs torchao: carry its wheel. Env: B14_BATCH, CORPUS (outputs/data/tinyshakespeare.txt), FP8_STEPS (300), FP8_RECIPES, B16_FP8.
-# Usage: experiments/kernels/run.sh OUT_DIR [tests|kernels|train|graphs|graphs14|recompute|attention|gluon-bwd|fp8|b16|fp8-loss ...]   (tests kernels train by default)
+# Usage: experiments/kernels/run.sh OUT_DIR [tests|kernels|train|graphs|graphs14|recompute|attention|gluon-bwd|attention-train|fp8|b16|fp8-loss ...]   (tests kernels train by default)
 set -euo pipefail
 D=${1:?usage: run.sh OUT_DIR [tests|kernels|train ...]}
 shift
@@ -95,6 +97,12 @@ for part in $PARTS; do
                 | tee "$D/kernels-attention.txt" || true
             timeout 100 python experiments/kernels/attention_gluon_probe.py --json "$D/attention-gluon-probe.json" \
                 | tee "$D/attention-gluon-probe.txt" ;;
+        attention-train)
+            A=${ATTN_VARIANT:-triton-rms_norm-swiglu+compile}
+            $LMLAB bench train $M --variants "$BEST,$A" --steps 8 --warmup 3 --json "$D/train-400m-attention.json" \
+                | tee "$D/train-400m-attention.txt"
+            $LMLAB bench train $B14_BENCH data.batch_size=${B14_BATCH:-8} --variants "$BEST,$A" --steps 6 --warmup 3 \
+                --json "$D/train-1.4b-attention.json" | tee "$D/train-1.4b-attention.txt" ;;
         fp8-loss)
             for recipe in ${FP8_RECIPES:-none tensorwise rowwise}; do
                 python -m lmlab.cli.train $B14 data=text_files "data.paths=[${CORPUS:-outputs/data/tinyshakespeare.txt}]" \
@@ -103,6 +111,6 @@ for part in $PARTS; do
                     trainer.progress_bar=false trainer.checkpoint_every=100000 cache_dir="$D/cache" \
                     hydra.run.dir="$D/fp8-loss-$recipe" 2>&1 | grep -v -i warn | tail -3 | tee "$D/fp8-loss-$recipe.txt"
             done ;;
-        *) echo "unknown part '$part'; parts: tests kernels train graphs graphs14 recompute attention gluon-bwd fp8 b16 fp8-loss" >&2; exit 2 ;;
+        *) echo "unknown part '$part'; parts: tests kernels train graphs graphs14 recompute attention gluon-bwd attention-train fp8 b16 fp8-loss" >&2; exit 2 ;;
     esac
 done
