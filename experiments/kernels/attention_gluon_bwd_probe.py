@@ -63,12 +63,10 @@ def gluon_backward(q, k, v, out, lse, d_out, dkdv_setting: tuple | None = None, 
 
 # (BLOCK_M, BLOCK_N, NUM_BUF, num_warps, A_IN_REGS: K and V, or Q and dO, as register operands; head_dim 128's
 # dK/dV kernel then spills and ptxas serializes its wgmmas)
-SETTINGS = {64: flash_gluon._both(((64, 128, 2, 8), (64, 128, 3, 8), (64, 64, 2, 4), (64, 64, 3, 4), (32, 64, 3, 4))),
-            128: flash_gluon._both(((64, 128, 2, 8), (64, 128, 3, 8), (64, 64, 2, 4), (64, 64, 3, 4), (32, 64, 3, 4)),
-                                   (False,))}  # dK/dV
-DQ_SETTINGS = flash_gluon._both(((128, 64, 2, 8), (128, 64, 3, 8), (128, 128, 2, 8), (64, 64, 2, 4), (64, 64, 3, 4)))
-# the fused kernel's: flash_gluon's, and at 128 one more that ptxas serializes
-FUSED_SETTINGS = {64: list(flash_gluon.FUSED_SETTINGS[64]), 128: [*flash_gluon.FUSED_SETTINGS[128], (64, 64, 2, 4, 1)]}
+_DKDV_TILES = ((64, 128, 2, 8), (64, 64, 2, 4), (64, 64, 3, 4), (32, 64, 3, 4))
+SETTINGS = {64: flash_gluon._both(_DKDV_TILES), 128: flash_gluon._both(_DKDV_TILES, (False,))}  # dK/dV
+DQ_SETTINGS = flash_gluon._both(((128, 64, 3, 8), (64, 64, 2, 4), (64, 64, 3, 4)))
+FUSED_SETTINGS = flash_gluon.FUSED_SETTINGS
 
 
 def main() -> None:

@@ -88,14 +88,14 @@ for part in $PARTS; do
                 | tee "$D/attention-passes.txt" ;;
         gluon-bwd)
             workers=$(python -c "import importlib.util as u; print('-n 8' if u.find_spec('xdist') else '')")
-            timeout 200 python -m pytest -q -m gpu tests/kernels/test_flash_gluon.py $workers -p no:cacheprovider \
+            timeout 150 python -m pytest -q -m gpu tests/kernels/test_flash_gluon.py $workers -p no:cacheprovider \
                 2>&1 | tail -25 | tee "$D/gpu-tests-gluon.txt" || true
-            timeout 200 python experiments/kernels/attention_gluon_bwd_probe.py \
+            timeout 180 python experiments/kernels/attention_gluon_bwd_probe.py \
                 --shapes 1,16,16384,64 4,16,4096,128 16,16,2048,64 \
                 --json "$D/attention-gluon-bwd-probe.json" | tee "$D/attention-gluon-bwd-probe.txt" || true
-            timeout 100 $LMLAB bench kernels --only attention --json "$D/kernels-attention.json" \
+            timeout 90 $LMLAB bench kernels --only attention --json "$D/kernels-attention.json" \
                 | tee "$D/kernels-attention.txt" || true
-            timeout 100 python experiments/kernels/attention_gluon_probe.py --json "$D/attention-gluon-probe.json" \
+            timeout 90 python experiments/kernels/attention_gluon_probe.py --json "$D/attention-gluon-probe.json" \
                 | tee "$D/attention-gluon-probe.txt" ;;
         attention-train)
             A=${ATTN_VARIANT:-triton-rms_norm-swiglu+compile}
