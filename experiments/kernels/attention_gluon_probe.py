@@ -43,7 +43,7 @@ def portable(fn):
     return run
 
 
-def gluon_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, setting: flash_gluon.Setting
+def gluon_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, setting: flash_gluon.FwdSetting
                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """flash_gluon's forward at one tile setting: (out, lse)."""
     return flash_gluon.forward(q, k, v, 1 / math.sqrt(q.shape[-1]), setting)
@@ -83,8 +83,9 @@ def measure(name: str, fn, check, shape: str, flops: float, repeats: int, dev: t
     return row
 
 
-# (BLOCK_M, BLOCK_N, NUM_BUF, num_warps, A_IN_REGS: Q as the register operand of Q K^T)
-SETTINGS = flash_gluon._both(((128, 64, 3, 8), (128, 128, 2, 8), (64, 64, 2, 4), (64, 64, 3, 4)))
+# (BLOCK_M, BLOCK_N, NUM_BUF, num_warps, Q_IN_REGS: Q as the register operand of Q K^T)
+SETTINGS = [(*tiles, q_in_regs) for q_in_regs in (False, True)
+            for tiles in ((128, 64, 3, 8), (128, 128, 2, 8), (64, 64, 2, 4), (64, 64, 3, 4))]
 
 
 def parse_args(description: str) -> argparse.Namespace:

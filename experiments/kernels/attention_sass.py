@@ -71,17 +71,15 @@ def triton_kernel(kernel, head_dim: int, block_m: int, block_n: int, warps: int,
     return triton.compile(source, target=SM90, options=dict(num_warps=warps, num_stages=stages))
 
 
-def gluon_kernel(kernel, head_dim: int, block_m: int, block_n: int, num_buf: int, warps: int, fifth: int):
+def gluon_kernel(kernel, head_dim: int, block_m: int, block_n: int, num_buf: int, warps: int, *q_in_regs: bool):
     """A flash_gluon kernel; its descriptors of query rows (q, o, do, dq) take block_m rows, the others block_n.
-    The fused backward's dq_desc is float32 (the dQ it reduces into), and its setting's fifth entry DQ_SLOTS; the
-    other kernels' is A_IN_REGS."""
-    fused = kernel is flash_gluon_fused.dkdvq_kernel
+    The fused backward's dq_desc is float32 (the dQ it reduces into); the forward's setting also says Q_IN_REGS."""
     constants = {"HEAD_DIM": head_dim, "BLOCK_M": block_m, "BLOCK_N": block_n, "NUM_BUF": num_buf,
-                 "NUM_WARPS": warps, "GROUP": 1, "DQ_SLOTS" if fused else "A_IN_REGS": fifth}
+                 "NUM_WARPS": warps, "GROUP": 1, **dict(zip(["Q_IN_REGS"], q_in_regs))}
 
     def descriptor(name: str) -> str:
         rows = block_m if name in ("q_desc", "o_desc", "do_desc", "dq_desc") else block_n
-        fp32 = fused and name == "dq_desc"
+        fp32 = kernel is flash_gluon_fused.dkdvq_kernel and name == "dq_desc"
         layout = gl.NVMMASharedLayout.get_default_for([rows, head_dim], gl.float32 if fp32 else gl.bfloat16)
         return f"tensordesc<{'fp32' if fp32 else 'bf16'}[{rows}, {head_dim}],{layout!r}>"
 
@@ -106,8 +104,8 @@ def report(compiled) -> str:
     waits = ",".join(re.findall(r"wgmma\.wait_group\.sync\.aligned (\d+)", ptx))
     warnings = "; ".join(w[:100] for w in re.findall(r"\(C75\d\d\)[^\n]*", log))
     return (f"{registers:>4} regs {spills:>5} B spilled {compiled.metadata.shared / 1024:6.1f} KiB shared  "
-            f"HGMMA {sass.count('HGMMA.'):3}  DEPBAR {len(re.findall('WARPGROUP.DEPBAR', sass)):3}  "
-            f"waits [{waits}]  {warnings}")
+            f"HGMMA {sass.count('HGMMA.'):3}  "
+            f"DEPBAR {len(re.findall('WARPGROUP.DEPBAR', sass)):3}  waits [{waits}]  {warnings}")
 
 
 def main() -> None:
@@ -123,7 +121,7 @@ def main() -> None:
                 print(f"D{head_dim} Triton {name:8} {str(setting):18} "
                       f"{report(triton_kernel(kernel.fn, head_dim, *setting))}", flush=True)
         gluon = {"forward": (flash_gluon_kernels.forward_kernel, attention_gluon_probe.SETTINGS),
-                 "dK/dV": (flash_gluon_kernels.dkdv_kernel, attention_gluon_bwd_probe.SETTINGS[head_dim]),
+                 "dK/dV": (flash_gluon_kernels.dkdv_kernel, attention_gluon_bwd_probe.SETTINGS),
                  "dQ": (flash_gluon_kernels.dq_kernel, attention_gluon_bwd_probe.DQ_SETTINGS),
                  "fused": (flash_gluon_fused.dkdvq_kernel, attention_gluon_bwd_probe.FUSED_SETTINGS[head_dim])}
         for name, (kernel, settings) in gluon.items():

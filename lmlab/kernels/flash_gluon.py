@@ -11,12 +11,12 @@ contiguous one, or a "b s (h d) -> b h s d" view of a projection, even of a fuse
 descriptor over its storage, and head h of batch b starts at row b * rb + h * rh, column h * ch (`_Rows`).
 Outputs (out, lse, dq, dk, dv) are contiguous, as the Triton kernels' are.
 
-Each kernel's setting (BLOCK_M, BLOCK_N, NUM_BUF, warps, and whether its resident tiles are register operands) is
-timed on the first call per (dtype, head_dim, seq, group) and the fastest kept; the dQ candidates include the
+Each kernel's tile setting (BLOCK_M, BLOCK_N, NUM_BUF, warps; the forward's also whether Q is a register operand)
+is timed on the first call per (dtype, head_dim, seq, group) and the fastest kept; the dQ candidates include the
 Triton dQ kernel (`backward`'s triton_dq), which was the fastest at B1 H16 S16384 D64 on an H100
-(experiments/kernels/README.md). `backward` can also
-run FlashAttention-3's fused backward (`flash_gluon_fused`: dQ reduced from the dK/dV pass by TMA, five block
-matmuls instead of seven); it measured slower than the two kernels, so it runs only when asked for.
+(experiments/kernels/README.md). `backward` can also run FlashAttention-3's fused backward (`flash_gluon_fused`:
+dQ reduced from the dK/dV pass by TMA, five block matmuls instead of seven); it measured slower than the two
+kernels, so it runs only when asked for.
 """
 
 from __future__ import annotations
@@ -40,32 +40,20 @@ SEQ_MULTIPLE = 128  # every setting's blocks divide the sequence: no ragged bloc
 _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
 _LOG2E = math.log2(math.e)
 
-Setting = tuple[int, int, int, int, bool]  # (BLOCK_M, BLOCK_N, NUM_BUF, num_warps, A_IN_REGS)
-
-
-def _both(tiles: tuple[tuple[int, int, int, int], ...], in_regs: tuple[bool, ...] = (False, True)
-          ) -> tuple[Setting, ...]:
-    """Each (BLOCK_M, BLOCK_N, NUM_BUF, num_warps) with each A_IN_REGS."""
-    return tuple((*t, regs) for regs in in_regs for t in tiles)
-
-
+Setting = tuple[int, int, int, int]  # (BLOCK_M, BLOCK_N, NUM_BUF, num_warps)
+FwdSetting = tuple[int, int, int, int, bool]  # and Q_IN_REGS: Q as the register operand of each Q K^T
 # The fastest few of the probes' sweeps (experiments/kernels/attention_gluon_probe.py and _bwd_probe.py) at
-# B16 H16 S2048 D64/D128, B4 H16 S4096 D128 and B1 H16 S16384 D64 on an H100, each also with its resident
-# tiles (forward: Q; dQ: Q and dO; dK/dV: K and V) as register operands (A_IN_REGS: no spills when compiled for
-# sm_90a, but at head_dim 128 dK/dV's then spill and ptxas serializes its wgmmas, so it has none there).
-FWD_SETTINGS = _both(((128, 64, 3, 8), (64, 64, 2, 4), (64, 64, 3, 4)))
-DQ_SETTINGS = _both(((64, 64, 3, 4), (64, 64, 2, 4), (128, 64, 3, 8)))
-_DKDV_TILES = ((64, 64, 2, 4), (64, 64, 3, 4), (32, 64, 3, 4))
-DKDV_SETTINGS: dict[int, tuple[Setting, ...]] = {64: _both(_DKDV_TILES), 128: _both(_DKDV_TILES, (False,))}
-# The fused backward's (opt-in: `backward`'s fused_setting), per head_dim, with a fifth entry: how many float32
-# buffers stage dQ's shares for their reductions (2: one fills while the other's reduction reads it). Compiled for
-# sm_90a, these keep the wgmmas overlapped; all but head_dim 128's hold their registers without spilling (it spills
-# 288 bytes a thread); the others need more shared memory than a block has, or ptxas serializes their wgmmas
-# (experiments/kernels/attention_sass.py). At 64 x 64 tiles two programs share an SM.
-FusedSetting = tuple[int, int, int, int, int]  # (BLOCK_M, BLOCK_N, NUM_BUF, num_warps, DQ_SLOTS)
-FUSED_SETTINGS: dict[int, tuple[FusedSetting, ...]] = {
-    64: ((64, 64, 2, 4, 1), (64, 64, 2, 4, 2), (64, 64, 3, 4, 1), (64, 128, 2, 8, 1), (64, 128, 2, 8, 2)),
-    128: ((64, 128, 2, 8, 1),)}
+# B16 H16 S2048 D64/D128, B4 H16 S4096 D128 and B1 H16 S16384 D64 on an H100. Q in registers made 64 x 64 tiles
+# 1-3% faster (2026-12-06); the dQ and dK/dV kernels' resident tiles in registers made no setting the fastest.
+FWD_SETTINGS: tuple[FwdSetting, ...] = ((128, 64, 3, 8, False), (64, 64, 2, 4, True), (64, 64, 3, 4, True))
+DQ_SETTINGS: tuple[Setting, ...] = ((64, 64, 3, 4), (64, 64, 2, 4), (128, 64, 3, 8))
+DKDV_SETTINGS: tuple[Setting, ...] = ((64, 64, 2, 4), (64, 64, 3, 4), (32, 64, 3, 4))
+# The fused backward's (opt-in: `backward`'s fused_setting), per head_dim: compiled for sm_90a, these keep the
+# wgmmas overlapped; all but head_dim 128's hold their registers without spilling (it spills 288 bytes a thread);
+# the others need more shared memory than a block has, or ptxas serializes their wgmmas
+# (experiments/kernels/attention_sass.py).
+FUSED_SETTINGS: dict[int, tuple[Setting, ...]] = {64: ((64, 64, 2, 4), (64, 128, 2, 8), (64, 128, 3, 8)),
+                                                  128: ((64, 128, 2, 8),)}
 _PREPARE_ROWS = 64  # rows per program of the fused backward's delta and zeroing
 
 
@@ -141,7 +129,7 @@ def _grid(seq: int, block: int, heads: int) -> tuple[int]:
     return (seq // block * heads,)
 
 
-def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, setting: Setting | None = None
+def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, setting: FwdSetting | None = None
             ) -> tuple[torch.Tensor, torch.Tensor]:
     """Causal attention of 4-D q (batch, heads, seq, head_dim) and k, v (batch, kv_heads, seq, head_dim) that
     `applies` to -> (out, lse): out contiguous in q's dtype, lse float32 (batch, heads, seq) in natural log.
@@ -152,12 +140,12 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, set
     qr, kr, vr, outr = (_Rows.of(t) for t in (q, k, v, out))
     group = heads // k.shape[1]
 
-    def launch(block_m: int, block_n: int, num_buf: int, warps: int, a_in_regs: bool) -> None:
+    def launch(block_m: int, block_n: int, num_buf: int, warps: int, q_in_regs: bool) -> None:
         forward_kernel[_grid(seq, block_m, batch * heads)](
             qr.descriptor(block_m, dim), kr.descriptor(block_n, dim), vr.descriptor(block_n, dim),
             outr.descriptor(block_m, dim), lse, *qr.origin, *kr.origin, *vr.origin, heads, group, seq,
             scale * _LOG2E, _sm_count(q.device), HEAD_DIM=dim, BLOCK_M=block_m, BLOCK_N=block_n, NUM_BUF=num_buf,
-            NUM_WARPS=warps, A_IN_REGS=a_in_regs, num_warps=warps)
+            NUM_WARPS=warps, Q_IN_REGS=q_in_regs, num_warps=warps)
 
     launches = {s: functools.partial(launch, *s) for s in FWD_SETTINGS}
     (functools.partial(launch, *setting) if setting else _fastest(("fwd", q.dtype, dim, seq, group), launches))()
@@ -168,7 +156,7 @@ def backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tenso
              d_out: torch.Tensor, scale: float,
              triton_dq: Callable[[torch.Tensor, torch.Tensor], None] | None = None,
              dq_setting: Setting | str | None = None, dkdv_setting: Setting | None = None,
-             fused_setting: FusedSetting | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+             fused_setting: Setting | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`forward`'s gradients: (dq, dk, dv), contiguous, in q's dtype. Two kernels: dQ (which stores delta =
     rowsum(dO * O)), then dK/dV, each at the fastest of DQ_SETTINGS and DKDV_SETTINGS (timed on the first call
     per (dtype, head_dim, seq, group)) unless `dq_setting` / `dkdv_setting` pin them. `triton_dq(dq, delta)`, when
@@ -185,22 +173,21 @@ def backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tenso
     origins = (*qr.origin, *kr.origin, *vr.origin, *dor.origin, heads, group, seq, scale * _LOG2E, scale,
                _sm_count(q.device))
 
-    def launch_dq(block_m: int, block_n: int, num_buf: int, warps: int, a_in_regs: bool) -> None:
+    def launch_dq(block_m: int, block_n: int, num_buf: int, warps: int) -> None:
         dq_kernel[_grid(seq, block_m, batch * heads)](
             qr.descriptor(block_m, dim), kr.descriptor(block_n, dim), vr.descriptor(block_n, dim),
             dor.descriptor(block_m, dim), dqr.descriptor(block_m, dim), out, lse, delta, *origins,
-            HEAD_DIM=dim, BLOCK_M=block_m, BLOCK_N=block_n, NUM_BUF=num_buf, NUM_WARPS=warps, A_IN_REGS=a_in_regs,
-            num_warps=warps)
+            HEAD_DIM=dim, BLOCK_M=block_m, BLOCK_N=block_n, NUM_BUF=num_buf, NUM_WARPS=warps, num_warps=warps)
 
-    def launch_dkdv(block_m: int, block_n: int, num_buf: int, warps: int, a_in_regs: bool) -> None:
+    def launch_dkdv(block_m: int, block_n: int, num_buf: int, warps: int) -> None:
         dkdv_kernel[_grid(seq, block_n, batch * kv_heads)](
             qr.descriptor(block_m, dim), kr.descriptor(block_n, dim), vr.descriptor(block_n, dim),
             dor.descriptor(block_m, dim), dkr.descriptor(block_n, dim), dvr.descriptor(block_n, dim), lse, delta,
             *origins, HEAD_DIM=dim, BLOCK_M=block_m, BLOCK_N=block_n, NUM_BUF=num_buf, NUM_WARPS=warps,
-            A_IN_REGS=a_in_regs, num_warps=warps)
+            num_warps=warps)
 
     if fused_setting is not None:
-        block_m, block_n, num_buf, warps, dq_slots = fused_setting
+        block_m, block_n, num_buf, warps = fused_setting
         acc = torch.empty(batch * heads * seq, dim, dtype=torch.float32, device=q.device)  # dQ, reduced into
         prepare_kernel[(batch * heads * seq // _PREPARE_ROWS,)](
             out, dor.view, delta, acc, *dor.origin, dor.view.stride(0), heads, seq, HEAD_DIM=dim,
@@ -210,7 +197,7 @@ def backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tenso
             qr.descriptor(block_m, dim), kr.descriptor(block_n, dim), vr.descriptor(block_n, dim),
             dor.descriptor(block_m, dim), dkr.descriptor(block_n, dim), dvr.descriptor(block_n, dim),
             TensorDescriptor.from_tensor(acc, [block_m, dim], acc_layout), lse, delta, *origins, HEAD_DIM=dim,
-            BLOCK_M=block_m, BLOCK_N=block_n, NUM_BUF=num_buf, NUM_WARPS=warps, DQ_SLOTS=dq_slots, num_warps=warps)
+            BLOCK_M=block_m, BLOCK_N=block_n, NUM_BUF=num_buf, NUM_WARPS=warps, num_warps=warps)
         dq.copy_(acc.view(dq.shape))
         return dq, dk, dv
     dq_launches: dict[object, Callable[[], None]] = {s: functools.partial(launch_dq, *s) for s in DQ_SETTINGS}
@@ -221,7 +208,7 @@ def backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tenso
         _fastest(("dq", *key, triton_dq is not None), dq_launches)()
     else:
         dq_launches.get(dq_setting, functools.partial(launch_dq, *dq_setting))()
-    dkdv_launches = {s: functools.partial(launch_dkdv, *s) for s in DKDV_SETTINGS[dim]}
+    dkdv_launches = {s: functools.partial(launch_dkdv, *s) for s in DKDV_SETTINGS}
     (functools.partial(launch_dkdv, *dkdv_setting) if dkdv_setting
      else _fastest(("dkdv", *key), dkdv_launches))()
     return dq, dk, dv

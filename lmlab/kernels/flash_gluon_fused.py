@@ -78,26 +78,23 @@ def prepare_kernel(O, DO, DELTA, DQ, DO_RB, DO_RH, DO_CH, DO_STRIDE, HEADS, SEQ,
 
 
 @gluon.jit
-def _add_dq(dq, scale, dq_smem, dq_desc, row, t, DQ_SLOTS: gl.constexpr):
-    """Add dq * scale into the float32 dQ at `row`, staged in slot t % DQ_SLOTS of dq_smem once the reduction
-    that last read that slot has (the DQ_SLOTS - 1 later ones may still run)."""
-    tma.store_wait(DQ_SLOTS - 1)
-    staged = dq_smem.index(t % DQ_SLOTS)
-    staged.store(dq * scale)
+def _add_dq(dq, scale, dq_smem, dq_desc, row):
+    """Add dq * scale into the float32 dQ at `row`, staged in dq_smem once the previous reduction has read it."""
+    tma.store_wait(0)
+    dq_smem.store(dq * scale)
     fence_async_shared()
-    _tma_reduce_add(dq_desc, [row, 0], staged)
+    _tma_reduce_add(dq_desc, [row, 0], dq_smem)
 
 
 @gluon.jit
 def _updates(p_smem, ds_smem, dv, dk, dq, q_smem, do_smem, k_smem, t, NUM_BUF: gl.constexpr):
-    """Issue the ring's block t's dQ_t = dS K, dV += P^T dO and dK += dS^T Q (P^T and dS^T from their slots
-    t % 2): three wgmma groups, dQ's first so that it can be waited for alone and its reduction staged while
-    the other two run."""
+    """Issue the ring's block t's dV += P^T dO, dK += dS^T Q and dQ_t = dS K (P^T and dS^T from their slots
+    t % 2): three wgmma groups."""
     slot = t % NUM_BUF
     ds = ds_smem.index(t % 2)
-    dq = warpgroup_mma(ds.permute((1, 0)), k_smem, dq, use_acc=False, is_async=True)
     dv = warpgroup_mma(p_smem.index(t % 2), do_smem.index(slot), dv, is_async=True)
     dk = warpgroup_mma(ds, q_smem.index(slot), dk, is_async=True)
+    dq = warpgroup_mma(ds.permute((1, 0)), k_smem, dq, use_acc=False, is_async=True)
     return dv, dk, dq
 
 
@@ -105,7 +102,7 @@ def _updates(p_smem, ds_smem, dv, dk, dq, q_smem, do_smem, k_smem, t, NUM_BUF: g
 def dkdvq_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, LSE, DELTA, Q_RB, Q_RH, Q_CH, K_RB,
                  K_RH, K_CH, V_RB, V_RH, V_CH, DO_RB, DO_RH, DO_CH, HEADS, GROUP: gl.constexpr, SEQ, qk_scale, scale,
                  N_SMS, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                 NUM_BUF: gl.constexpr, NUM_WARPS: gl.constexpr, DQ_SLOTS: gl.constexpr):
+                 NUM_BUF: gl.constexpr, NUM_WARPS: gl.constexpr):
     """dK and dV for one key block of one kv head, and its share of dQ for every query block of the query heads
     it serves, added into the float32 dQ (zeroed by `prepare_kernel`; LSE, DELTA, dK, dV and dQ
     contiguous)."""
@@ -118,7 +115,7 @@ def dkdvq_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, LSE
     pds_layout: gl.constexpr = _swizzled(BLOCK_N, BLOCK_M, q_desc.dtype)
     p_smem = gl.allocate_shared_memory(q_desc.dtype, [2, BLOCK_N, BLOCK_M], pds_layout)
     ds_smem = gl.allocate_shared_memory(q_desc.dtype, [2, BLOCK_N, BLOCK_M], pds_layout)
-    dq_smem = gl.allocate_shared_memory(gl.float32, [DQ_SLOTS] + dq_desc.block_shape, dq_desc.layout)
+    dq_smem = gl.allocate_shared_memory(gl.float32, dq_desc.block_shape, dq_desc.layout)
     dq_zero = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, _dq_layout(NUM_WARPS, BLOCK_M, HEAD_DIM))
 
     h, i, pt, dst = _first_query_block(k_smem, v_smem, q_smem, do_smem, q_bars, do_bars, LSE, DELTA, b, hk, HEADS,
@@ -141,9 +138,8 @@ def dkdvq_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, LSE
                                 BLOCK_M, BLOCK_N)
         p_smem.index(t % 2).store(pt)  # the updates in flight read the other slots
         ds_smem.index(t % 2).store(dst)
-        dq = warpgroup_mma_wait(2, deps=[dq])
-        _add_dq(dq, scale, dq_smem, dq_desc, (b * HEADS + h_prev) * SEQ + i_prev * BLOCK_M, t, DQ_SLOTS)
-        dv, dk = warpgroup_mma_wait(0, deps=[dv, dk])
+        dv, dk, dq = warpgroup_mma_wait(0, deps=[dv, dk, dq])
+        _add_dq(dq, scale, dq_smem, dq_desc, (b * HEADS + h_prev) * SEQ + i_prev * BLOCK_M)
         # block t-1's Q and dO are no longer read: its slot takes block t - 1 + NUM_BUF
         h_load, i_load = _next_query_block(h_load, i_load, first, n_q_blocks, GROUP)
         _load_queries(q_desc, do_desc, q_smem, do_smem, q_bars, do_bars, Q_RB, Q_RH, Q_CH, DO_RB, DO_RH, DO_CH, b,
@@ -152,6 +148,6 @@ def dkdvq_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, LSE
         dk = warpgroup_mma_init(dk)
     dv, dk, dq = _updates(p_smem, ds_smem, dv, dk, dq_zero, q_smem, do_smem, k_smem, end - 1, NUM_BUF)
     dv, dk, dq = warpgroup_mma_wait(0, deps=[dv, dk, dq])
-    _add_dq(dq, scale, dq_smem, dq_desc, (b * HEADS + h) * SEQ + i * BLOCK_M, end, DQ_SLOTS)
+    _add_dq(dq, scale, dq_smem, dq_desc, (b * HEADS + h) * SEQ + i * BLOCK_M)
     _store_dkdv(dk, dv, scale, k_smem, v_smem, dk_desc, dv_desc, bhk * SEQ + start_n)
     _release(kv_bar, q_bars, do_bars, NUM_BUF)

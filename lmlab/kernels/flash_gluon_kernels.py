@@ -12,10 +12,8 @@ compute the latter:
   dK/dV    a key block resident; per query block (of every query head its kv head serves) S^T = K Q^T and
            dP^T = V dO^T, then the previous block's dV += P^T dO and dK += dS^T Q
 The streamed tiles arrive by TMA in a ring of NUM_BUF slots: block t-1+NUM_BUF loads into the slot that block
-t-1 frees. With A_IN_REGS, each kernel's resident tiles (forward: Q; dQ: Q and dO; dK/dV: K and V) are loaded into
-registers once and serve as the A operand of its score products, so those wgmmas read only B from shared memory
-(`_resident_operand`). A register written while a wgmma is in flight would make ptxas serialize every wgmma (warnings
-C7514/C7515); in this order each is written after a wait that leaves nothing in flight, and the sm_90a SASS
+t-1 frees. With Q_IN_REGS, the forward loads its Q block into registers once, the A operand of every Q K^T. A
+register written while a wgmma is in flight would make ptxas serialize every wgmma (warnings C7514/C7515); in this order each is written after a wait that leaves nothing in flight, and the sm_90a SASS
 has four `WARPGROUP.DEPBAR`s per kernel, not one per HGMMA. Programs follow `flash_triton._schedule`
 (heaviest blocks first, heads in groups that share K/V in L2).
 
@@ -137,30 +135,18 @@ def _release(resident_bar, a_bars, b_bars, NUM_BUF: gl.constexpr):
 
 
 @gluon.jit
-def _resident_operand(smem, acc_layout: gl.constexpr, IN_REGS: gl.constexpr):
-    """A tile that stays for the whole program, as the A operand of wgmmas whose accumulator has acc_layout:
-    loaded into registers once when IN_REGS, so those wgmmas read only B from shared memory (at 64-wide tiles,
-    reading both operands takes the shared memory's whole bandwidth: 4 KiB per 32-cycle m64n64k16), else read
-    in place."""
-    if IN_REGS:
-        return smem.load(gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2))
-    else:
-        return smem
-
-
-@gluon.jit
-def _products(x, y, a_smem, b_smem, a_bars, b_bars, t, layout: gl.constexpr, NUM_BUF: gl.constexpr):
-    """Issue X A_t^T and Y B_t^T for the ring's block t once each has landed: two wgmma groups (X and Y resident,
-    in shared memory or registers). dK/dV: S^T = K Q^T and dP^T = V dO^T; dQ: S = Q K^T and dP = dO V^T."""
+def _products(x_smem, y_smem, a_smem, b_smem, a_bars, b_bars, t, layout: gl.constexpr, NUM_BUF: gl.constexpr):
+    """Issue X A_t^T and Y B_t^T for the ring's block t once each has landed: two wgmma groups. dK/dV:
+    S^T = K Q^T and dP^T = V dO^T; dQ: S = Q K^T and dP = dO V^T."""
     slot = t % NUM_BUF
     phase = (t // NUM_BUF) & 1
-    ROWS: gl.constexpr = x.shape[0]
+    ROWS: gl.constexpr = x_smem.shape[0]
     COLS: gl.constexpr = a_smem.shape[1]
     zero = gl.zeros([ROWS, COLS], gl.float32, layout)
     mbarrier.wait(a_bars.index(slot), phase)
-    xa = warpgroup_mma(x, a_smem.index(slot).permute((1, 0)), zero, use_acc=False, is_async=True)
+    xa = warpgroup_mma(x_smem, a_smem.index(slot).permute((1, 0)), zero, use_acc=False, is_async=True)
     mbarrier.wait(b_bars.index(slot), phase)
-    yb = warpgroup_mma(y, b_smem.index(slot).permute((1, 0)), zero, use_acc=False, is_async=True)
+    yb = warpgroup_mma(y_smem, b_smem.index(slot).permute((1, 0)), zero, use_acc=False, is_async=True)
     return xa, yb
 
 
@@ -203,7 +189,7 @@ def _pv(p, acc, v_smem, v_bars, j, NUM_BUF: gl.constexpr):
 @gluon.jit
 def forward_kernel(q_desc, k_desc, v_desc, o_desc, LSE, Q_RB, Q_RH, Q_CH, K_RB, K_RH, K_CH, V_RB, V_RH, V_CH, HEADS,
                    GROUP, SEQ, qk_scale, N_SMS, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
-                   BLOCK_N: gl.constexpr, NUM_BUF: gl.constexpr, NUM_WARPS: gl.constexpr, A_IN_REGS: gl.constexpr):
+                   BLOCK_N: gl.constexpr, NUM_BUF: gl.constexpr, NUM_WARPS: gl.constexpr, Q_IN_REGS: gl.constexpr):
     s_layout: gl.constexpr = wgmma_layout(NUM_WARPS, BLOCK_N)
     o_layout: gl.constexpr = wgmma_layout(NUM_WARPS, HEAD_DIM)
     bh, b, h, start_m, k_row, k_col, v_row, v_col = _query_program(K_RB, K_RH, K_CH, V_RB, V_RH, V_CH, HEADS, GROUP,
@@ -226,7 +212,10 @@ def forward_kernel(q_desc, k_desc, v_desc, o_desc, LSE, Q_RB, Q_RH, Q_CH, K_RB, 
     l_i = gl.zeros([BLOCK_M], gl.float32, gl.SliceLayout(1, s_layout))
     acc = warpgroup_mma_init(gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout))
     mbarrier.wait(q_bar, 0)
-    q = _resident_operand(q_smem, s_layout, A_IN_REGS)
+    if Q_IN_REGS:  # loaded once: each Q K^T then reads only K from shared memory
+        q = q_smem.load(gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2))
+    else:
+        q = q_smem
     s = warpgroup_mma_wait(0, deps=[_scores(q, k_smem, k_bars, 0, s_layout, BLOCK_M, BLOCK_N, NUM_BUF)])
     p, m_i, l_i, alpha = _softmax(s, m_i, l_i, 0, start_m, qk_scale, s_layout, o_layout, q_desc.dtype, BLOCK_M,
                                   BLOCK_N)
@@ -272,7 +261,7 @@ def _score_grad(s, dp, lse2, delta, j, start_m, qk_scale, s_layout: gl.constexpr
 def dq_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, O, LSE, DELTA, Q_RB, Q_RH, Q_CH, K_RB, K_RH, K_CH,
             V_RB, V_RH, V_CH, DO_RB, DO_RH, DO_CH, HEADS, GROUP, SEQ, qk_scale, scale, N_SMS,
             HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_BUF: gl.constexpr,
-            NUM_WARPS: gl.constexpr, A_IN_REGS: gl.constexpr):
+            NUM_WARPS: gl.constexpr):
     """dQ for one query block, and delta = rowsum(dO * O) for the dK/dV kernel (O, LSE, DELTA and dQ
     contiguous)."""
     s_layout: gl.constexpr = wgmma_layout(NUM_WARPS, BLOCK_N)
@@ -304,14 +293,12 @@ def dq_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, O, LSE, DELTA, Q_RB, Q_R
     lse2 = gl.load(LSE + stat0 + start_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout)))
     lse2 = lse2 * 1.4426950408889634  # natural log -> base 2
 
-    q = _resident_operand(q_smem, s_layout, A_IN_REGS)
-    do = _resident_operand(do_smem, s_layout, A_IN_REGS)
-    s, dp = _products(q, do, k_smem, v_smem, k_bars, v_bars, 0, s_layout, NUM_BUF)
+    s, dp = _products(q_smem, do_smem, k_smem, v_smem, k_bars, v_bars, 0, s_layout, NUM_BUF)
     s, dp = warpgroup_mma_wait(0, deps=[s, dp])
     ds = _score_grad(s, dp, lse2, delta, 0, start_m, qk_scale, s_layout, dq_layout, q_desc.dtype, BLOCK_M, BLOCK_N)
     dq = warpgroup_mma_init(gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, dq_layout))
     for j in range(1, end):
-        s, dp = _products(q, do, k_smem, v_smem, k_bars, v_bars, j, s_layout, NUM_BUF)
+        s, dp = _products(q_smem, do_smem, k_smem, v_smem, k_bars, v_bars, j, s_layout, NUM_BUF)
         dq = warpgroup_mma(ds, k_smem.index((j - 1) % NUM_BUF), dq, is_async=True)
         s, dp = warpgroup_mma_wait(1, deps=[s, dp])
         ds_next = _score_grad(s, dp, lse2, delta, j, start_m, qk_scale, s_layout, dq_layout, q_desc.dtype, BLOCK_M,
@@ -438,14 +425,14 @@ def _key_program(q_desc, k_desc, v_desc, do_desc, Q_RB, Q_RH, Q_CH, K_RB, K_RH, 
 
 
 @gluon.jit
-def _first_query_block(k, v, q_smem, do_smem, q_bars, do_bars, LSE, DELTA, b, hk, HEADS,
+def _first_query_block(k_smem, v_smem, q_smem, do_smem, q_bars, do_bars, LSE, DELTA, b, hk, HEADS,
                        GROUP: gl.constexpr, SEQ, first, start_n, qk_scale, st_layout: gl.constexpr,
                        DTYPE: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_BUF: gl.constexpr):
-    """A key-block program's first ring block on its own (nothing to overlap yet; K and V in shared memory or
-    registers): its query head and block, its P^T and dS^T."""
+    """A key-block program's first ring block on its own (nothing to overlap yet): its query head and block, its
+    P^T and dS^T."""
     h = hk * GROUP
     i = first
-    st, dpt = _products(k, v, q_smem, do_smem, q_bars, do_bars, 0, st_layout, NUM_BUF)
+    st, dpt = _products(k_smem, v_smem, q_smem, do_smem, q_bars, do_bars, 0, st_layout, NUM_BUF)
     cols, lse2, delta = _query_stats(LSE, DELTA, (b * HEADS + h).to(gl.int64) * SEQ, i, st_layout, BLOCK_M)
     st, dpt = warpgroup_mma_wait(0, deps=[st, dpt])
     pt, dst = _softmax_grad(st, dpt, cols, lse2, delta, i, start_n, qk_scale, st_layout, DTYPE, BLOCK_M, BLOCK_N)
@@ -456,7 +443,7 @@ def _first_query_block(k, v, q_smem, do_smem, q_bars, do_bars, LSE, DELTA, b, hk
 def dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, DELTA, Q_RB, Q_RH, Q_CH, K_RB, K_RH, K_CH,
               V_RB, V_RH, V_CH, DO_RB, DO_RH, DO_CH, HEADS, GROUP: gl.constexpr, SEQ, qk_scale, scale,
               N_SMS, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_BUF: gl.constexpr,
-              NUM_WARPS: gl.constexpr, A_IN_REGS: gl.constexpr):
+              NUM_WARPS: gl.constexpr):
     """dK and dV for one key block of one kv head, over the query blocks of every query head it serves (LSE,
     DELTA, dK and dV contiguous)."""
     st_layout: gl.constexpr = wgmma_layout(NUM_WARPS, BLOCK_M)
@@ -465,10 +452,8 @@ def dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, DELTA, Q
      do_bars) = _key_program(q_desc, k_desc, v_desc, do_desc, Q_RB, Q_RH, Q_CH, K_RB, K_RH, K_CH, V_RB, V_RH, V_CH,
                              DO_RB, DO_RH, DO_CH, HEADS, GROUP, SEQ, N_SMS, BLOCK_M, BLOCK_N, NUM_BUF)
     n_q_blocks = SEQ // BLOCK_M
-    k = _resident_operand(k_smem, st_layout, A_IN_REGS)
-    v = _resident_operand(v_smem, st_layout, A_IN_REGS)
 
-    h, i, pt, dst = _first_query_block(k, v, q_smem, do_smem, q_bars, do_bars, LSE, DELTA, b, hk, HEADS,
+    h, i, pt, dst = _first_query_block(k_smem, v_smem, q_smem, do_smem, q_bars, do_bars, LSE, DELTA, b, hk, HEADS,
                                        GROUP, SEQ, first, start_n, qk_scale, st_layout, q_desc.dtype, BLOCK_M,
                                        BLOCK_N, NUM_BUF)
     pt, dst = _operand(pt, kv_layout), _operand(dst, kv_layout)
@@ -479,7 +464,7 @@ def dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, DELTA, Q
     # P^T and dS^T stay alive until their updates are waited for), so ptxas has no reason to serialize.
     for t in range(1, end):
         h, i = _next_query_block(h, i, first, n_q_blocks, GROUP)
-        st, dpt = _products(k, v, q_smem, do_smem, q_bars, do_bars, t, st_layout, NUM_BUF)
+        st, dpt = _products(k_smem, v_smem, q_smem, do_smem, q_bars, do_bars, t, st_layout, NUM_BUF)
         dv, dk = _updates(pt, dst, dv, dk, q_smem, do_smem, t - 1, NUM_BUF)
         cols, lse2, delta = _query_stats(LSE, DELTA, (b * HEADS + h).to(gl.int64) * SEQ, i, st_layout, BLOCK_M)
         st, dpt = warpgroup_mma_wait(2, deps=[st, dpt])
