@@ -13,8 +13,9 @@ compute the latter:
            dP^T = V dO^T, then the previous block's dV += P^T dO and dK += dS^T Q
 The streamed tiles arrive by TMA in a ring of NUM_BUF slots: block t-1+NUM_BUF loads into the slot that block
 t-1 frees. With Q_IN_REGS, the forward loads its Q block into registers once, the A operand of every Q K^T. A
-register written while a wgmma is in flight would make ptxas serialize every wgmma (warnings C7514/C7515); in this order each is written after a wait that leaves nothing in flight, and the sm_90a SASS
-has four `WARPGROUP.DEPBAR`s per kernel, not one per HGMMA. Programs follow `flash_triton._schedule`
+register written while a wgmma is in flight would make ptxas serialize every wgmma (warnings C7514/C7515); in
+this order each is written after a wait that leaves nothing in flight, and the sm_90a SASS has four
+`WARPGROUP.DEPBAR`s per kernel, not one per HGMMA. Programs follow `flash_triton._schedule`
 (heaviest blocks first, heads in groups that share K/V in L2).
 
 The tensors come as TMA descriptors over 2-D views of their storage: head h of batch b starts at row
