@@ -71,11 +71,14 @@ def triton_kernel(kernel, head_dim: int, block_m: int, block_n: int, warps: int,
     return triton.compile(source, target=SM90, options=dict(num_warps=warps, num_stages=stages))
 
 
-def gluon_kernel(kernel, head_dim: int, block_m: int, block_n: int, num_buf: int, warps: int, *q_in_regs: bool):
+def gluon_kernel(kernel, head_dim: int, block_m: int, block_n: int, num_buf: int, warps: int,
+                 q_in_regs: bool | None = None):
     """A flash_gluon kernel; its descriptors of query rows (q, o, do, dq) take block_m rows, the others block_n.
-    The fused backward's dq_desc is float32 (the dQ it reduces into); the forward's setting also says Q_IN_REGS."""
+    The fused backward's dq_desc is float32 (the dQ it reduces into); only the forward takes q_in_regs."""
     constants = {"HEAD_DIM": head_dim, "BLOCK_M": block_m, "BLOCK_N": block_n, "NUM_BUF": num_buf,
-                 "NUM_WARPS": warps, "GROUP": 1, **dict(zip(["Q_IN_REGS"], q_in_regs))}
+                 "NUM_WARPS": warps, "GROUP": 1}
+    if q_in_regs is not None:
+        constants["Q_IN_REGS"] = q_in_regs
 
     def descriptor(name: str) -> str:
         rows = block_m if name in ("q_desc", "o_desc", "do_desc", "dq_desc") else block_n

@@ -77,6 +77,14 @@ def test_custom_scale_matches_the_portable_kernels() -> None:
         assert_near(g, r, torch.bfloat16, f"d{name}")
 
 
+def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, d_out: torch.Tensor | None = None
+               ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...] | None]:
+    """Causal attention in float32 by the reference twin: its output, and its (dq, dk, dv) for d_out if given."""
+    inputs32 = [t.detach().float().requires_grad_() for t in (q, k, v)]
+    out = FlashAttentionReference.apply(*inputs32, True)
+    return out, None if d_out is None else torch.autograd.grad(out, inputs32, d_out.float())
+
+
 def _setting_cases() -> list[tuple[str, int, tuple]]:
     """(kernel, head_dim, setting) for each setting `flash_gluon` picks from."""
     settings = {"forward": flash_gluon.FWD_SETTINGS, "dq": flash_gluon.DQ_SETTINGS, "dkdv": flash_gluon.DKDV_SETTINGS}
@@ -91,17 +99,15 @@ def test_every_setting_matches_reference(kernel: str, d: int, setting) -> None:
     gradients (GQA 8:2, so the dK/dV kernel walks two query heads)."""
     q, k, v = inputs((2, 8, 384, d), (2, 2, 384, d), torch.bfloat16, seed=7)
     scale = d ** -0.5
-    ref_inputs = [t.detach().float().requires_grad_() for t in (q, k, v)]
-    ref = FlashAttentionReference.apply(*ref_inputs, True)
     out, lse = flash_gluon.forward(q.detach(), k.detach(), v.detach(), scale,
                                    setting if kernel == "forward" else None)
     if kernel == "forward":
-        assert_near(out, ref, torch.bfloat16, "out")
+        assert_near(out, _reference(q, k, v)[0], torch.bfloat16, "out")
         return
     d_out = torch.randn_like(q)
     pinned = {"dq_setting": setting} if kernel == "dq" else {"dkdv_setting": setting}
     grads = flash_gluon.backward(q.detach(), k.detach(), v.detach(), out, lse, d_out, scale, **pinned)
-    ref_grads = torch.autograd.grad(ref, ref_inputs, d_out.float())
+    ref_grads = _reference(q, k, v, d_out)[1]
     for name, g, r in zip("qkv", grads, ref_grads):
         assert_near(g, r, torch.bfloat16, f"d{name}")
 
@@ -131,9 +137,7 @@ def test_fused_backward_matches_reference(d: int, setting, heads: int, kv_heads:
     two_kernels = flash_gluon.backward(q.detach(), k.detach(), v.detach(), out, lse, d_out, scale,
                                        dq_setting=flash_gluon.DQ_SETTINGS[0],
                                        dkdv_setting=flash_gluon.DKDV_SETTINGS[0])
-    ref_inputs = [t.detach().float().requires_grad_() for t in (q, k, v)]
-    ref = FlashAttentionReference.apply(*ref_inputs, True)
-    ref_grads = torch.autograd.grad(ref, ref_inputs, d_out.float())
+    ref_grads = _reference(q, k, v, d_out)[1]
     for name, g, r, pair in zip("qkv", grads, ref_grads, two_kernels):
         assert g.dtype == dtype and g.is_contiguous()
         assert_near(g, r, dtype, f"d{name}")
