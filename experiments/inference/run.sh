@@ -7,6 +7,9 @@
 #   quant  the compiled engine and the megakernel at batch 1 on the weights and on int8 and int4 (group 64) copies
 #   quant-ab  the megakernel at batch 1 on bf16, int8 and int4 (group 64 for llama400m) copies in turns in one process, one step
 #          of each profiled (ab_megakernel_steps.py)
+#   ncu    Nsight Compute's full counter set for one launch of the megakernel's layer stack at batch 1, on bf16
+#          and on int8 weights (ncu_megakernel.py, a process each): the details page and the raw
+#          metrics of both, and the bf16 stack's SASS with its stall samples (gzipped)
 #   megakernel  the decode megakernel's GPU tests (and the flash-decoding and normed-head kernels', which share its
 #          loop and its code conversion), then the bench at batch 1, 8 and 32: the megakernel, its stages launched
 #          one by one, and lmlab compiled
@@ -58,6 +61,18 @@ for part in $PARTS; do
                         --json "$D/bench-megakernel.json" 2>&1 | grep -v -i warn | tee "$D/bench-megakernel.txt" ;;
         quant) $B --engines compiled,megakernel --batch 1 --quant int8 int4 --json "$D/bench-quant.json" 2>&1 \
                    | grep -v -i warn | tail -12 | tee "$D/bench-quant.txt" ;;
+        ncu)
+            NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | tail -1 || true)
+            for q in none int8; do
+                timeout 240 "$NCU" --clock-control none --profile-from-start off --set full -k regex:layers_kernel \
+                    -f -o /tmp/ncu-megakernel-$q python experiments/inference/ncu_megakernel.py --quant $q 2>&1 \
+                    | tail -5 || true
+                "$NCU" -i /tmp/ncu-megakernel-$q.ncu-rep --page details >> "$D/ncu-megakernel-details.txt" || true
+                "$NCU" -i /tmp/ncu-megakernel-$q.ncu-rep --page raw --csv >> /tmp/ncu-megakernel-raw.csv || true
+            done
+            gzip -c /tmp/ncu-megakernel-raw.csv > "$D/ncu-megakernel-raw.csv.gz" || true
+            "$NCU" -i /tmp/ncu-megakernel-none.ncu-rep --page source --csv --print-source sass \
+                | gzip > "$D/ncu-megakernel-sass.csv.gz" || true ;;
         quant-ab) python experiments/inference/ab_megakernel_steps.py quant=none quant=int8 quant=int4 --rounds 9 \
                       --out "$D/ab-quant.json" 2>&1 | grep -v -i warn | tee "$D/ab-quant.txt" ;;
         target) # timeout's 124 (TRAIN_SECONDS ran out: the run saved and stopped) is not a failure
@@ -81,7 +96,7 @@ for part in $PARTS; do
                         --prompt 128 --new 256 --repeats 1 --quant ${QUANT-int8 int4} --draft "$D/draft/checkpoints/last.ckpt" \
                         --json "$D/bench-checkpoint.json" 2>&1 | grep --line-buffered -v -i warn \
                         | tee "$D/bench-checkpoint.txt" ;;
-        *) echo "unknown part '$part'; parts: tests bench megakernel quant quant-ab train target draft draft2" \
+        *) echo "unknown part '$part'; parts: tests bench megakernel ncu quant quant-ab train target draft draft2" \
                 "checkpoint sweep invariant" >&2; exit 2 ;;
     esac
 done

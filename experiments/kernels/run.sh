@@ -24,10 +24,13 @@
 #           against SDPA), then the forward probe
 #   attention-train  the ~400M step (16 x 2048) and the ~1.4B step (B14_BATCH x 2048) with BEST (cuDNN's attention)
 #           against BEST's kernels with lmlab's attention (ATTN_VARIANT: the Gluon kernels on Hopper)
+#   ncu     Nsight Compute's full counter set for one launch of each attention pass (ncu_attention.py: cuDNN's and the
+#           Gluon kernels' at the issue's two shapes): the details page, the raw metrics and the SASS with its stall
+#           samples, the last two gzipped (the reports stay on the machine)
 #   fp8-loss  lmlab-train of the ~1.4B config on tinyshakespeare (CORPUS, bytes) for FP8_STEPS steps, each fp8
 #           entry of FP8_RECIPES (none tensorwise rowwise) in turn: the validation loss after the same tokens
 # fp8 needs torchao: carry its wheel. Env: B14_BATCH, CORPUS (outputs/data/tinyshakespeare.txt), FP8_STEPS (300), FP8_RECIPES, B16_FP8.
-# Usage: experiments/kernels/run.sh OUT_DIR [tests|kernels|train|graphs|graphs14|recompute|attention|gluon-bwd|attention-train|fp8|b16|fp8-loss ...]   (tests kernels train by default)
+# Usage: experiments/kernels/run.sh OUT_DIR [tests|kernels|train|graphs|graphs14|recompute|attention|gluon-bwd|attention-train|ncu|fp8|b16|fp8-loss ...]   (tests kernels train by default)
 set -euo pipefail
 D=${1:?usage: run.sh OUT_DIR [tests|kernels|train ...]}
 shift
@@ -41,6 +44,12 @@ B14_BENCH="$B14 tokenizer=byte model.vocab_size=50304"  # the bench's ~1.4B step
 BEST=${BEST:-triton-attention-rms_norm-swiglu+compile}
 # Three at most: the bench keeps every variant's model and AdamW state (~23 GB each at 1.4B) resident
 FP8_VARIANTS=${FP8_VARIANTS:-reference+compile,reference+compile+fp8-tensorwise,reference+compile+fp8-rowwise}
+NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | tail -1 || true)
+ncu_pages() {  # REPORT PREFIX: PREFIX-details.txt, PREFIX-raw.csv.gz, PREFIX-sass.csv.gz (a page that fails is left out)
+    "$NCU" -i "$1" --page details > "$2-details.txt" || true
+    "$NCU" -i "$1" --page raw --csv | gzip > "$2-raw.csv.gz" || true
+    "$NCU" -i "$1" --page source --csv --print-source sass | gzip > "$2-sass.csv.gz" || true
+}
 for part in $PARTS; do
     echo "== $part -> $D" >&2
     case $part in
@@ -103,6 +112,10 @@ for part in $PARTS; do
                 | tee "$D/train-400m-attention.txt"
             $LMLAB bench train $B14_BENCH data.batch_size=${B14_BATCH:-8} --variants "$BEST,$A" --steps 6 --warmup 3 \
                 --json "$D/train-1.4b-attention.json" | tee "$D/train-1.4b-attention.txt" ;;
+        ncu)
+            timeout 420 "$NCU" --clock-control none --profile-from-start off --set full -f -o /tmp/ncu-attention \
+                python experiments/kernels/ncu_attention.py 2>&1 | tail -12 || true
+            ncu_pages /tmp/ncu-attention.ncu-rep "$D/ncu-attention" ;;
         fp8-loss)
             for recipe in ${FP8_RECIPES:-none tensorwise rowwise}; do
                 python -m lmlab.cli.train $B14 data=text_files "data.paths=[${CORPUS:-outputs/data/tinyshakespeare.txt}]" \
@@ -111,6 +124,6 @@ for part in $PARTS; do
                     trainer.progress_bar=false trainer.checkpoint_every=100000 cache_dir="$D/cache" \
                     hydra.run.dir="$D/fp8-loss-$recipe" 2>&1 | grep -v -i warn | tail -3 | tee "$D/fp8-loss-$recipe.txt"
             done ;;
-        *) echo "unknown part '$part'; parts: tests kernels train graphs graphs14 recompute attention gluon-bwd attention-train fp8 b16 fp8-loss" >&2; exit 2 ;;
+        *) echo "unknown part '$part'; parts: tests kernels train graphs graphs14 recompute attention gluon-bwd attention-train ncu fp8 b16 fp8-loss" >&2; exit 2 ;;
     esac
 done
