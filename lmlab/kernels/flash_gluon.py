@@ -11,12 +11,12 @@ contiguous one, or a "b s (h d) -> b h s d" view of a projection, even of a fuse
 descriptor over its storage, and head h of batch b starts at row b * rb + h * rh, column h * ch (`_Rows`).
 Outputs (out, lse, dq, dk, dv) are contiguous, as the Triton kernels' are.
 
-Each kernel's tile setting (BLOCK_M, BLOCK_N, NUM_BUF, warps; the forward's also whether Q is a register operand)
-is timed on the first call per (dtype, head_dim, seq, group) and the fastest kept; the dQ candidates include the
-Triton dQ kernel (`backward`'s triton_dq), which was the fastest at B1 H16 S16384 D64 on an H100
-(experiments/kernels/README.md). `backward` can also run FlashAttention-3's fused backward (`flash_gluon_fused`:
-dQ reduced from the dK/dV pass by TMA, five block matmuls instead of seven); it measured slower than the two
-kernels, so it runs only when asked for.
+The tile settings (BLOCK_M, BLOCK_N, NUM_BUF, warps; the forward's also whether Q is a register operand) are timed
+on the first call per (dtype, head_dim, seq, group) and the fastest kept: the forward's alone, the backward's as
+(dQ, dK/dV) pairs of whole backwards. The dQ candidates include the Triton dQ kernel (`backward`'s triton_dq),
+which was the fastest at B1 H16 S16384 D64 on an H100 (experiments/kernels/README.md). `backward` can also run
+FlashAttention-3's fused backward (`flash_gluon_fused`: dQ reduced from the dK/dV pass by TMA, five block matmuls
+instead of seven); it measured slower than the two kernels, so it runs only when asked for.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ FwdSetting = tuple[int, int, int, int, bool]  # and Q_IN_REGS: Q as the register
 # 1-3% faster (2026-12-06); the dQ and dK/dV kernels' resident tiles in registers made no setting the fastest.
 FWD_SETTINGS: tuple[FwdSetting, ...] = ((128, 64, 3, 8, False), (64, 64, 2, 4, True), (64, 64, 3, 4, True))
 DQ_SETTINGS: tuple[Setting, ...] = ((64, 64, 3, 4), (64, 64, 2, 4), (128, 64, 3, 8))
-DKDV_SETTINGS: tuple[Setting, ...] = ((64, 64, 2, 4), (64, 64, 3, 4), (32, 64, 3, 4))
+DKDV_SETTINGS: tuple[Setting, ...] = ((64, 64, 2, 4), (64, 64, 3, 4), (32, 64, 3, 4), (32, 64, 4, 4))
 # The fused backward's (opt-in: `backward`'s fused_setting), per head_dim: compiled for sm_90a, these keep the
 # wgmmas overlapped; all but head_dim 128's hold their registers without spilling (it spills 288 bytes a thread);
 # the others need more shared memory than a block has, or ptxas serializes their wgmmas
@@ -125,6 +125,11 @@ def _fastest(key: tuple, launches: dict[object, Callable[[], None]]) -> Callable
     return launches[_FASTEST[key]]
 
 
+def _in_turn(*launches: Callable[[], None]) -> None:
+    for launch in launches:
+        launch()
+
+
 def _grid(seq: int, block: int, heads: int) -> tuple[int]:
     return (seq // block * heads,)
 
@@ -158,11 +163,12 @@ def backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tenso
              dq_setting: Setting | str | None = None, dkdv_setting: Setting | None = None,
              fused_setting: Setting | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`forward`'s gradients: (dq, dk, dv), contiguous, in q's dtype. Two kernels: dQ (which stores delta =
-    rowsum(dO * O)), then dK/dV, each at the fastest of DQ_SETTINGS and DKDV_SETTINGS (timed on the first call
-    per (dtype, head_dim, seq, group)) unless `dq_setting` / `dkdv_setting` pin them. `triton_dq(dq, delta)`, when
-    given, fills both with flash_triton's dQ kernel: one more dQ candidate, named "triton" (dq_setting may name
-    it). `fused_setting` runs the fused kernel (`flash_gluon_fused`) at those tiles instead: slower than the two
-    kernels at every shape measured (experiments/kernels/README.md, 2026-12-06), so never picked by default."""
+    rowsum(dO * O)), then dK/dV, at the pair of DQ_SETTINGS and DKDV_SETTINGS whose whole backward ran fastest
+    (timed on the first call per (dtype, head_dim, seq, group)) unless `dq_setting` / `dkdv_setting` pin them.
+    `triton_dq(dq, delta)`, when given, fills both with flash_triton's dQ kernel: one more dQ candidate, named
+    "triton" (dq_setting may name it). `fused_setting` runs the fused kernel (`flash_gluon_fused`) at those tiles
+    instead: slower than the two kernels at every shape measured (experiments/kernels/README.md, 2026-12-06), so
+    never picked by default."""
     batch, heads, seq, dim = q.shape
     kv_heads = k.shape[1]
     group = heads // kv_heads
@@ -203,12 +209,16 @@ def backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tenso
     dq_launches: dict[object, Callable[[], None]] = {s: functools.partial(launch_dq, *s) for s in DQ_SETTINGS}
     if triton_dq is not None:
         dq_launches["triton"] = functools.partial(triton_dq, dq, delta)
-    key = (q.dtype, dim, seq, group)
-    if dq_setting is None:
-        _fastest(("dq", *key, triton_dq is not None), dq_launches)()
+    if dq_setting is not None:
+        dq_launches = {dq_setting: dq_launches.get(dq_setting, functools.partial(launch_dq, *dq_setting))}
+    dkdv_settings = (dkdv_setting,) if dkdv_setting else DKDV_SETTINGS
+    # Timed as whole backwards, pairs of settings: the dQ kernel timed alone ranked its candidates otherwise
+    # than in the backward it belongs to (2026-12-06, H100: the pick took 3.697 ms where the best pair took 3.519).
+    pairs = {(name, setting): functools.partial(_in_turn, dq_launches[name],
+                                                functools.partial(launch_dkdv, *setting))
+             for name in dq_launches for setting in dkdv_settings}
+    if len(pairs) == 1:
+        next(iter(pairs.values()))()
     else:
-        dq_launches.get(dq_setting, functools.partial(launch_dq, *dq_setting))()
-    dkdv_launches = {s: functools.partial(launch_dkdv, *s) for s in DKDV_SETTINGS}
-    (functools.partial(launch_dkdv, *dkdv_setting) if dkdv_setting
-     else _fastest(("dkdv", *key), dkdv_launches))()
+        _fastest(("bwd", q.dtype, dim, seq, group, *dq_launches, dkdv_setting), pairs)()
     return dq, dk, dv

@@ -11,11 +11,12 @@ compute the latter:
            also stores delta = rowsum(dO * O) for the dK/dV kernel
   dK/dV    a key block resident; per query block (of every query head its kv head serves) S^T = K Q^T and
            dP^T = V dO^T, then the previous block's dV += P^T dO and dK += dS^T Q
-The streamed tiles arrive by TMA in a ring of NUM_BUF slots: block t-1+NUM_BUF loads into the slot that block
-t-1 frees. With Q_IN_REGS, the forward loads its Q block into registers once, the A operand of every Q K^T. A
-register written while a wgmma is in flight would make ptxas serialize every wgmma (warnings C7514/C7515); in
-this order each is written after a wait that leaves nothing in flight, and the sm_90a SASS has four
-`WARPGROUP.DEPBAR`s per kernel, not one per HGMMA. Programs follow `flash_triton._schedule`
+The streamed tiles arrive by TMA in a ring of NUM_BUF slots: each tensor's block t+NUM_BUF loads into the slot
+that its block t frees, as soon as the last wgmma reading it is done (the forward's K after its scores, before
+the P V that reads V). With Q_IN_REGS, the forward loads its Q block into registers once, the A operand of every
+Q K^T. A register written while a wgmma is in flight would make ptxas serialize every wgmma (warnings
+C7514/C7515); in this order each is written after a wait that leaves nothing in flight, and the sm_90a SASS has
+four `WARPGROUP.DEPBAR`s per kernel, not one per HGMMA. Programs follow `flash_triton._schedule`
 (heaviest blocks first, heads in groups that share K/V in L2).
 
 The tensors come as TMA descriptors over 2-D views of their storage: head h of batch b starts at row
@@ -92,16 +93,22 @@ def _load_pair(a_desc, b_desc, a_smem, b_smem, bar, a_row, a_col, b_row, b_col):
 
 
 @gluon.jit
+def _load_tile(desc, smem, bars, row, col, t, end, NUM_BUF: gl.constexpr):
+    """Start the TMA copy of one tensor's block of the ring's block t (at the given row) into slot t % NUM_BUF;
+    none when t >= end. Block t is its slot's (t // NUM_BUF)-th load: its barrier's phase parity."""
+    slot = t % NUM_BUF
+    ok = t < end
+    mbarrier.expect(bars.index(slot), desc.block_type.nbytes, pred=ok)
+    tma.async_copy_global_to_shared(desc, [row, col], bars.index(slot), smem.index(slot), pred=ok)
+
+
+@gluon.jit
 def _load_block(a_desc, b_desc, a_smem, b_smem, a_bars, b_bars, a_row, a_col, b_row, b_col, t, end,
                 NUM_BUF: gl.constexpr):
     """Start the TMA copies of the ring's block t (both tensors' blocks at the given rows) into slot
-    t % NUM_BUF; none when t >= end. Block t is its slot's (t // NUM_BUF)-th load: its barriers' phase parity."""
-    slot = t % NUM_BUF
-    ok = t < end
-    mbarrier.expect(a_bars.index(slot), a_desc.block_type.nbytes, pred=ok)
-    tma.async_copy_global_to_shared(a_desc, [a_row, a_col], a_bars.index(slot), a_smem.index(slot), pred=ok)
-    mbarrier.expect(b_bars.index(slot), b_desc.block_type.nbytes, pred=ok)
-    tma.async_copy_global_to_shared(b_desc, [b_row, b_col], b_bars.index(slot), b_smem.index(slot), pred=ok)
+    t % NUM_BUF; none when t >= end."""
+    _load_tile(a_desc, a_smem, a_bars, a_row, a_col, t, end, NUM_BUF)
+    _load_tile(b_desc, b_smem, b_bars, b_row, b_col, t, end, NUM_BUF)
 
 
 @gluon.jit
@@ -217,18 +224,22 @@ def forward_kernel(q_desc, k_desc, v_desc, o_desc, LSE, Q_RB, Q_RH, Q_CH, K_RB, 
         q = q_smem.load(gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2))
     else:
         q = q_smem
+    # A K block is free once its Q K^T is done, a V block once its P V is: K's slots refill an iteration earlier
+    # than V's, so the next Q K^T finds its K loaded (ncu, 2026-12-06: a fifth of the forward's stall samples
+    # were waits for K when both refilled after P V).
     s = warpgroup_mma_wait(0, deps=[_scores(q, k_smem, k_bars, 0, s_layout, BLOCK_M, BLOCK_N, NUM_BUF)])
+    _load_tile(k_desc, k_smem, k_bars, k_row + NUM_BUF * BLOCK_N, k_col, NUM_BUF, n_kv, NUM_BUF)
     p, m_i, l_i, alpha = _softmax(s, m_i, l_i, 0, start_m, qk_scale, s_layout, o_layout, q_desc.dtype, BLOCK_M,
                                   BLOCK_N)
     for j in range(1, n_kv):
         s = _scores(q, k_smem, k_bars, j, s_layout, BLOCK_M, BLOCK_N, NUM_BUF)
         acc = _pv(p, acc, v_smem, v_bars, j - 1, NUM_BUF)
         s = warpgroup_mma_wait(1, deps=[s])
+        _load_tile(k_desc, k_smem, k_bars, k_row + (j + NUM_BUF) * BLOCK_N, k_col, j + NUM_BUF, n_kv, NUM_BUF)
         p_next, m_i, l_i, alpha = _softmax(s, m_i, l_i, j, start_m, qk_scale, s_layout, o_layout, q_desc.dtype,
                                            BLOCK_M, BLOCK_N)
         acc, p = warpgroup_mma_wait(0, deps=[acc, p])  # p: kept alive until its P V is done
-        # block j-1's K and V are no longer read: its slot takes block j - 1 + NUM_BUF
-        _load_keys(k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, k_row, k_col, v_row, v_col, j - 1 + NUM_BUF, n_kv,
+        _load_tile(v_desc, v_smem, v_bars, v_row + (j - 1 + NUM_BUF) * BLOCK_N, v_col, j - 1 + NUM_BUF, n_kv,
                    NUM_BUF)
         acc = warpgroup_mma_init(acc * gl.expand_dims(alpha, 1))
         p = p_next
@@ -294,19 +305,22 @@ def dq_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, O, LSE, DELTA, Q_RB, Q_R
     lse2 = gl.load(LSE + stat0 + start_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout)))
     lse2 = lse2 * 1.4426950408889634  # natural log -> base 2
 
+    # A V block is free once its dP is done, a K block only once its dQ update is: V's slots refill an iteration
+    # earlier than K's (as the forward's K).
     s, dp = _products(q_smem, do_smem, k_smem, v_smem, k_bars, v_bars, 0, s_layout, NUM_BUF)
     s, dp = warpgroup_mma_wait(0, deps=[s, dp])
+    _load_tile(v_desc, v_smem, v_bars, v_row + NUM_BUF * BLOCK_N, v_col, NUM_BUF, end, NUM_BUF)
     ds = _score_grad(s, dp, lse2, delta, 0, start_m, qk_scale, s_layout, dq_layout, q_desc.dtype, BLOCK_M, BLOCK_N)
     dq = warpgroup_mma_init(gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, dq_layout))
     for j in range(1, end):
         s, dp = _products(q_smem, do_smem, k_smem, v_smem, k_bars, v_bars, j, s_layout, NUM_BUF)
         dq = warpgroup_mma(ds, k_smem.index((j - 1) % NUM_BUF), dq, is_async=True)
         s, dp = warpgroup_mma_wait(1, deps=[s, dp])
+        _load_tile(v_desc, v_smem, v_bars, v_row + (j + NUM_BUF) * BLOCK_N, v_col, j + NUM_BUF, end, NUM_BUF)
         ds_next = _score_grad(s, dp, lse2, delta, j, start_m, qk_scale, s_layout, dq_layout, q_desc.dtype, BLOCK_M,
                               BLOCK_N)
         dq, ds = warpgroup_mma_wait(0, deps=[dq, ds])  # ds: kept alive until its update is done
-        # key block j-1's K and V are no longer read: its slot takes block j - 1 + NUM_BUF
-        _load_keys(k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, k_row, k_col, v_row, v_col, j - 1 + NUM_BUF, end,
+        _load_tile(k_desc, k_smem, k_bars, k_row + (j - 1 + NUM_BUF) * BLOCK_N, k_col, j - 1 + NUM_BUF, end,
                    NUM_BUF)
         dq = warpgroup_mma_init(dq)
         ds = ds_next
@@ -328,12 +342,16 @@ def _query_stats(LSE, DELTA, stat0, i, st_layout: gl.constexpr, BLOCK_M: gl.cons
 
 @gluon.jit
 def _softmax_grad(st, dpt, cols, lse2, delta, i, start_n, qk_scale, st_layout: gl.constexpr, DTYPE: gl.constexpr,
-                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
-    """Query block i's P^T and dS^T in DTYPE (the causal mask where the block reaches the diagonal)."""
+                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, MAY_MASK: gl.constexpr = True):
+    """Query block i's P^T and dS^T in DTYPE (the causal mask where the block reaches the diagonal). With
+    MAY_MASK False the caller knows the block lies wholly below the diagonal, and no mask code is compiled:
+    ptxas predicates a runtime branch around the mask instead of jumping over it, so its comparisons and
+    selects would issue for every block (ncu, 2026-12-06: about a sixth of the dK/dV kernel's instructions)."""
     pt = gl.exp2(st * qk_scale - gl.expand_dims(lse2, 0))
-    if i * BLOCK_M < start_n + BLOCK_N:
-        rows = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, st_layout))  # key positions
-        pt = gl.where(gl.expand_dims(cols, 0) >= gl.expand_dims(rows, 1), pt, 0.0)
+    if MAY_MASK:
+        if i * BLOCK_M < start_n + BLOCK_N:
+            rows = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, st_layout))  # key positions
+            pt = gl.where(gl.expand_dims(cols, 0) >= gl.expand_dims(rows, 1), pt, 0.0)
     dst = pt * (dpt - gl.expand_dims(delta, 0))
     return pt.to(DTYPE), dst.to(DTYPE)
 
@@ -463,24 +481,33 @@ def dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, DELTA, Q
     # Then block t's S^T and dP^T, block t-1's updates, a wait for the former alone, block t's P^T and dS^T
     # while the updates run. Each register written while a wgmma is in flight is a new one (the previous
     # P^T and dS^T stay alive until their updates are waited for), so ptxas has no reason to serialize.
-    for t in range(1, end):
-        h, i = _next_query_block(h, i, first, n_q_blocks, GROUP)
-        st, dpt = _products(k_smem, v_smem, q_smem, do_smem, q_bars, do_bars, t, st_layout, NUM_BUF)
-        dv, dk = _updates(pt, dst, dv, dk, q_smem, do_smem, t - 1, NUM_BUF)
-        cols, lse2, delta = _query_stats(LSE, DELTA, (b * HEADS + h).to(gl.int64) * SEQ, i, st_layout, BLOCK_M)
-        st, dpt = warpgroup_mma_wait(2, deps=[st, dpt])
-        pt_next, dst_next = _softmax_grad(st, dpt, cols, lse2, delta, i, start_n, qk_scale, st_layout,
-                                          q_desc.dtype, BLOCK_M, BLOCK_N)
-        pt_next, dst_next = _operand(pt_next, kv_layout), _operand(dst_next, kv_layout)
-        dv, dk, pt, dst = warpgroup_mma_wait(0, deps=[dv, dk, pt, dst])
-        # block t-1's Q and dO are no longer read: its slot takes block t - 1 + NUM_BUF
-        h_load, i_load = _next_query_block(h_load, i_load, first, n_q_blocks, GROUP)
-        _load_queries(q_desc, do_desc, q_smem, do_smem, q_bars, do_bars, Q_RB, Q_RH, Q_CH, DO_RB, DO_RH, DO_CH, b,
-                      h_load, i_load, t - 1 + NUM_BUF, end, BLOCK_M, NUM_BUF)
-        dv = warpgroup_mma_init(dv)
-        dk = warpgroup_mma_init(dk)
-        pt = pt_next
-        dst = dst_next
+    # Each query head's blocks come in two runs: the first N_DIAG reach the diagonal and may need the mask,
+    # the rest lie below it and compile without (the loop body twice, MAY_MASK a constant in each).
+    N_DIAG: gl.constexpr = max(BLOCK_N // BLOCK_M, 1)
+    n_q = n_q_blocks - first
+    for g in range(GROUP):
+        for run in gl.static_range(2):
+            lo = gl.maximum(g * n_q + run * N_DIAG, 1)  # ring block 0 was the first, on its own
+            hi = g * n_q + N_DIAG if run == 0 else (g + 1) * n_q
+            for t in range(lo, hi):
+                h, i = _next_query_block(h, i, first, n_q_blocks, GROUP)
+                st, dpt = _products(k_smem, v_smem, q_smem, do_smem, q_bars, do_bars, t, st_layout, NUM_BUF)
+                dv, dk = _updates(pt, dst, dv, dk, q_smem, do_smem, t - 1, NUM_BUF)
+                cols, lse2, delta = _query_stats(LSE, DELTA, (b * HEADS + h).to(gl.int64) * SEQ, i, st_layout,
+                                                 BLOCK_M)
+                st, dpt = warpgroup_mma_wait(2, deps=[st, dpt])
+                pt_next, dst_next = _softmax_grad(st, dpt, cols, lse2, delta, i, start_n, qk_scale, st_layout,
+                                                  q_desc.dtype, BLOCK_M, BLOCK_N, run == 0)
+                pt_next, dst_next = _operand(pt_next, kv_layout), _operand(dst_next, kv_layout)
+                dv, dk, pt, dst = warpgroup_mma_wait(0, deps=[dv, dk, pt, dst])
+                # block t-1's Q and dO are no longer read: its slot takes block t - 1 + NUM_BUF
+                h_load, i_load = _next_query_block(h_load, i_load, first, n_q_blocks, GROUP)
+                _load_queries(q_desc, do_desc, q_smem, do_smem, q_bars, do_bars, Q_RB, Q_RH, Q_CH, DO_RB, DO_RH,
+                              DO_CH, b, h_load, i_load, t - 1 + NUM_BUF, end, BLOCK_M, NUM_BUF)
+                dv = warpgroup_mma_init(dv)
+                dk = warpgroup_mma_init(dk)
+                pt = pt_next
+                dst = dst_next
     dv, dk = _updates(pt, dst, dv, dk, q_smem, do_smem, end - 1, NUM_BUF)
     dv, dk = warpgroup_mma_wait(0, deps=[dv, dk])
 
