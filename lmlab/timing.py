@@ -47,6 +47,27 @@ def interleaved_medians(fns: dict[str, Callable[[], object]], repeats: int, warm
     return {name: statistics.median(t) for name, t in times.items()}
 
 
+def cold_gpu_medians(fns: dict, repeats: int, device: torch.device) -> dict:
+    """Median GPU seconds of each CUDA function, timed in turns between CUDA events. Each call is preceded by a
+    write of 256 MB, which empties the L2 cache (every call starts cold, as in training), and by a 1 ms spin of the
+    GPU, during which the CPU queues the call: the events time the kernels, not the host's launch overhead in front
+    of them (which a training step's queue hides, so picking by it picks wrong)."""
+    flush = torch.empty(256 * 2**20, dtype=torch.int8, device=device)
+    events = {name: [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                     for _ in range(repeats)] for name in fns}
+    torch.cuda.synchronize(device)
+    for i in range(repeats):
+        for name, fn in fns.items():
+            begin, end = events[name][i]
+            flush.zero_()
+            torch.cuda._sleep(2_000_000)  # about 1 ms of clock cycles
+            begin.record()
+            fn()
+            end.record()
+    torch.cuda.synchronize(device)
+    return {name: statistics.median(b.elapsed_time(e) for b, e in pairs) / 1e3 for name, pairs in events.items()}
+
+
 def graph_replay_us(run: Callable[[], object], replays: int, warmup_calls: int = 3, skip: int = 0) -> float:
     """Median microseconds of a CUDA-graph replay of `run` (captured after `warmup_calls` eager calls), over
     `replays` replays less the first `skip`, each timed with CUDA events."""

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -43,7 +42,7 @@ from lmlab.kernels.flash_reference import FlashAttentionReference
 from lmlab.kernels.registry import triton_unavailable
 from lmlab.nn.ffn import swiglu
 from lmlab.nn.norms import add_rms_norm, rms_norm
-from lmlab.timing import median_time
+from lmlab.timing import cold_gpu_medians, median_time
 from lmlab.training.hardware import peak_bandwidth, peak_flops
 from lmlab.training.losses import cross_entropy
 
@@ -216,10 +215,9 @@ def median_seconds(fn: Callable[[], object], repeats: int, warmup: int, device: 
     """Median time of `fn`: its GPU time between CUDA events on a GPU, the wall clock on a CPU.
 
     The warm-up lasts at least `warmup` calls and 50 ms, so the GPU's clocks have ramped up. On a
-    GPU each timed call is preceded by a write of 256 MB, which empties the L2 cache (every call
-    starts cold, as in training), and by a 1 ms spin of the GPU, during which the CPU queues the
-    call: the events time the kernels, not the Python launch overhead in front of them. `graphs`:
-    each timed call replays fn from a CUDA graph.
+    GPU each timed call starts with L2 empty, and the events time the kernels, not the Python launch
+    overhead in front of them (`lmlab.timing.cold_gpu_medians`). `graphs`: each timed call replays
+    fn from a CUDA graph.
     """
     start, calls = time.perf_counter(), 0
     while calls < warmup or time.perf_counter() - start < 0.05:
@@ -231,17 +229,7 @@ def median_seconds(fn: Callable[[], object], repeats: int, warmup: int, device: 
         return median_time(fn, repeats, warmup=0)[0]
     if graphs:
         fn = _graphed(fn, device)
-    flush = torch.empty(256 * 2**20, dtype=torch.int8, device=device)
-    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(repeats)]
-    torch.cuda.synchronize(device)
-    for begin, end in events:
-        flush.zero_()
-        torch.cuda._sleep(2_000_000)  # about 1 ms of clock cycles
-        begin.record()
-        fn()
-        end.record()
-    torch.cuda.synchronize(device)
-    return statistics.median(begin.elapsed_time(end) for begin, end in events) / 1e3
+    return cold_gpu_medians({"fn": fn}, repeats, device)["fn"]
 
 
 def peak_bytes(fn: Callable[[], object], device: torch.device) -> int | None:
