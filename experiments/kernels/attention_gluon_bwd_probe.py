@@ -61,7 +61,11 @@ def gluon_backward(q, k, v, out, lse, d_out, dkdv_setting: tuple | None = None, 
     return flash_gluon.backward(q, k, v, out, lse, d_out, scale, triton_dq, dq_setting, dkdv_setting)
 
 
-SETTINGS = [(64, 128, 2, 8), (64, 64, 2, 4), (64, 64, 3, 4), (32, 64, 2, 4), (32, 64, 3, 4), (32, 64, 4, 4)]  # dK/dV
+def dkdv_settings(head_dim: int) -> list[tuple]:
+    """flash_gluon's dK/dV candidates at this head_dim, and two it leaves out."""
+    return [*flash_gluon.DKDV_SETTINGS[head_dim], (64, 128, 2, 8, False), (32, 64, 2, 4, False)]
+
+
 DQ_SETTINGS = [(128, 64, 2, 8), (128, 64, 3, 8), (128, 128, 2, 8), (64, 64, 2, 4), (64, 64, 3, 4)]
 # the fused kernel's (at 64 also one that flash_gluon leaves out; at 128 one more that ptxas serializes)
 FUSED_SETTINGS = {64: [(64, 64, 2, 4), (64, 64, 3, 4), (64, 128, 2, 8), (64, 128, 3, 8)],
@@ -92,7 +96,7 @@ def main() -> None:
             ("sdpa backward", lambda: torch.autograd.grad(cudnn_out, (qc, kc, vc), d_out, retain_graph=True)),
             ("triton backward", portable(triton_backward)))]
         dkdv = {}
-        for setting in SETTINGS:
+        for setting in dkdv_settings(d):
             row = measure(f"triton dQ + gluon dK/dV {setting}", lambda setting=setting: gluon_backward(
                 q, k, v, out, lse, d_out, setting), check, shape, flops, args.repeats, dev)
             measured.append(row)

@@ -72,13 +72,14 @@ def triton_kernel(kernel, head_dim: int, block_m: int, block_n: int, warps: int,
 
 
 def gluon_kernel(kernel, head_dim: int, block_m: int, block_n: int, num_buf: int, warps: int,
-                 q_in_regs: bool | None = None):
+                 in_regs: bool | None = None):
     """A flash_gluon kernel; its descriptors of query rows (q, o, do, dq) take block_m rows, the others block_n.
-    The fused backward's dq_desc is float32 (the dQ it reduces into); only the forward takes q_in_regs."""
+    The fused backward's dq_desc is float32 (the dQ it reduces into); `in_regs` sets the kernel's resident-tiles-
+    in-registers flag (the forward's Q_IN_REGS, the dK/dV kernel's KV_IN_REGS), False where not given."""
     constants = {"HEAD_DIM": head_dim, "BLOCK_M": block_m, "BLOCK_N": block_n, "NUM_BUF": num_buf,
                  "NUM_WARPS": warps, "GROUP": 1}
-    if q_in_regs is not None:
-        constants["Q_IN_REGS"] = q_in_regs
+    for flag in (name for name in kernel.arg_names if name.endswith("_IN_REGS")):
+        constants[flag] = bool(in_regs)
 
     def descriptor(name: str) -> str:
         rows = block_m if name in ("q_desc", "o_desc", "do_desc", "dq_desc") else block_n
@@ -124,7 +125,7 @@ def main() -> None:
                 print(f"D{head_dim} Triton {name:8} {str(setting):18} "
                       f"{report(triton_kernel(kernel.fn, head_dim, *setting))}", flush=True)
         gluon = {"forward": (flash_gluon_kernels.forward_kernel, attention_gluon_probe.SETTINGS),
-                 "dK/dV": (flash_gluon_kernels.dkdv_kernel, attention_gluon_bwd_probe.SETTINGS),
+                 "dK/dV": (flash_gluon_kernels.dkdv_kernel, attention_gluon_bwd_probe.dkdv_settings(head_dim)),
                  "dQ": (flash_gluon_kernels.dq_kernel, attention_gluon_bwd_probe.DQ_SETTINGS),
                  "fused": (flash_gluon_fused.dkdvq_kernel, attention_gluon_bwd_probe.FUSED_SETTINGS[head_dim])}
         for name, (kernel, settings) in gluon.items():

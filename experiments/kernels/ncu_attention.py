@@ -23,8 +23,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from lmlab.kernels import flash_gluon
 
 # (batch, heads, seq, head_dim): forward setting, dQ setting, dK/dV setting, fused setting
-SHAPES = {(1, 16, 16384, 64): ((64, 64, 2, 4, True), (64, 64, 3, 4), (32, 64, 3, 4), (64, 128, 2, 8)),
-          (4, 16, 4096, 128): ((64, 64, 3, 4, True), (64, 64, 2, 4), (64, 64, 2, 4), (64, 128, 2, 8))}
+SHAPES = {(1, 16, 16384, 64): ((64, 64, 2, 4, True), (64, 64, 3, 4), (32, 64, 3, 4, False), (64, 128, 2, 8)),
+          (4, 16, 4096, 128): ((64, 64, 3, 4, True), (64, 64, 2, 4), (64, 64, 2, 4, False), (64, 128, 2, 8))}
 
 
 def passes(b: int, h: int, s: int, d: int, fwd, dq, dkdv, fused) -> dict:

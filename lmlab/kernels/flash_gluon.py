@@ -43,12 +43,18 @@ _LOG2E = math.log2(math.e)
 
 Setting = tuple[int, int, int, int]  # (BLOCK_M, BLOCK_N, NUM_BUF, num_warps)
 FwdSetting = tuple[int, int, int, int, bool]  # and Q_IN_REGS: Q as the register operand of each Q K^T
+DkdvSetting = tuple[int, int, int, int, bool]  # and KV_IN_REGS
 # The fastest few of the probes' sweeps (experiments/kernels/attention_gluon_probe.py and _bwd_probe.py) at
 # B16 H16 S2048 D64/D128, B4 H16 S4096 D128 and B1 H16 S16384 D64 on an H100. Q in registers made 64 x 64 tiles
-# 1-3% faster (2026-12-06); the dQ and dK/dV kernels' resident tiles in registers made no setting the fastest.
+# 1-3% faster (2026-12-06); the dQ kernel's resident tiles in registers made no setting the fastest.
 FWD_SETTINGS: tuple[FwdSetting, ...] = ((128, 64, 3, 8, False), (64, 64, 2, 4, True), (64, 64, 3, 4, True))
 DQ_SETTINGS: tuple[Setting, ...] = ((64, 64, 3, 4), (64, 64, 2, 4), (128, 64, 3, 8))
-DKDV_SETTINGS: tuple[Setting, ...] = ((64, 64, 2, 4), (64, 64, 3, 4), (32, 64, 3, 4), (32, 64, 4, 4))
+# dK/dV: with KV_IN_REGS (K and V as the register operands of S^T and dP^T) only at head_dim 64, where it keeps
+# its wgmmas overlapped without spilling; at 128 ptxas serializes them (experiments/kernels/attention_sass.py).
+_DKDV_TILES = ((64, 64, 2, 4), (64, 64, 3, 4), (32, 64, 3, 4), (32, 64, 4, 4))
+DKDV_SETTINGS: dict[int, tuple[DkdvSetting, ...]] = {
+    64: tuple((*t, False) for t in _DKDV_TILES) + ((64, 64, 2, 4, True), (64, 64, 3, 4, True)),
+    128: tuple((*t, False) for t in _DKDV_TILES)}
 # The fused backward's (opt-in: `backward`'s fused_setting), per head_dim: compiled for sm_90a, these keep the
 # wgmmas overlapped; all but head_dim 128's hold their registers without spilling (it spills 288 bytes a thread);
 # the others need more shared memory than a block has, or ptxas serializes their wgmmas
@@ -169,7 +175,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, set
 def backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
              d_out: torch.Tensor, scale: float,
              triton_dq: Callable[[torch.Tensor, torch.Tensor], None] | None = None,
-             dq_setting: Setting | str | None = None, dkdv_setting: Setting | None = None,
+             dq_setting: Setting | str | None = None, dkdv_setting: DkdvSetting | None = None,
              fused_setting: Setting | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`forward`'s gradients: (dq, dk, dv), contiguous, in q's dtype. Two kernels: dQ (which stores delta =
     rowsum(dO * O)), then dK/dV, at the pair of DQ_SETTINGS and DKDV_SETTINGS whose whole backward ran fastest
@@ -194,12 +200,12 @@ def backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tenso
             dor.descriptor(block_m, dim), dqr.descriptor(block_m, dim), out, lse, delta, *origins,
             HEAD_DIM=dim, BLOCK_M=block_m, BLOCK_N=block_n, NUM_BUF=num_buf, NUM_WARPS=warps, num_warps=warps)
 
-    def launch_dkdv(block_m: int, block_n: int, num_buf: int, warps: int) -> None:
+    def launch_dkdv(block_m: int, block_n: int, num_buf: int, warps: int, kv_in_regs: bool) -> None:
         dkdv_kernel[_grid(seq, block_n, batch * kv_heads)](
             qr.descriptor(block_m, dim), kr.descriptor(block_n, dim), vr.descriptor(block_n, dim),
             dor.descriptor(block_m, dim), dkr.descriptor(block_n, dim), dvr.descriptor(block_n, dim), lse, delta,
             *origins, HEAD_DIM=dim, BLOCK_M=block_m, BLOCK_N=block_n, NUM_BUF=num_buf, NUM_WARPS=warps,
-            num_warps=warps)
+            KV_IN_REGS=kv_in_regs, num_warps=warps)
 
     if fused_setting is not None:
         block_m, block_n, num_buf, warps = fused_setting
@@ -220,7 +226,7 @@ def backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tenso
         dq_launches["triton"] = functools.partial(triton_dq, dq, delta)
     if dq_setting is not None:
         dq_launches = {dq_setting: dq_launches.get(dq_setting, functools.partial(launch_dq, *dq_setting))}
-    dkdv_settings = (dkdv_setting,) if dkdv_setting else DKDV_SETTINGS
+    dkdv_settings = (dkdv_setting,) if dkdv_setting else DKDV_SETTINGS[dim]
     # Timed as whole backwards, pairs of settings: the dQ kernel timed alone ranked its candidates otherwise
     # than in the backward it belongs to (2026-12-06, H100: the pick took 3.697 ms where the best pair took 3.519).
     pairs = {(name, setting): functools.partial(_in_turn, dq_launches[name],

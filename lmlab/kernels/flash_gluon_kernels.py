@@ -143,18 +143,18 @@ def _release(resident_bar, a_bars, b_bars, NUM_BUF: gl.constexpr):
 
 
 @gluon.jit
-def _products(x_smem, y_smem, a_smem, b_smem, a_bars, b_bars, t, layout: gl.constexpr, NUM_BUF: gl.constexpr):
-    """Issue X A_t^T and Y B_t^T for the ring's block t once each has landed: two wgmma groups. dK/dV:
-    S^T = K Q^T and dP^T = V dO^T; dQ: S = Q K^T and dP = dO V^T."""
+def _products(x, y, a_smem, b_smem, a_bars, b_bars, t, layout: gl.constexpr, NUM_BUF: gl.constexpr):
+    """Issue X A_t^T and Y B_t^T for the ring's block t once each has landed: two wgmma groups (X and Y in
+    shared memory or registers). dK/dV: S^T = K Q^T and dP^T = V dO^T; dQ: S = Q K^T and dP = dO V^T."""
     slot = t % NUM_BUF
     phase = (t // NUM_BUF) & 1
-    ROWS: gl.constexpr = x_smem.shape[0]
+    ROWS: gl.constexpr = x.shape[0]
     COLS: gl.constexpr = a_smem.shape[1]
     zero = gl.zeros([ROWS, COLS], gl.float32, layout)
     mbarrier.wait(a_bars.index(slot), phase)
-    xa = warpgroup_mma(x_smem, a_smem.index(slot).permute((1, 0)), zero, use_acc=False, is_async=True)
+    xa = warpgroup_mma(x, a_smem.index(slot).permute((1, 0)), zero, use_acc=False, is_async=True)
     mbarrier.wait(b_bars.index(slot), phase)
-    yb = warpgroup_mma(y_smem, b_smem.index(slot).permute((1, 0)), zero, use_acc=False, is_async=True)
+    yb = warpgroup_mma(y, b_smem.index(slot).permute((1, 0)), zero, use_acc=False, is_async=True)
     return xa, yb
 
 
@@ -444,14 +444,14 @@ def _key_program(q_desc, k_desc, v_desc, do_desc, Q_RB, Q_RH, Q_CH, K_RB, K_RH, 
 
 
 @gluon.jit
-def _first_query_block(k_smem, v_smem, q_smem, do_smem, q_bars, do_bars, LSE, DELTA, b, hk, HEADS,
+def _first_query_block(k, v, q_smem, do_smem, q_bars, do_bars, LSE, DELTA, b, hk, HEADS,
                        GROUP: gl.constexpr, SEQ, first, start_n, qk_scale, st_layout: gl.constexpr,
                        DTYPE: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_BUF: gl.constexpr):
     """A key-block program's first ring block on its own (nothing to overlap yet): its query head and block, its
     P^T and dS^T."""
     h = hk * GROUP
     i = first
-    st, dpt = _products(k_smem, v_smem, q_smem, do_smem, q_bars, do_bars, 0, st_layout, NUM_BUF)
+    st, dpt = _products(k, v, q_smem, do_smem, q_bars, do_bars, 0, st_layout, NUM_BUF)
     cols, lse2, delta = _query_stats(LSE, DELTA, (b * HEADS + h).to(gl.int64) * SEQ, i, st_layout, BLOCK_M)
     st, dpt = warpgroup_mma_wait(0, deps=[st, dpt])
     pt, dst = _softmax_grad(st, dpt, cols, lse2, delta, i, start_n, qk_scale, st_layout, DTYPE, BLOCK_M, BLOCK_N)
@@ -462,19 +462,26 @@ def _first_query_block(k_smem, v_smem, q_smem, do_smem, q_bars, do_bars, LSE, DE
 def dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, DELTA, Q_RB, Q_RH, Q_CH, K_RB, K_RH, K_CH,
               V_RB, V_RH, V_CH, DO_RB, DO_RH, DO_CH, HEADS, GROUP: gl.constexpr, SEQ, qk_scale, scale,
               N_SMS, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_BUF: gl.constexpr,
-              NUM_WARPS: gl.constexpr):
+              NUM_WARPS: gl.constexpr, KV_IN_REGS: gl.constexpr):
     """dK and dV for one key block of one kv head, over the query blocks of every query head it serves (LSE,
-    DELTA, dK and dV contiguous)."""
+    DELTA, dK and dV contiguous). KV_IN_REGS: K and V as the register operands of S^T and dP^T, loaded once, so
+    those wgmmas read only Q or dO from shared memory."""
     st_layout: gl.constexpr = wgmma_layout(NUM_WARPS, BLOCK_M)
     kv_layout: gl.constexpr = wgmma_layout(NUM_WARPS, HEAD_DIM)
     (b, hk, bhk, start_n, first, end, h_load, i_load, k_smem, v_smem, kv_bar, q_smem, do_smem, q_bars,
      do_bars) = _key_program(q_desc, k_desc, v_desc, do_desc, Q_RB, Q_RH, Q_CH, K_RB, K_RH, K_CH, V_RB, V_RH, V_CH,
                              DO_RB, DO_RH, DO_CH, HEADS, GROUP, SEQ, N_SMS, BLOCK_M, BLOCK_N, NUM_BUF)
     n_q_blocks = SEQ // BLOCK_M
+    if KV_IN_REGS:
+        k = k_smem.load(gl.DotOperandLayout(operand_index=0, parent=st_layout, k_width=2))
+        v = v_smem.load(gl.DotOperandLayout(operand_index=0, parent=st_layout, k_width=2))
+    else:
+        k = k_smem
+        v = v_smem
 
-    h, i, pt, dst = _first_query_block(k_smem, v_smem, q_smem, do_smem, q_bars, do_bars, LSE, DELTA, b, hk, HEADS,
-                                       GROUP, SEQ, first, start_n, qk_scale, st_layout, q_desc.dtype, BLOCK_M,
-                                       BLOCK_N, NUM_BUF)
+    h, i, pt, dst = _first_query_block(k, v, q_smem, do_smem, q_bars, do_bars, LSE, DELTA, b, hk, HEADS, GROUP,
+                                       SEQ, first, start_n, qk_scale, st_layout, q_desc.dtype, BLOCK_M, BLOCK_N,
+                                       NUM_BUF)
     pt, dst = _operand(pt, kv_layout), _operand(dst, kv_layout)
     dv = warpgroup_mma_init(gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, kv_layout))
     dk = warpgroup_mma_init(gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, kv_layout))
@@ -491,7 +498,7 @@ def dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, DELTA, Q
             hi = g * n_q + N_DIAG if run == 0 else (g + 1) * n_q
             for t in range(lo, hi):
                 h, i = _next_query_block(h, i, first, n_q_blocks, GROUP)
-                st, dpt = _products(k_smem, v_smem, q_smem, do_smem, q_bars, do_bars, t, st_layout, NUM_BUF)
+                st, dpt = _products(k, v, q_smem, do_smem, q_bars, do_bars, t, st_layout, NUM_BUF)
                 dv, dk = _updates(pt, dst, dv, dk, q_smem, do_smem, t - 1, NUM_BUF)
                 cols, lse2, delta = _query_stats(LSE, DELTA, (b * HEADS + h).to(gl.int64) * SEQ, i, st_layout,
                                                  BLOCK_M)

@@ -87,8 +87,9 @@ def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, d_out: torch.T
 
 def _setting_cases() -> list[tuple[str, int, tuple]]:
     """(kernel, head_dim, setting) for each setting `flash_gluon` picks from."""
-    settings = {"forward": flash_gluon.FWD_SETTINGS, "dq": flash_gluon.DQ_SETTINGS, "dkdv": flash_gluon.DKDV_SETTINGS}
-    return [(kernel, d, s) for d in flash_gluon.HEAD_DIMS for kernel, each in settings.items() for s in each]
+    settings = {"forward": lambda d: flash_gluon.FWD_SETTINGS, "dq": lambda d: flash_gluon.DQ_SETTINGS,
+                "dkdv": flash_gluon.DKDV_SETTINGS.__getitem__}
+    return [(kernel, d, s) for d in flash_gluon.HEAD_DIMS for kernel, each in settings.items() for s in each(d)]
 
 
 @pytest.mark.gpu
@@ -136,7 +137,7 @@ def test_fused_backward_matches_reference(d: int, setting, heads: int, kv_heads:
     grads = flash_gluon.backward(q.detach(), k.detach(), v.detach(), out, lse, d_out, scale, fused_setting=setting)
     two_kernels = flash_gluon.backward(q.detach(), k.detach(), v.detach(), out, lse, d_out, scale,
                                        dq_setting=flash_gluon.DQ_SETTINGS[0],
-                                       dkdv_setting=flash_gluon.DKDV_SETTINGS[0])
+                                       dkdv_setting=flash_gluon.DKDV_SETTINGS[d][0])
     ref_grads = _reference(q, k, v, d_out)[1]
     for name, g, r, pair in zip("qkv", grads, ref_grads, two_kernels):
         assert g.dtype == dtype and g.is_contiguous()
