@@ -47,6 +47,18 @@ def interleaved_medians(fns: dict[str, Callable[[], object]], repeats: int, warm
     return {name: statistics.median(t) for name, t in times.items()}
 
 
+def under_profiler(fn: Callable[[], object], warmup: int) -> None:
+    """Call `fn` `warmup` times (compiles, plans), then once between cudaProfilerStart and cudaProfilerStop, so that
+    `ncu --profile-from-start off` or `nsys --capture-range=cudaProfilerApi` profiles that call alone."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    torch.cuda.profiler.start()
+    fn()
+    torch.cuda.synchronize()
+    torch.cuda.profiler.stop()
+
+
 def cold_gpu_medians(fns: dict, repeats: int, device: torch.device) -> dict:
     """Median GPU seconds of each CUDA function, timed in turns between CUDA events. Each call is preceded by a
     write of 256 MB, which empties the L2 cache (every call starts cold, as in training), and by a 1 ms spin of the

@@ -18,6 +18,7 @@ from sweep_megakernel import stack_step
 
 from lmlab.inference.bench import DEFAULT_OVERRIDES, build_model
 from lmlab.inference.megakernel import Megakernel
+from lmlab.timing import under_profiler
 
 
 def main() -> None:
@@ -26,13 +27,7 @@ def main() -> None:
     args = parser.parse_args()
     model, _ = build_model(DEFAULT_OVERRIDES, None, torch.device("cuda"), torch.bfloat16)
     step = stack_step(Megakernel(weights(model, args.quant)), batch=1, persistent=True)
-    for _ in range(5):
-        step()
-    torch.cuda.synchronize()
-    torch.cuda.profiler.start()
-    step()
-    torch.cuda.synchronize()
-    torch.cuda.profiler.stop()
+    under_profiler(step, warmup=5)
     print(f"profiled one layer stack, quant={args.quant}")
 
 

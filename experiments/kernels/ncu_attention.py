@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from lmlab.kernels import flash_gluon
+from lmlab.timing import under_profiler
 
 # (batch, heads, seq, head_dim): forward setting, dQ setting, dK/dV setting, fused setting
 SHAPES = {(1, 16, 16384, 64): ((64, 64, 2, 4, True), (64, 64, 3, 4), (32, 64, 3, 4, False), (64, 128, 2, 8)),
@@ -57,13 +58,7 @@ def main() -> None:
     for text in args.shapes:
         shape = tuple(int(x) for x in text.split(","))
         for name, run in passes(*shape, *SHAPES[shape]).items():
-            for _ in range(3):
-                run()
-            torch.cuda.synchronize()
-            torch.cuda.profiler.start()
-            run()
-            torch.cuda.synchronize()
-            torch.cuda.profiler.stop()
+            under_profiler(run, warmup=3)
             print(f"B{shape[0]} H{shape[1]} S{shape[2]} D{shape[3]}: {name}", flush=True)
 
 
