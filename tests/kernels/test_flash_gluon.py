@@ -87,9 +87,10 @@ def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, d_out: torch.T
 
 def _setting_cases() -> list[tuple[str, int, tuple]]:
     """(kernel, head_dim, setting) for each setting `flash_gluon` picks from."""
-    settings = {"forward": lambda d: flash_gluon.FWD_SETTINGS, "dq": lambda d: flash_gluon.DQ_SETTINGS,
-                "dkdv": flash_gluon.DKDV_SETTINGS.__getitem__}
-    return [(kernel, d, s) for d in flash_gluon.HEAD_DIMS for kernel, each in settings.items() for s in each(d)]
+    return [(kernel, d, s) for d in flash_gluon.HEAD_DIMS
+            for kernel, settings in (("forward", flash_gluon.FWD_SETTINGS), ("dq", flash_gluon.DQ_SETTINGS),
+                                     ("dkdv", flash_gluon.DKDV_SETTINGS[d]))
+            for s in settings]
 
 
 @pytest.mark.gpu
