@@ -30,7 +30,7 @@ from triton.compiler import ASTSource
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon._runtime import GluonASTSource
 
-from lmlab.kernels import flash_gluon_fused, flash_gluon_kernels, flash_triton
+from lmlab.kernels import flash_gluon, flash_gluon_fused, flash_gluon_kernels, flash_triton
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import attention_gluon_bwd_probe  # noqa: E402  (sibling scripts, not a package): their sweeps
@@ -82,6 +82,8 @@ def gluon_kernel(kernel, head_dim: int, block_m: int, block_n: int, num_buf: int
         constants[flag] = bool(in_regs)
 
     def descriptor(name: str) -> str:
+        if name in ("lse_desc", "delta_desc"):  # the key-block kernels' statistics, 1-D
+            return f"tensordesc<fp32[{block_m}],{flash_gluon.STATS_LAYOUT!r}>"
         rows = block_m if name in ("q_desc", "o_desc", "do_desc", "dq_desc") else block_n
         fp32 = kernel is flash_gluon_fused.dkdvq_kernel and name == "dq_desc"
         layout = gl.NVMMASharedLayout.get_default_for([rows, head_dim], gl.float32 if fp32 else gl.bfloat16)

@@ -51,9 +51,10 @@ FWD_SETTINGS: tuple[FwdSetting, ...] = ((128, 64, 3, 8, False), (64, 64, 2, 4, T
 DQ_SETTINGS: tuple[Setting, ...] = ((64, 64, 3, 4), (64, 64, 2, 4), (128, 64, 3, 8))
 # dK/dV: with KV_IN_REGS (K and V as the register operands of S^T and dP^T) only at head_dim 64, where it keeps
 # its wgmmas overlapped without spilling; at 128 ptxas serializes them (experiments/kernels/attention_sass.py).
+# (64, 64, 4, 4, True) was the fastest at B1 H16 S16384 D64 once LSE and delta came by TMA (H100, 2026-12-06).
 _DKDV_TILES = ((64, 64, 2, 4), (64, 64, 3, 4), (32, 64, 3, 4), (32, 64, 4, 4))
 DKDV_SETTINGS: dict[int, tuple[DkdvSetting, ...]] = {
-    64: tuple((*t, False) for t in _DKDV_TILES) + ((64, 64, 2, 4, True), (64, 64, 3, 4, True)),
+    64: tuple((*t, False) for t in _DKDV_TILES) + ((64, 64, 3, 4, True), (64, 64, 4, 4, True)),
     128: tuple((*t, False) for t in _DKDV_TILES)}
 # The fused backward's (opt-in: `backward`'s fused_setting), per head_dim: compiled for sm_90a, these keep the
 # wgmmas overlapped; all but head_dim 128's hold their registers without spilling (it spills 288 bytes a thread);
@@ -62,6 +63,9 @@ DKDV_SETTINGS: dict[int, tuple[DkdvSetting, ...]] = {
 FUSED_SETTINGS: dict[int, tuple[Setting, ...]] = {64: ((64, 64, 2, 4), (64, 128, 2, 8), (64, 128, 3, 8)),
                                                   128: ((64, 128, 2, 8),)}
 _PREPARE_ROWS = 64  # rows per program of the fused backward's delta and zeroing
+# LSE's and delta's blocks in shared memory: one row of BLOCK_M float32s, unswizzled (TMA swizzles rows of at
+# most the swizzle's width; nothing reads them as a wgmma operand)
+STATS_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)
 
 
 def applies(q: torch.Tensor, k: torch.Tensor, causal: bool) -> bool:
@@ -191,6 +195,10 @@ def backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tenso
     dq, dk, dv = (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
     delta = torch.empty_like(lse)
     qr, kr, vr, dor, dqr, dkr, dvr = (_Rows.of(t) for t in (q, k, v, d_out, dq, dk, dv))
+
+    def stats(block_m: int) -> tuple[TensorDescriptor, TensorDescriptor]:
+        """LSE's and delta's descriptors for the key-block kernels, which read them by TMA beside Q and dO."""
+        return tuple(TensorDescriptor.from_tensor(t.view(-1), [block_m], STATS_LAYOUT) for t in (lse, delta))
     origins = (*qr.origin, *kr.origin, *vr.origin, *dor.origin, heads, group, seq, scale * _LOG2E, scale,
                _sm_count(q.device))
 
@@ -203,9 +211,9 @@ def backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tenso
     def launch_dkdv(block_m: int, block_n: int, num_buf: int, warps: int, kv_in_regs: bool) -> None:
         dkdv_kernel[_grid(seq, block_n, batch * kv_heads)](
             qr.descriptor(block_m, dim), kr.descriptor(block_n, dim), vr.descriptor(block_n, dim),
-            dor.descriptor(block_m, dim), dkr.descriptor(block_n, dim), dvr.descriptor(block_n, dim), lse, delta,
-            *origins, HEAD_DIM=dim, BLOCK_M=block_m, BLOCK_N=block_n, NUM_BUF=num_buf, NUM_WARPS=warps,
-            KV_IN_REGS=kv_in_regs, num_warps=warps)
+            dor.descriptor(block_m, dim), dkr.descriptor(block_n, dim), dvr.descriptor(block_n, dim),
+            *stats(block_m), *origins, HEAD_DIM=dim, BLOCK_M=block_m, BLOCK_N=block_n, NUM_BUF=num_buf,
+            NUM_WARPS=warps, KV_IN_REGS=kv_in_regs, num_warps=warps)
 
     if fused_setting is not None:
         block_m, block_n, num_buf, warps = fused_setting
@@ -217,7 +225,7 @@ def backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tenso
         dkdvq_kernel[_grid(seq, block_n, batch * kv_heads)](
             qr.descriptor(block_m, dim), kr.descriptor(block_n, dim), vr.descriptor(block_n, dim),
             dor.descriptor(block_m, dim), dkr.descriptor(block_n, dim), dvr.descriptor(block_n, dim),
-            TensorDescriptor.from_tensor(acc, [block_m, dim], acc_layout), lse, delta, *origins, HEAD_DIM=dim,
+            TensorDescriptor.from_tensor(acc, [block_m, dim], acc_layout), *stats(block_m), *origins, HEAD_DIM=dim,
             BLOCK_M=block_m, BLOCK_N=block_n, NUM_BUF=num_buf, NUM_WARPS=warps, num_warps=warps)
         dq.copy_(acc.view(dq.shape))
         return dq, dk, dv

@@ -99,18 +99,20 @@ def _updates(p_smem, ds_smem, dv, dk, dq, q_smem, do_smem, k_smem, t, NUM_BUF: g
 
 
 @gluon.jit
-def dkdvq_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, LSE, DELTA, Q_RB, Q_RH, Q_CH, K_RB,
-                 K_RH, K_CH, V_RB, V_RH, V_CH, DO_RB, DO_RH, DO_CH, HEADS, GROUP: gl.constexpr, SEQ, qk_scale, scale,
-                 N_SMS, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+def dkdvq_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, lse_desc, delta_desc, Q_RB, Q_RH,
+                 Q_CH, K_RB, K_RH, K_CH, V_RB, V_RH, V_CH, DO_RB, DO_RH, DO_CH, HEADS, GROUP: gl.constexpr, SEQ,
+                 qk_scale, scale, N_SMS, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                  NUM_BUF: gl.constexpr, NUM_WARPS: gl.constexpr):
     """dK and dV for one key block of one kv head, and its share of dQ for every query block of the query heads
-    it serves, added into the float32 dQ (zeroed by `prepare_kernel`; LSE, DELTA, dK, dV and dQ
-    contiguous)."""
+    it serves, added into the float32 dQ (zeroed by `prepare_kernel`; LSE and delta as 1-D descriptors over
+    contiguous (batch, heads, seq) tensors; dK, dV and dQ contiguous)."""
     st_layout: gl.constexpr = wgmma_layout(NUM_WARPS, BLOCK_M)
     kv_layout: gl.constexpr = wgmma_layout(NUM_WARPS, HEAD_DIM)
-    (b, hk, bhk, start_n, first, end, h_load, i_load, k_smem, v_smem, kv_bar, q_smem, do_smem, q_bars,
-     do_bars) = _key_program(q_desc, k_desc, v_desc, do_desc, Q_RB, Q_RH, Q_CH, K_RB, K_RH, K_CH, V_RB, V_RH, V_CH,
-                             DO_RB, DO_RH, DO_CH, HEADS, GROUP, SEQ, N_SMS, BLOCK_M, BLOCK_N, NUM_BUF)
+    descs = (q_desc, do_desc, lse_desc, delta_desc)
+    b, hk, bhk, start_n, first, end, h_load, i_load, k_smem, v_smem, kv_bar, ring = _key_program(
+        descs, k_desc, v_desc, Q_RB, Q_RH, Q_CH, K_RB, K_RH, K_CH, V_RB, V_RH, V_CH, DO_RB, DO_RH, DO_CH, HEADS,
+        GROUP, SEQ, N_SMS, BLOCK_M, BLOCK_N, NUM_BUF)
+    q_smem, do_smem, q_bars, do_bars = ring[0], ring[1], ring[4], ring[5]
     n_q_blocks = SEQ // BLOCK_M
     pds_layout: gl.constexpr = _swizzled(BLOCK_N, BLOCK_M, q_desc.dtype)
     p_smem = gl.allocate_shared_memory(q_desc.dtype, [2, BLOCK_N, BLOCK_M], pds_layout)
@@ -118,9 +120,8 @@ def dkdvq_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, LSE
     dq_smem = gl.allocate_shared_memory(gl.float32, dq_desc.block_shape, dq_desc.layout)
     dq_zero = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, _dq_layout(NUM_WARPS, BLOCK_M, HEAD_DIM))
 
-    h, i, pt, dst = _first_query_block(k_smem, v_smem, q_smem, do_smem, q_bars, do_bars, LSE, DELTA, b, hk, HEADS,
-                                       GROUP, SEQ, first, start_n, qk_scale, st_layout, q_desc.dtype, BLOCK_M,
-                                       BLOCK_N, NUM_BUF)
+    h, i, pt, dst = _first_query_block(k_smem, v_smem, ring, hk, GROUP, first, start_n, qk_scale, st_layout,
+                                       q_desc.dtype, BLOCK_M, BLOCK_N, NUM_BUF)
     p_smem.index(0).store(pt)
     ds_smem.index(0).store(dst)
     fence_async_shared()
@@ -132,7 +133,7 @@ def dkdvq_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, LSE
         h, i = _next_query_block(h, i, first, n_q_blocks, GROUP)
         st, dpt = _products(k_smem, v_smem, q_smem, do_smem, q_bars, do_bars, t, st_layout, NUM_BUF)
         dv, dk, dq = _updates(p_smem, ds_smem, dv, dk, dq_zero, q_smem, do_smem, k_smem, t - 1, NUM_BUF)
-        cols, lse2, delta = _query_stats(LSE, DELTA, (b * HEADS + h).to(gl.int64) * SEQ, i, st_layout, BLOCK_M)
+        cols, lse2, delta = _query_stats(ring, t, i, st_layout, BLOCK_M, NUM_BUF)
         st, dpt = warpgroup_mma_wait(3, deps=[st, dpt])
         pt, dst = _softmax_grad(st, dpt, cols, lse2, delta, i, start_n, qk_scale, st_layout, q_desc.dtype,
                                 BLOCK_M, BLOCK_N)
@@ -140,10 +141,10 @@ def dkdvq_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, LSE
         ds_smem.index(t % 2).store(dst)
         dv, dk, dq = warpgroup_mma_wait(0, deps=[dv, dk, dq])
         _add_dq(dq, scale, dq_smem, dq_desc, (b * HEADS + h_prev) * SEQ + i_prev * BLOCK_M)
-        # block t-1's Q and dO are no longer read: its slot takes block t - 1 + NUM_BUF
+        # block t-1's Q, dO and statistics are no longer read: its slot takes block t - 1 + NUM_BUF
         h_load, i_load = _next_query_block(h_load, i_load, first, n_q_blocks, GROUP)
-        _load_queries(q_desc, do_desc, q_smem, do_smem, q_bars, do_bars, Q_RB, Q_RH, Q_CH, DO_RB, DO_RH, DO_CH, b,
-                      h_load, i_load, t - 1 + NUM_BUF, end, BLOCK_M, NUM_BUF)
+        _load_queries(descs, ring, Q_RB, Q_RH, Q_CH, DO_RB, DO_RH, DO_CH, b, h_load, i_load, HEADS, SEQ,
+                      t - 1 + NUM_BUF, end, BLOCK_M, NUM_BUF)
         dv = warpgroup_mma_init(dv)
         dk = warpgroup_mma_init(dk)
     dv, dk, dq = _updates(p_smem, ds_smem, dv, dk, dq_zero, q_smem, do_smem, k_smem, end - 1, NUM_BUF)

@@ -334,10 +334,13 @@ def dq_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, O, LSE, DELTA, Q_RB, Q_R
 
 
 @gluon.jit
-def _query_stats(LSE, DELTA, stat0, i, st_layout: gl.constexpr, BLOCK_M: gl.constexpr):
-    """Query block i's positions, base-2 LSE and delta, along the columns of S^T (loaded while wgmmas run)."""
-    cols = i * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, st_layout))
-    return cols, gl.load(LSE + stat0 + cols) * 1.4426950408889634, gl.load(DELTA + stat0 + cols)
+def _query_stats(ring, t, i, st_layout: gl.constexpr, BLOCK_M: gl.constexpr, NUM_BUF: gl.constexpr):
+    """The ring's block t (query block i): its positions, base-2 LSE and delta along the columns of S^T, read
+    from the slot that TMA filled with its Q and dO (landed: `_products` waited for them)."""
+    layout: gl.constexpr = gl.SliceLayout(0, st_layout)
+    slot = t % NUM_BUF
+    cols = i * BLOCK_M + gl.arange(0, BLOCK_M, layout=layout)
+    return cols, ring[2].index(slot).load(layout) * 1.4426950408889634, ring[3].index(slot).load(layout)
 
 
 @gluon.jit
@@ -400,23 +403,43 @@ def _next_query_block(h, i, first, n_blocks, GROUP: gl.constexpr):
 
 
 @gluon.jit
-def _load_queries(q_desc, do_desc, q_smem, do_smem, q_bars, do_bars, Q_RB, Q_RH, Q_CH, DO_RB, DO_RH, DO_CH, b, h,
-                  i, t, end, BLOCK_M: gl.constexpr, NUM_BUF: gl.constexpr):
-    """Start loading Q and dO of query block i of query head h as the ring's block t; none when t >= end."""
-    q_row, q_col = _origin(b, h, Q_RB, Q_RH, Q_CH)
-    do_row, do_col = _origin(b, h, DO_RB, DO_RH, DO_CH)
-    _load_block(q_desc, do_desc, q_smem, do_smem, q_bars, do_bars, q_row + i * BLOCK_M, q_col,
-                do_row + i * BLOCK_M, do_col, t, end, NUM_BUF)
+def _load_query_tile(desc, stats_desc, smem, stats_smem, bars, row, col, stat, t, end, NUM_BUF: gl.constexpr):
+    """Start the TMA copies of a query-row block (Q or dO) and of its rows' statistics (LSE or delta) as the
+    ring's block t into slot t % NUM_BUF, both on the slot's mbarrier; none when t >= end."""
+    slot = t % NUM_BUF
+    ok = t < end
+    mbarrier.expect(bars.index(slot), desc.block_type.nbytes + stats_desc.block_type.nbytes, pred=ok)
+    tma.async_copy_global_to_shared(desc, [row, col], bars.index(slot), smem.index(slot), pred=ok)
+    tma.async_copy_global_to_shared(stats_desc, [stat], bars.index(slot), stats_smem.index(slot), pred=ok)
 
 
 @gluon.jit
-def _key_program(q_desc, k_desc, v_desc, do_desc, Q_RB, Q_RH, Q_CH, K_RB, K_RH, K_CH, V_RB, V_RH, V_CH, DO_RB, DO_RH,
+def _load_queries(descs, ring, Q_RB, Q_RH, Q_CH, DO_RB, DO_RH, DO_CH, b, h, i, HEADS, SEQ, t, end,
+                  BLOCK_M: gl.constexpr, NUM_BUF: gl.constexpr):
+    """Start loading Q with LSE and dO with delta of query block i of query head h as the ring's block t; none
+    when t >= end. descs: the (Q, dO, LSE, delta) descriptors, ring: `_key_program`'s."""
+    q_row, q_col = _origin(b, h, Q_RB, Q_RH, Q_CH)
+    do_row, do_col = _origin(b, h, DO_RB, DO_RH, DO_CH)
+    stat = (b * HEADS + h) * SEQ + i * BLOCK_M
+    _load_query_tile(descs[0], descs[2], ring[0], ring[2], ring[4], q_row + i * BLOCK_M, q_col, stat, t, end,
+                     NUM_BUF)
+    _load_query_tile(descs[1], descs[3], ring[1], ring[3], ring[5], do_row + i * BLOCK_M, do_col, stat, t, end,
+                     NUM_BUF)
+
+
+@gluon.jit
+def _key_program(descs, k_desc, v_desc, Q_RB, Q_RH, Q_CH, K_RB, K_RH, K_CH, V_RB, V_RH, V_CH, DO_RB, DO_RH,
                  DO_CH, HEADS, GROUP: gl.constexpr, SEQ, N_SMS, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                  NUM_BUF: gl.constexpr):
     """A key-block program (dK/dV, fused backward): its kv head's batch and index, its batch * kv heads index,
     first key, first query block and its ring's length (the query blocks of every query head it serves), the
-    last ring block whose load it started, and its shared memory: K and V resident (landed on return), Q and dO
-    streamed, the first NUM_BUF blocks on their way."""
+    last ring block whose load it started, and its shared memory: K and V resident (landed on return), and the
+    ring of streamed query blocks, (Q, dO, LSE, delta, Q's mbarriers, dO's mbarriers), the first NUM_BUF blocks
+    on their way. descs: the (Q, dO, LSE, delta) descriptors.
+
+    LSE and delta come by TMA beside Q and dO, NUM_BUF blocks ahead, rather than by loads in the loop: those had
+    the loop wait for memory after its score products (ncu, 2026-12-06: ~5% of the dK/dV kernel's stall samples
+    at B1 H16 S16384 D64)."""
     n_blocks = SEQ // BLOCK_N
     pid_n, bhk = _schedule(n_blocks, gl.num_programs(0) // n_blocks, N_SMS, False)
     kv_heads = HEADS // GROUP
@@ -430,47 +453,51 @@ def _key_program(q_desc, k_desc, v_desc, do_desc, Q_RB, Q_RH, Q_CH, K_RB, K_RH, 
     end = GROUP * n_q
 
     k_smem, v_smem, kv_bar = _resident_pair(k_desc, v_desc)
-    q_smem, do_smem, q_bars, do_bars = _ring(q_desc, do_desc, NUM_BUF)
+    q_smem, do_smem, q_bars, do_bars = _ring(descs[0], descs[1], NUM_BUF)
+    lse_smem = gl.allocate_shared_memory(gl.float32, [NUM_BUF, BLOCK_M], descs[2].layout)
+    delta_smem = gl.allocate_shared_memory(gl.float32, [NUM_BUF, BLOCK_M], descs[3].layout)
+    ring = (q_smem, do_smem, lse_smem, delta_smem, q_bars, do_bars)
     fence_async_shared()
 
     _load_pair(k_desc, v_desc, k_smem, v_smem, kv_bar, k_row + start_n, k_col, v_row + start_n, v_col)
     for t in gl.static_range(NUM_BUF):
         h_load, i_load = _query_block(t, first, n_q, hk, GROUP)
-        _load_queries(q_desc, do_desc, q_smem, do_smem, q_bars, do_bars, Q_RB, Q_RH, Q_CH, DO_RB, DO_RH, DO_CH, b,
-                      h_load, i_load, t, end, BLOCK_M, NUM_BUF)
+        _load_queries(descs, ring, Q_RB, Q_RH, Q_CH, DO_RB, DO_RH, DO_CH, b, h_load, i_load, HEADS, SEQ, t, end,
+                      BLOCK_M, NUM_BUF)
     mbarrier.wait(kv_bar, 0)
-    return (b, hk, bhk, start_n, first, end, h_load, i_load, k_smem, v_smem, kv_bar, q_smem, do_smem, q_bars,
-            do_bars)
+    return b, hk, bhk, start_n, first, end, h_load, i_load, k_smem, v_smem, kv_bar, ring
 
 
 @gluon.jit
-def _first_query_block(k, v, q_smem, do_smem, q_bars, do_bars, LSE, DELTA, b, hk, HEADS,
-                       GROUP: gl.constexpr, SEQ, first, start_n, qk_scale, st_layout: gl.constexpr,
+def _first_query_block(k, v, ring, hk, GROUP: gl.constexpr, first, start_n, qk_scale, st_layout: gl.constexpr,
                        DTYPE: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_BUF: gl.constexpr):
     """A key-block program's first ring block on its own (nothing to overlap yet): its query head and block, its
     P^T and dS^T."""
     h = hk * GROUP
     i = first
-    st, dpt = _products(k, v, q_smem, do_smem, q_bars, do_bars, 0, st_layout, NUM_BUF)
-    cols, lse2, delta = _query_stats(LSE, DELTA, (b * HEADS + h).to(gl.int64) * SEQ, i, st_layout, BLOCK_M)
+    st, dpt = _products(k, v, ring[0], ring[1], ring[4], ring[5], 0, st_layout, NUM_BUF)
+    cols, lse2, delta = _query_stats(ring, 0, i, st_layout, BLOCK_M, NUM_BUF)
     st, dpt = warpgroup_mma_wait(0, deps=[st, dpt])
     pt, dst = _softmax_grad(st, dpt, cols, lse2, delta, i, start_n, qk_scale, st_layout, DTYPE, BLOCK_M, BLOCK_N)
     return h, i, pt, dst
 
 
 @gluon.jit
-def dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, DELTA, Q_RB, Q_RH, Q_CH, K_RB, K_RH, K_CH,
-              V_RB, V_RH, V_CH, DO_RB, DO_RH, DO_CH, HEADS, GROUP: gl.constexpr, SEQ, qk_scale, scale,
-              N_SMS, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_BUF: gl.constexpr,
-              NUM_WARPS: gl.constexpr, KV_IN_REGS: gl.constexpr):
-    """dK and dV for one key block of one kv head, over the query blocks of every query head it serves (LSE,
-    DELTA, dK and dV contiguous). KV_IN_REGS: K and V as the register operands of S^T and dP^T, loaded once, so
-    those wgmmas read only Q or dO from shared memory."""
+def dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_desc, delta_desc, Q_RB, Q_RH, Q_CH, K_RB,
+                K_RH, K_CH, V_RB, V_RH, V_CH, DO_RB, DO_RH, DO_CH, HEADS, GROUP: gl.constexpr, SEQ, qk_scale, scale,
+                N_SMS, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_BUF: gl.constexpr,
+                NUM_WARPS: gl.constexpr, KV_IN_REGS: gl.constexpr):
+    """dK and dV for one key block of one kv head, over the query blocks of every query head it serves (LSE and
+    delta as 1-D descriptors over contiguous (batch, heads, seq) tensors; dK and dV contiguous). KV_IN_REGS: K
+    and V as the register operands of S^T and dP^T, loaded once, so those wgmmas read only Q or dO from shared
+    memory."""
     st_layout: gl.constexpr = wgmma_layout(NUM_WARPS, BLOCK_M)
     kv_layout: gl.constexpr = wgmma_layout(NUM_WARPS, HEAD_DIM)
-    (b, hk, bhk, start_n, first, end, h_load, i_load, k_smem, v_smem, kv_bar, q_smem, do_smem, q_bars,
-     do_bars) = _key_program(q_desc, k_desc, v_desc, do_desc, Q_RB, Q_RH, Q_CH, K_RB, K_RH, K_CH, V_RB, V_RH, V_CH,
-                             DO_RB, DO_RH, DO_CH, HEADS, GROUP, SEQ, N_SMS, BLOCK_M, BLOCK_N, NUM_BUF)
+    descs = (q_desc, do_desc, lse_desc, delta_desc)
+    b, hk, bhk, start_n, first, end, h_load, i_load, k_smem, v_smem, kv_bar, ring = _key_program(
+        descs, k_desc, v_desc, Q_RB, Q_RH, Q_CH, K_RB, K_RH, K_CH, V_RB, V_RH, V_CH, DO_RB, DO_RH, DO_CH, HEADS,
+        GROUP, SEQ, N_SMS, BLOCK_M, BLOCK_N, NUM_BUF)
+    q_smem, do_smem, q_bars, do_bars = ring[0], ring[1], ring[4], ring[5]
     n_q_blocks = SEQ // BLOCK_M
     if KV_IN_REGS:
         k = k_smem.load(gl.DotOperandLayout(operand_index=0, parent=st_layout, k_width=2))
@@ -479,15 +506,18 @@ def dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, DELTA, Q
         k = k_smem
         v = v_smem
 
-    h, i, pt, dst = _first_query_block(k, v, q_smem, do_smem, q_bars, do_bars, LSE, DELTA, b, hk, HEADS, GROUP,
-                                       SEQ, first, start_n, qk_scale, st_layout, q_desc.dtype, BLOCK_M, BLOCK_N,
-                                       NUM_BUF)
+    h, i, pt, dst = _first_query_block(k, v, ring, hk, GROUP, first, start_n, qk_scale, st_layout, q_desc.dtype,
+                                       BLOCK_M, BLOCK_N, NUM_BUF)
     pt, dst = _operand(pt, kv_layout), _operand(dst, kv_layout)
     dv = warpgroup_mma_init(gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, kv_layout))
     dk = warpgroup_mma_init(gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, kv_layout))
     # Then block t's S^T and dP^T, block t-1's updates, a wait for the former alone, block t's P^T and dS^T
     # while the updates run. Each register written while a wgmma is in flight is a new one (the previous
     # P^T and dS^T stay alive until their updates are waited for), so ptxas has no reason to serialize.
+    # (ptxas 12.8 moves most of the P^T and dS^T work below the wait for the updates all the same: in the
+    # sm_90a SASS every MUFU.EX2 of the loop follows its `WARPGROUP.DEPBAR.LE gsb0, 0x0`. A loop that passed
+    # them through shared memory instead, with no full wait, overlapped them but ran 6-25% slower, H100,
+    # 2026-12-06; experiments/kernels/README.md.)
     # Each query head's blocks come in two runs: the first N_DIAG reach the diagonal and may need the mask,
     # the rest lie below it and compile without (the loop body twice, MAY_MASK a constant in each).
     N_DIAG: gl.constexpr = max(BLOCK_N // BLOCK_M, 1)
@@ -500,17 +530,16 @@ def dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, DELTA, Q
                 h, i = _next_query_block(h, i, first, n_q_blocks, GROUP)
                 st, dpt = _products(k, v, q_smem, do_smem, q_bars, do_bars, t, st_layout, NUM_BUF)
                 dv, dk = _updates(pt, dst, dv, dk, q_smem, do_smem, t - 1, NUM_BUF)
-                cols, lse2, delta = _query_stats(LSE, DELTA, (b * HEADS + h).to(gl.int64) * SEQ, i, st_layout,
-                                                 BLOCK_M)
+                cols, lse2, delta = _query_stats(ring, t, i, st_layout, BLOCK_M, NUM_BUF)
                 st, dpt = warpgroup_mma_wait(2, deps=[st, dpt])
                 pt_next, dst_next = _softmax_grad(st, dpt, cols, lse2, delta, i, start_n, qk_scale, st_layout,
                                                   q_desc.dtype, BLOCK_M, BLOCK_N, run == 0)
                 pt_next, dst_next = _operand(pt_next, kv_layout), _operand(dst_next, kv_layout)
                 dv, dk, pt, dst = warpgroup_mma_wait(0, deps=[dv, dk, pt, dst])
-                # block t-1's Q and dO are no longer read: its slot takes block t - 1 + NUM_BUF
+                # block t-1's Q, dO and statistics are no longer read: its slot takes block t - 1 + NUM_BUF
                 h_load, i_load = _next_query_block(h_load, i_load, first, n_q_blocks, GROUP)
-                _load_queries(q_desc, do_desc, q_smem, do_smem, q_bars, do_bars, Q_RB, Q_RH, Q_CH, DO_RB, DO_RH,
-                              DO_CH, b, h_load, i_load, t - 1 + NUM_BUF, end, BLOCK_M, NUM_BUF)
+                _load_queries(descs, ring, Q_RB, Q_RH, Q_CH, DO_RB, DO_RH, DO_CH, b, h_load, i_load, HEADS, SEQ,
+                              t - 1 + NUM_BUF, end, BLOCK_M, NUM_BUF)
                 dv = warpgroup_mma_init(dv)
                 dk = warpgroup_mma_init(dk)
                 pt = pt_next
