@@ -25,7 +25,7 @@ from lmlab.kernels import flash_gluon
 from lmlab.timing import under_profiler
 
 # (batch, heads, seq, head_dim): forward setting, dQ setting, dK/dV setting, fused setting
-SHAPES = {(1, 16, 16384, 64): ((64, 64, 2, 4, True), (64, 64, 3, 4), (64, 64, 3, 4, True), (64, 128, 2, 8)),
+SHAPES = {(1, 16, 16384, 64): ((64, 64, 2, 4, True), (64, 64, 3, 4), (64, 64, 4, 4, True), (64, 128, 2, 8)),
           (4, 16, 4096, 128): ((64, 64, 3, 4, True), (64, 64, 2, 4), (64, 64, 2, 4, False), (64, 128, 2, 8))}
 
 

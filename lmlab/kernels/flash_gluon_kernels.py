@@ -11,6 +11,12 @@ compute the latter:
            also stores delta = rowsum(dO * O) for the dK/dV kernel
   dK/dV    a key block resident; per query block (of every query head its kv head serves) S^T = K Q^T and
            dP^T = V dO^T, then the previous block's dV += P^T dO and dK += dS^T Q
+That is the order in the PTX. ptxas 12.8 (Triton 3.6's) keeps it in the dQ kernel only: in the forward's and
+the dK/dV kernel's sm_90a SASS it moves the loop's exponentials below the wait for the accumulating product
+(none of their MUFU.EX2 between `WARPGROUP.DEPBAR.LE gsb0, 0x1` or `0x2` and `0x0`), seemingly to keep the
+next P out of the registers that the product in flight reads. Passing P (and dS^T) through shared memory
+instead keeps them above the wait, but measured slower at every setting (H100, 2026-12-06:
+experiments/kernels/README.md), so the kernels keep the register operands.
 The streamed tiles arrive by TMA in a ring of NUM_BUF slots: each tensor's block t+NUM_BUF loads into the slot
 that its block t frees, as soon as the last wgmma reading it is done (the forward's K after its scores, before
 the P V that reads V). With Q_IN_REGS, the forward loads its Q block into registers once, the A operand of every
@@ -20,7 +26,8 @@ four `WARPGROUP.DEPBAR`s per kernel, not one per HGMMA. Programs follow `flash_t
 (heaviest blocks first, heads in groups that share K/V in L2).
 
 The tensors come as TMA descriptors over 2-D views of their storage: head h of batch b starts at row
-b * RB + h * RH, column h * CH of each (`flash_gluon._Rows`); LSE, delta and the outputs are contiguous.
+b * RB + h * RH, column h * CH of each (`flash_gluon._Rows`); LSE, delta and the outputs are contiguous, and the
+key-block kernels read LSE and delta by 1-D descriptors, beside their Q and dO blocks.
 """
 
 from __future__ import annotations
@@ -514,10 +521,8 @@ def dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_desc, del
     # Then block t's S^T and dP^T, block t-1's updates, a wait for the former alone, block t's P^T and dS^T
     # while the updates run. Each register written while a wgmma is in flight is a new one (the previous
     # P^T and dS^T stay alive until their updates are waited for), so ptxas has no reason to serialize.
-    # (ptxas 12.8 moves most of the P^T and dS^T work below the wait for the updates all the same: in the
-    # sm_90a SASS every MUFU.EX2 of the loop follows its `WARPGROUP.DEPBAR.LE gsb0, 0x0`. A loop that passed
-    # them through shared memory instead, with no full wait, overlapped them but ran 6-25% slower, H100,
-    # 2026-12-06; experiments/kernels/README.md.)
+    # (ptxas 12.8 moves the exponentials below the wait for the updates all the same: see the module's
+    # docstring.)
     # Each query head's blocks come in two runs: the first N_DIAG reach the diagonal and may need the mask,
     # the rest lie below it and compile without (the loop body twice, MAY_MASK a constant in each).
     N_DIAG: gl.constexpr = max(BLOCK_N // BLOCK_M, 1)
