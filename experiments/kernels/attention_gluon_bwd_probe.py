@@ -112,6 +112,8 @@ def main() -> None:
                 q, k, v, out, lse, d_out, fused_setting=setting), check, shape, flops, args.repeats, dev))
         measured.append(measure("lmlab backward (settings timed)", triton_backward, check, shape, flops, args.repeats,
                                 dev))
+        picks = [pick for key, pick in flash_gluon._FASTEST.items() if key[0] == "bwd" and key[3] == s]
+        print(f"{shape:20} the picker's (dQ, dK/dV): {picks}", flush=True)
         rows += [row for row in measured if row is not None]
     write_rows(args.json, dev, rows)
 
