@@ -43,8 +43,8 @@ def portable(fn):
     return run
 
 
-def gluon_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, setting: flash_gluon.FwdSetting
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
+def gluon_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  setting: flash_gluon.FwdSetting | flash_gluon.WsSetting) -> tuple[torch.Tensor, torch.Tensor]:
     """flash_gluon's forward at one tile setting: (out, lse)."""
     return flash_gluon.forward(q, k, v, 1 / math.sqrt(q.shape[-1]), setting)
 
@@ -121,6 +121,8 @@ def main() -> None:
         candidates = {"sdpa": lambda: (F.scaled_dot_product_attention(q, k, v, is_causal=True), None),
                       "triton, autotuned": lambda: portable(flash_attention_triton_forward)(q, k, v, True)}
         for setting in SETTINGS:
+            candidates[f"gluon {setting}"] = lambda setting=setting: gluon_forward(q, k, v, setting)
+        for setting in flash_gluon.FWD_WS_SETTINGS[d]:
             candidates[f"gluon {setting}"] = lambda setting=setting: gluon_forward(q, k, v, setting)
         candidates["lmlab forward (setting timed)"] = lambda: flash_attention_triton_forward(q, k, v, True)
         measured = (measure(name, fn, check, f"B{b} H{h} S{s} D{d}", flops, args.repeats, dev)

@@ -33,6 +33,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from lmlab.kernels.flash_gluon_fused import dkdvq_kernel, prepare_kernel
 from lmlab.kernels.flash_gluon_kernels import dkdv_kernel, dq_kernel, forward_kernel
+from lmlab.kernels.flash_gluon_ws import MAXNREG, ROWS_PER_CONSUMER, forward_ws_kernel
 from lmlab.kernels.flash_triton import _sm_count
 from lmlab.timing import cold_gpu_medians
 
@@ -48,6 +49,22 @@ DkdvSetting = tuple[int, int, int, int, bool]  # and KV_IN_REGS
 # B16 H16 S2048 D64/D128, B4 H16 S4096 D128 and B1 H16 S16384 D64 on an H100. Q in registers made 64 x 64 tiles
 # 1-3% faster (2026-12-06); the dQ kernel's resident tiles in registers made no setting the fastest.
 FWD_SETTINGS: tuple[FwdSetting, ...] = ((128, 64, 3, 8, False), (64, 64, 2, 4, True), (64, 64, 3, 4, True))
+
+
+@dataclass(frozen=True)
+class WsSetting:
+    """A setting of the warp-specialized forward (`flash_gluon_ws`; 128 query rows a program): rows per key
+    block, ring slots, and whether its two consumer warpgroups take turns to issue their products."""
+
+    block_n: int
+    num_buf: int
+    pingpong: bool
+
+
+# Each fits an SM's shared memory once (compiled offline for sm_90a: no spills).
+FWD_WS_SETTINGS: dict[int, tuple[WsSetting, ...]] = {
+    64: (WsSetting(128, 2, True), WsSetting(128, 2, False), WsSetting(128, 3, True), WsSetting(64, 4, True)),
+    128: (WsSetting(128, 2, True), WsSetting(128, 2, False), WsSetting(64, 3, True), WsSetting(64, 4, True))}
 DQ_SETTINGS: tuple[Setting, ...] = ((64, 64, 3, 4), (64, 64, 2, 4), (128, 64, 3, 8))
 # dK/dV: with KV_IN_REGS (K and V as the register operands of S^T and dP^T) only at head_dim 64, where it keeps
 # its wgmmas overlapped without spilling; at 128 ptxas serializes them (experiments/kernels/attention_sass.py).
@@ -153,11 +170,11 @@ def _grid(seq: int, block: int, heads: int) -> tuple[int]:
     return (seq // block * heads,)
 
 
-def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, setting: FwdSetting | None = None
-            ) -> tuple[torch.Tensor, torch.Tensor]:
+def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+            setting: FwdSetting | WsSetting | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Causal attention of 4-D q (batch, heads, seq, head_dim) and k, v (batch, kv_heads, seq, head_dim) that
     `applies` to -> (out, lse): out contiguous in q's dtype, lse float32 (batch, heads, seq) in natural log.
-    `setting` picks the tiles; by default the fastest of FWD_SETTINGS."""
+    `setting` picks the kernel and its tiles; by default the fastest of FWD_SETTINGS and FWD_WS_SETTINGS."""
     batch, heads, seq, dim = q.shape
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
@@ -171,8 +188,21 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, set
             scale * _LOG2E, _sm_count(q.device), HEAD_DIM=dim, BLOCK_M=block_m, BLOCK_N=block_n, NUM_BUF=num_buf,
             NUM_WARPS=warps, Q_IN_REGS=q_in_regs, num_warps=warps)
 
-    launches = {s: functools.partial(launch, *s) for s in FWD_SETTINGS}
-    (functools.partial(launch, *setting) if setting else _fastest(("fwd", q.dtype, dim, seq, group), launches))()
+    def launch_ws(ws: WsSetting) -> None:
+        forward_ws_kernel[_grid(seq, 2 * ROWS_PER_CONSUMER, batch * heads)](
+            qr.descriptor(ROWS_PER_CONSUMER, dim), kr.descriptor(ws.block_n, dim), vr.descriptor(ws.block_n, dim),
+            outr.descriptor(ROWS_PER_CONSUMER, dim), lse, *qr.origin, *kr.origin, *vr.origin, heads, group, seq,
+            scale * _LOG2E, _sm_count(q.device), HEAD_DIM=dim, BLOCK_N=ws.block_n, NUM_BUF=ws.num_buf, PINGPONG=ws.pingpong,
+            num_warps=4, maxnreg=MAXNREG)
+
+    def launch_at(s: FwdSetting | WsSetting) -> Callable[[], None]:
+        return functools.partial(launch_ws, s) if isinstance(s, WsSetting) else functools.partial(launch, *s)
+
+    if setting:
+        launch_at(setting)()
+    else:
+        candidates = (*FWD_SETTINGS, *FWD_WS_SETTINGS[dim])
+        _fastest(("fwd", q.dtype, dim, seq, group), {s: launch_at(s) for s in candidates})()
     return out, lse
 
 

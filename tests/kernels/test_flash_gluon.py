@@ -86,11 +86,12 @@ def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, d_out: torch.T
 
 
 def _setting_cases() -> list[tuple[str, int, tuple]]:
-    """(kernel, head_dim, setting) for each setting `flash_gluon` picks from."""
+    """(kernel, head_dim, setting) for each setting `flash_gluon` picks from, the warp-specialized forward's too."""
     return [(kernel, d, s) for d in flash_gluon.HEAD_DIMS
             for kernel, settings in (("forward", flash_gluon.FWD_SETTINGS), ("dq", flash_gluon.DQ_SETTINGS),
                                      ("dkdv", flash_gluon.DKDV_SETTINGS[d]))
-            for s in settings]
+            for s in settings] + [("forward", d, s) for d in flash_gluon.HEAD_DIMS
+                                  for s in flash_gluon.FWD_WS_SETTINGS[d]]
 
 
 @pytest.mark.gpu

@@ -1,0 +1,156 @@
+"""The Hopper attention forward in FlashAttention-3's warp-specialized form (`flash_gluon.forward` times it
+beside `flash_gluon_kernels.forward_kernel`).
+
+Why: in the one-warpgroup forward, ptxas 12.8 puts the loop's exponentials after the wait for the P V product
+(flash_gluon_kernels' docstring), so each warpgroup's softmax and its own matmuls take turns. Here a program
+holds a 2 * 64-row query block and three partitions:
+  loader     one warp: Q's two halves, then each key block's K and V, by TMA into a ring of NUM_BUF slots; a
+             slot refills once both consumers have released it (K after its Q K^T, V after its P V)
+  consumers  two warpgroups, one per 64-row half, each the one-warpgroup loop: issue S_j = Q K_j^T and
+             O += P_{j-1} V_{j-1}, wait for S_j, softmax, wait for P V
+With PINGPONG the consumers take turns to issue their two products (an mbarrier each, passed after issuing):
+one warpgroup's softmax then runs while the tensor cores compute the other's products, whatever order ptxas
+gives each warpgroup's own instructions (FlashAttention-3's inter-warpgroup overlap). K and V are read from
+shared memory once per 128 query rows instead of once per 64, and the loader frees the consumers' issue slots
+and registers of address arithmetic (`setmaxnreg`: consumers 240 registers a thread, the loader 24).
+"""
+
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma_init,
+                                                              warpgroup_mma_wait)
+
+from lmlab.kernels.flash_gluon_kernels import _origin, _pv, _query_program, _scores, _softmax, wgmma_layout
+
+ROWS_PER_CONSUMER = 64  # query rows per consumer warpgroup: a program takes twice as many
+HALF = gl.constexpr(ROWS_PER_CONSUMER)
+CONSUMER_REGS = gl.constexpr(240)
+LOADER_REGS = gl.constexpr(24)
+# Registers a thread at launch: two consumer warpgroups and the loader's (padded to a warpgroup) share an SM's
+# 64K; setmaxnreg then moves the loader's share to the consumers: (2 * 240 + 24) / 3 = 168.
+MAXNREG = 168
+
+
+@gluon.jit
+def _bars(n: gl.constexpr, count: gl.constexpr):
+    bars = gl.allocate_shared_memory(gl.int64, [n, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(n):
+        mbarrier.init(bars.index(i), count=count)
+    return bars
+
+
+@gluon.jit
+def _loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, k_free, v_free,
+            q_row, q_col, k_row, k_col, v_row, v_col, start_m, n_kv):
+    """The loader partition: Q's halves once, then each key block's K and V as their slots free up."""
+    NUM_BUF: gl.constexpr = k_smem.shape[0]
+    BLOCK_N: gl.constexpr = k_desc.block_shape[0]
+    for w in gl.static_range(2):
+        mbarrier.expect(q_bars.index(w), q_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [q_row + start_m + w * HALF, q_col], q_bars.index(w),
+                                        q_smem.index(w))
+    for t in range(n_kv):
+        slot = t % NUM_BUF
+        free = ((t // NUM_BUF) & 1) ^ 1  # a fresh mbarrier's "previous phase" counts as complete
+        mbarrier.wait(k_free.index(slot), free)
+        mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(k_desc, [k_row + t * BLOCK_N, k_col], k_ready.index(slot), k_smem.index(slot))
+        mbarrier.wait(v_free.index(slot), free)
+        mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(v_desc, [v_row + t * BLOCK_N, v_col], v_ready.index(slot), v_smem.index(slot))
+
+
+@gluon.jit
+def _take_turn(turns, wg: gl.constexpr, k, PINGPONG: gl.constexpr):
+    """Wait until the other consumer has issued its products k times (WG 0) or k + 1 times (WG 1)."""
+    if PINGPONG:
+        mbarrier.wait(turns.index(wg), (k & 1) ^ (1 - wg))
+
+
+@gluon.jit
+def _pass_turn(turns, wg: gl.constexpr, PINGPONG: gl.constexpr):
+    if PINGPONG:
+        mbarrier.arrive(turns.index(1 - wg), count=1)
+
+
+@gluon.jit
+def _consumer(q_desc, k_desc, v_desc, o_desc, q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, k_free, v_free,
+              q_row, q_col, k_row, k_col, v_row, v_col, start_m, n_kv, WG: gl.constexpr, PINGPONG: gl.constexpr,
+              turns, LSE, bh, SEQ, qk_scale):
+    """A consumer partition: the one-warpgroup forward loop over its 64 query rows."""
+    NUM_BUF: gl.constexpr = k_smem.shape[0]
+    BLOCK_N: gl.constexpr = k_desc.block_shape[0]
+    HEAD_DIM: gl.constexpr = k_desc.block_shape[1]
+    s_layout: gl.constexpr = wgmma_layout(4, BLOCK_N)
+    o_layout: gl.constexpr = wgmma_layout(4, HEAD_DIM)
+    first = start_m + WG * HALF
+    q = q_smem.index(WG)
+
+    m_i = gl.full([HALF], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
+    l_i = gl.zeros([HALF], gl.float32, gl.SliceLayout(1, s_layout))
+    acc = warpgroup_mma_init(gl.zeros([HALF, HEAD_DIM], gl.float32, o_layout))
+    mbarrier.wait(q_bars.index(WG), 0)
+    _take_turn(turns, WG, 0, PINGPONG)
+    s = _scores(q, k_smem, k_ready, 0, s_layout, HALF, BLOCK_N, NUM_BUF)
+    _pass_turn(turns, WG, PINGPONG)
+    s = warpgroup_mma_wait(0, deps=[s])
+    mbarrier.arrive(k_free.index(0), count=1)
+    p, m_i, l_i, alpha = _softmax(s, m_i, l_i, 0, first, qk_scale, s_layout, o_layout, q_desc.dtype, HALF,
+                                  BLOCK_N)
+    for j in range(1, n_kv):
+        _take_turn(turns, WG, j, PINGPONG)
+        s = _scores(q, k_smem, k_ready, j, s_layout, HALF, BLOCK_N, NUM_BUF)
+        acc = _pv(p, acc, v_smem, v_ready, j - 1, NUM_BUF)
+        _pass_turn(turns, WG, PINGPONG)
+        s = warpgroup_mma_wait(1, deps=[s])
+        mbarrier.arrive(k_free.index(j % NUM_BUF), count=1)
+        p_next, m_i, l_i, alpha = _softmax(s, m_i, l_i, j, first, qk_scale, s_layout, o_layout, q_desc.dtype,
+                                           HALF, BLOCK_N)
+        acc, p = warpgroup_mma_wait(0, deps=[acc, p])
+        mbarrier.arrive(v_free.index((j - 1) % NUM_BUF), count=1)
+        acc = warpgroup_mma_init(acc * gl.expand_dims(alpha, 1))
+        p = p_next
+    acc = warpgroup_mma_wait(0, deps=[_pv(p, acc, v_smem, v_ready, n_kv - 1, NUM_BUF)])
+
+    out = acc / gl.expand_dims(gl.convert_layout(l_i, gl.SliceLayout(1, o_layout)), 1)
+    q.store(out.to(o_desc.dtype))  # this half of Q is no longer read: it stages O for the TMA store
+    fence_async_shared()
+    tma.async_copy_shared_to_global(o_desc, [bh * SEQ + first, 0], q)
+    offs = first + gl.arange(0, HALF, layout=gl.SliceLayout(1, s_layout))
+    gl.store(LSE + bh.to(gl.int64) * SEQ + offs, (m_i + gl.log2(l_i)) * 0.6931471805599453)
+    tma.store_wait(0)
+
+
+@gluon.jit
+def forward_ws_kernel(q_desc, k_desc, v_desc, o_desc, LSE, Q_RB, Q_RH, Q_CH, K_RB, K_RH, K_CH, V_RB, V_RH, V_CH,
+                      HEADS, GROUP, SEQ, qk_scale, N_SMS, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
+                      NUM_BUF: gl.constexpr, PINGPONG: gl.constexpr):
+    """Causal attention forward of one 128-row query block (q_desc and o_desc: blocks of 64 rows)."""
+    bh, b, h, start_m, k_row, k_col, v_row, v_col = _query_program(K_RB, K_RH, K_CH, V_RB, V_RH, V_CH, HEADS, GROUP,
+                                                                   SEQ, N_SMS, 2 * HALF)
+    q_row, q_col = _origin(b, h, Q_RB, Q_RH, Q_CH)
+    n_kv = (start_m + 2 * HALF) // BLOCK_N  # key blocks up to the diagonal's end
+
+    q_smem = gl.allocate_shared_memory(q_desc.dtype, [2, HALF, HEAD_DIM], q_desc.layout)
+    k_smem = gl.allocate_shared_memory(k_desc.dtype, [NUM_BUF, BLOCK_N, HEAD_DIM], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(v_desc.dtype, [NUM_BUF, BLOCK_N, HEAD_DIM], v_desc.layout)
+    q_bars = _bars(2, 1)
+    k_ready = _bars(NUM_BUF, 1)
+    v_ready = _bars(NUM_BUF, 1)
+    k_free = _bars(NUM_BUF, 2)  # both consumers release each slot
+    v_free = _bars(NUM_BUF, 2)
+    turns = _bars(2, 1)
+    fence_async_shared()
+
+    gl.warp_specialize([
+        (_consumer, (q_desc, k_desc, v_desc, o_desc, q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, k_free,
+                     v_free, q_row, q_col, k_row, k_col, v_row, v_col, start_m, n_kv, gl.constexpr(0), PINGPONG, turns, LSE, bh,
+                     SEQ, qk_scale)),
+        (_consumer, (q_desc, k_desc, v_desc, o_desc, q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, k_free,
+                     v_free, q_row, q_col, k_row, k_col, v_row, v_col, start_m, n_kv, gl.constexpr(1), PINGPONG, turns, LSE, bh,
+                     SEQ, qk_scale)),
+        (_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, k_free, v_free, q_row,
+                   q_col, k_row, k_col, v_row, v_col, start_m, n_kv)),
+    ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
