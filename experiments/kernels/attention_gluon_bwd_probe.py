@@ -96,7 +96,7 @@ def main() -> None:
             ("sdpa backward", lambda: torch.autograd.grad(cudnn_out, (qc, kc, vc), d_out, retain_graph=True)),
             ("triton backward", portable(triton_backward)))]
         dkdv = {}
-        for setting in dkdv_settings(d):
+        for setting in (*dkdv_settings(d), *flash_gluon.DKDV_WS_SETTINGS[d]):
             row = measure(f"triton dQ + gluon dK/dV {setting}", lambda setting=setting: gluon_backward(
                 q, k, v, out, lse, d_out, setting), check, shape, flops, args.repeats, dev)
             measured.append(row)

@@ -4,7 +4,9 @@
 or 128 and a sequence length that is a multiple of 128 (`applies`); every other call runs its Triton kernels.
 
 The kernels (`flash_gluon_kernels`) overlap the softmax with the tensor cores as FlashAttention-3 does,
-which Triton's own compiler does not on sm_90; this module picks and launches them.
+which Triton's own compiler does not on sm_90; `flash_gluon_ws` has FlashAttention-3's warp-specialized forward and
+dK/dV (a TMA loader warp and two consumer warpgroups over 128 rows), the fastest at head_dim 128. This module picks
+and launches them.
 
 Inputs are read where they lie: a (batch, heads, seq, head_dim) tensor whose rows sit at a fixed stride (a
 contiguous one, or a "b s (h d) -> b h s d" view of a projection, even of a fused one) is a 2-D TMA
@@ -33,7 +35,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from lmlab.kernels.flash_gluon_fused import dkdvq_kernel, prepare_kernel
 from lmlab.kernels.flash_gluon_kernels import dkdv_kernel, dq_kernel, forward_kernel
-from lmlab.kernels.flash_gluon_ws import MAXNREG, ROWS_PER_CONSUMER, forward_ws_kernel
+from lmlab.kernels.flash_gluon_ws import MAXNREG, ROWS_PER_CONSUMER, dkdv_ws_kernel, forward_ws_kernel
 from lmlab.kernels.flash_triton import _sm_count
 from lmlab.timing import cold_gpu_medians
 
@@ -61,10 +63,31 @@ class WsSetting:
     pingpong: bool
 
 
-# Each fits an SM's shared memory once (compiled offline for sm_90a: no spills).
-FWD_WS_SETTINGS: dict[int, tuple[WsSetting, ...]] = {
-    64: (WsSetting(128, 2, True), WsSetting(128, 2, False), WsSetting(128, 3, True), WsSetting(64, 4, True)),
-    128: (WsSetting(128, 2, True), WsSetting(128, 2, False), WsSetting(64, 3, True), WsSetting(64, 4, True))}
+# The fastest at B4 H16 S4096 D128, B16 H16 S2048 D128 and B1 H16 S16384 D64 on an H100 (2026-12-06: 64-row key
+# blocks, at either head_dim, and a third slot were slower).
+FWD_WS_SETTINGS: dict[int, tuple[WsSetting, ...]] = {d: (WsSetting(128, 2, True), WsSetting(128, 2, False))
+                                                     for d in HEAD_DIMS}
+
+
+@dataclass(frozen=True)
+class DkdvWsSetting:
+    """A setting of the warp-specialized dK/dV kernel (`flash_gluon_ws`; 128 key rows a program): rows per
+    streamed query block, ring slots, whether its two consumer warpgroups take turns, and whether K and V are
+    their register operands."""
+
+    block_m: int
+    num_buf: int
+    pingpong: bool
+    kv_in_regs: bool = False
+
+
+# Compiled offline for sm_90a with wgmmas overlapped without GQA (at head_dim 128, 64-row query blocks spill and
+# serialize them, and so does K/V in registers; at 64 that spills 8-16 bytes a thread). On an H100 (2026-12-06)
+# the head_dim-128 ones were the fastest dK/dV at B4 H16 S4096 D128, 2-3% ahead of dkdv_kernel's best, and two
+# slots 25% slower; at head_dim 64 none beat dkdv_kernel's (64, 64, 4, 4, True) at B1 H16 S16384.
+DKDV_WS_SETTINGS: dict[int, tuple[DkdvWsSetting, ...]] = {
+    64: (DkdvWsSetting(64, 3, True), DkdvWsSetting(64, 3, True, True), DkdvWsSetting(64, 4, True, True)),
+    128: (DkdvWsSetting(32, 3, True), DkdvWsSetting(32, 3, False), DkdvWsSetting(32, 4, True))}
 DQ_SETTINGS: tuple[Setting, ...] = ((64, 64, 3, 4), (64, 64, 2, 4), (128, 64, 3, 8))
 # dK/dV: with KV_IN_REGS (K and V as the register operands of S^T and dP^T) only at head_dim 64, where it keeps
 # its wgmmas overlapped without spilling; at 128 ptxas serializes them (experiments/kernels/attention_sass.py).
@@ -192,8 +215,8 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
         forward_ws_kernel[_grid(seq, 2 * ROWS_PER_CONSUMER, batch * heads)](
             qr.descriptor(ROWS_PER_CONSUMER, dim), kr.descriptor(ws.block_n, dim), vr.descriptor(ws.block_n, dim),
             outr.descriptor(ROWS_PER_CONSUMER, dim), lse, *qr.origin, *kr.origin, *vr.origin, heads, group, seq,
-            scale * _LOG2E, _sm_count(q.device), HEAD_DIM=dim, BLOCK_N=ws.block_n, NUM_BUF=ws.num_buf, PINGPONG=ws.pingpong,
-            num_warps=4, maxnreg=MAXNREG)
+            scale * _LOG2E, _sm_count(q.device), HEAD_DIM=dim, BLOCK_N=ws.block_n, NUM_BUF=ws.num_buf,
+            PINGPONG=ws.pingpong, num_warps=4, maxnreg=MAXNREG)
 
     def launch_at(s: FwdSetting | WsSetting) -> Callable[[], None]:
         return functools.partial(launch_ws, s) if isinstance(s, WsSetting) else functools.partial(launch, *s)
@@ -209,7 +232,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
 def backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
              d_out: torch.Tensor, scale: float,
              triton_dq: Callable[[torch.Tensor, torch.Tensor], None] | None = None,
-             dq_setting: Setting | str | None = None, dkdv_setting: DkdvSetting | None = None,
+             dq_setting: Setting | str | None = None, dkdv_setting: DkdvSetting | DkdvWsSetting | None = None,
              fused_setting: Setting | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`forward`'s gradients: (dq, dk, dv), contiguous, in q's dtype. Two kernels: dQ (which stores delta =
     rowsum(dO * O)), then dK/dV, at the pair of DQ_SETTINGS and DKDV_SETTINGS whose whole backward ran fastest
@@ -245,6 +268,18 @@ def backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tenso
             *stats(block_m), *origins, HEAD_DIM=dim, BLOCK_M=block_m, BLOCK_N=block_n, NUM_BUF=num_buf,
             NUM_WARPS=warps, KV_IN_REGS=kv_in_regs, num_warps=warps)
 
+    def launch_dkdv_ws(ws: DkdvWsSetting) -> None:
+        dkdv_ws_kernel[_grid(seq, 2 * ROWS_PER_CONSUMER, batch * kv_heads)](
+            qr.descriptor(ws.block_m, dim), kr.descriptor(ROWS_PER_CONSUMER, dim),
+            vr.descriptor(ROWS_PER_CONSUMER, dim), dor.descriptor(ws.block_m, dim),
+            dkr.descriptor(ROWS_PER_CONSUMER, dim), dvr.descriptor(ROWS_PER_CONSUMER, dim), *stats(ws.block_m),
+            *origins, HEAD_DIM=dim, BLOCK_M=ws.block_m, NUM_BUF=ws.num_buf, PINGPONG=ws.pingpong,
+            KV_IN_REGS=ws.kv_in_regs, num_warps=4, maxnreg=MAXNREG)
+
+    def dkdv_at(s: DkdvSetting | DkdvWsSetting) -> Callable[[], None]:
+        return (functools.partial(launch_dkdv_ws, s) if isinstance(s, DkdvWsSetting)
+                else functools.partial(launch_dkdv, *s))
+
     if fused_setting is not None:
         block_m, block_n, num_buf, warps = fused_setting
         acc = torch.empty(batch * heads * seq, dim, dtype=torch.float32, device=q.device)  # dQ, reduced into
@@ -264,11 +299,12 @@ def backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tenso
         dq_launches["triton"] = functools.partial(triton_dq, dq, delta)
     if dq_setting is not None:
         dq_launches = {dq_setting: dq_launches.get(dq_setting, functools.partial(launch_dq, *dq_setting))}
-    dkdv_settings = (dkdv_setting,) if dkdv_setting else DKDV_SETTINGS[dim]
+    # The warp-specialized dK/dV only without GQA: with a group, ptxas serializes its wgmmas (C7513).
+    dkdv_settings = ((dkdv_setting,) if dkdv_setting
+                     else (*DKDV_SETTINGS[dim], *(DKDV_WS_SETTINGS[dim] if group == 1 else ())))
     # Timed as whole backwards, pairs of settings: the dQ kernel timed alone ranked its candidates otherwise
     # than in the backward it belongs to (2026-12-06, H100: the pick took 3.697 ms where the best pair took 3.519).
-    pairs = {(name, setting): functools.partial(_in_turn, dq_launches[name],
-                                                functools.partial(launch_dkdv, *setting))
+    pairs = {(name, setting): functools.partial(_in_turn, dq_launches[name], dkdv_at(setting))
              for name in dq_launches for setting in dkdv_settings}
     if len(pairs) == 1:
         next(iter(pairs.values()))()

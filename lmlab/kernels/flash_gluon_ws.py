@@ -22,7 +22,9 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma_init,
                                                               warpgroup_mma_wait)
 
-from lmlab.kernels.flash_gluon_kernels import _origin, _pv, _query_program, _scores, _softmax, wgmma_layout
+from lmlab.kernels.flash_gluon_kernels import (_load_queries, _next_query_block, _operand, _origin, _products, _pv,
+                                               _query_program, _query_stats, _ring, _schedule, _scores, _softmax,
+                                               _softmax_grad, _store_dkdv, _updates, wgmma_layout)
 
 ROWS_PER_CONSUMER = 64  # query rows per consumer warpgroup: a program takes twice as many
 HALF = gl.constexpr(ROWS_PER_CONSUMER)
@@ -42,9 +44,10 @@ def _bars(n: gl.constexpr, count: gl.constexpr):
 
 
 @gluon.jit
-def _loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, k_free, v_free,
-            q_row, q_col, k_row, k_col, v_row, v_col, start_m, n_kv):
+def _loader(io):
     """The loader partition: Q's halves once, then each key block's K and V as their slots free up."""
+    (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, k_free, v_free, q_row, q_col, k_row,
+     k_col, v_row, v_col, start_m, n_kv) = io
     NUM_BUF: gl.constexpr = k_smem.shape[0]
     BLOCK_N: gl.constexpr = k_desc.block_shape[0]
     for w in gl.static_range(2):
@@ -76,10 +79,10 @@ def _pass_turn(turns, wg: gl.constexpr, PINGPONG: gl.constexpr):
 
 
 @gluon.jit
-def _consumer(q_desc, k_desc, v_desc, o_desc, q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, k_free, v_free,
-              q_row, q_col, k_row, k_col, v_row, v_col, start_m, n_kv, WG: gl.constexpr, PINGPONG: gl.constexpr,
-              turns, LSE, bh, SEQ, qk_scale):
+def _consumer(io, o_desc, turns, LSE, bh, SEQ, qk_scale, WG: gl.constexpr, PINGPONG: gl.constexpr):
     """A consumer partition: the one-warpgroup forward loop over its 64 query rows."""
+    (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, k_free, v_free, q_row, q_col, k_row,
+     k_col, v_row, v_col, start_m, n_kv) = io
     NUM_BUF: gl.constexpr = k_smem.shape[0]
     BLOCK_N: gl.constexpr = k_desc.block_shape[0]
     HEAD_DIM: gl.constexpr = k_desc.block_shape[1]
@@ -144,13 +147,138 @@ def forward_ws_kernel(q_desc, k_desc, v_desc, o_desc, LSE, Q_RB, Q_RH, Q_CH, K_R
     turns = _bars(2, 1)
     fence_async_shared()
 
+    io = (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, k_free, v_free, q_row, q_col,
+          k_row, k_col, v_row, v_col, start_m, n_kv)
     gl.warp_specialize([
-        (_consumer, (q_desc, k_desc, v_desc, o_desc, q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, k_free,
-                     v_free, q_row, q_col, k_row, k_col, v_row, v_col, start_m, n_kv, gl.constexpr(0), PINGPONG, turns, LSE, bh,
-                     SEQ, qk_scale)),
-        (_consumer, (q_desc, k_desc, v_desc, o_desc, q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, k_free,
-                     v_free, q_row, q_col, k_row, k_col, v_row, v_col, start_m, n_kv, gl.constexpr(1), PINGPONG, turns, LSE, bh,
-                     SEQ, qk_scale)),
-        (_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, k_free, v_free, q_row,
-                   q_col, k_row, k_col, v_row, v_col, start_m, n_kv)),
+        (_consumer, (io, o_desc, turns, LSE, bh, SEQ, qk_scale, gl.constexpr(0), PINGPONG)),
+        (_consumer, (io, o_desc, turns, LSE, bh, SEQ, qk_scale, gl.constexpr(1), PINGPONG)),
+        (_loader, (io,)),
+    ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
+
+
+@gluon.jit
+def _dkdv_loader(descs, k_desc, v_desc, k_smem, v_smem, kv_bars, ring, free, Q_RB, Q_RH, Q_CH, DO_RB, DO_RH, DO_CH,
+                 k_row, k_col, v_row, v_col, b, hk, start_n, first, end, HEADS, SEQ, GROUP: gl.constexpr,
+                 BLOCK_M: gl.constexpr):
+    """The dK/dV loader partition: K's and V's halves once, then each query block's Q, dO, LSE and delta (every
+    query head of the kv head in turn) as their slot frees up."""
+    NUM_BUF: gl.constexpr = ring[0].shape[0]
+    for w in gl.static_range(2):
+        mbarrier.expect(kv_bars.index(w), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(k_desc, [k_row + start_n + w * HALF, k_col], kv_bars.index(w),
+                                        k_smem.index(w))
+        tma.async_copy_global_to_shared(v_desc, [v_row + start_n + w * HALF, v_col], kv_bars.index(w),
+                                        v_smem.index(w))
+    h = hk * GROUP
+    i = first
+    n_q_blocks = SEQ // BLOCK_M
+    for t in range(end):
+        mbarrier.wait(free.index(t % NUM_BUF), ((t // NUM_BUF) & 1) ^ 1)
+        _load_queries(descs, ring, Q_RB, Q_RH, Q_CH, DO_RB, DO_RH, DO_CH, b, h, i, HEADS, SEQ, t, end, BLOCK_M,
+                      NUM_BUF)
+        h, i = _next_query_block(h, i, first, n_q_blocks, GROUP)
+
+
+@gluon.jit
+def _dkdv_consumer(io, WG: gl.constexpr, GROUP: gl.constexpr, PINGPONG: gl.constexpr, BLOCK_M: gl.constexpr,
+                   KV_IN_REGS: gl.constexpr):
+    """A dK/dV consumer partition: flash_gluon_kernels.dkdv_kernel's loop for its 64 key rows (KV_IN_REGS: K
+    and V as register operands, as there). The blocks of the ring that lie wholly above its rows' diagonal (the
+    other consumer's first ones) come out masked to zero."""
+    (k_smem, v_smem, kv_bars, ring, free, turns, dk_desc, dv_desc, hk, bhk, start_n, first, end, qk_scale, scale,
+     SEQ) = io
+    NUM_BUF: gl.constexpr = ring[0].shape[0]
+    HEAD_DIM: gl.constexpr = k_smem.shape[2]
+    DTYPE: gl.constexpr = k_smem.dtype
+    st_layout: gl.constexpr = wgmma_layout(4, BLOCK_M)
+    kv_layout: gl.constexpr = wgmma_layout(4, HEAD_DIM)
+    q_smem, do_smem, q_bars, do_bars = ring[0], ring[1], ring[4], ring[5]
+    mine = start_n + WG * HALF
+    k = k_smem.index(WG)
+    v = v_smem.index(WG)
+    n_q_blocks = SEQ // BLOCK_M
+
+    mbarrier.wait(kv_bars.index(WG), 0)
+    if KV_IN_REGS:
+        k = k.load(gl.DotOperandLayout(operand_index=0, parent=st_layout, k_width=2))
+        v = v.load(gl.DotOperandLayout(operand_index=0, parent=st_layout, k_width=2))
+    h = hk * GROUP
+    i = first
+    _take_turn(turns, WG, 0, PINGPONG)
+    st, dpt = _products(k, v, q_smem, do_smem, q_bars, do_bars, 0, st_layout, NUM_BUF)
+    _pass_turn(turns, WG, PINGPONG)
+    cols, lse2, delta = _query_stats(ring, 0, i, st_layout, BLOCK_M, NUM_BUF)
+    st, dpt = warpgroup_mma_wait(0, deps=[st, dpt])
+    pt, dst = _softmax_grad(st, dpt, cols, lse2, delta, i, mine, qk_scale, st_layout, DTYPE, BLOCK_M, HALF)
+    pt, dst = _operand(pt, kv_layout), _operand(dst, kv_layout)
+    dv = warpgroup_mma_init(gl.zeros([HALF, HEAD_DIM], gl.float32, kv_layout))
+    dk = warpgroup_mma_init(gl.zeros([HALF, HEAD_DIM], gl.float32, kv_layout))
+    # The first N_DIAG blocks of each query head may reach either consumer's diagonal; the rest compile without
+    # the mask (as dkdv_kernel's runs).
+    N_DIAG: gl.constexpr = max(2 * HALF // BLOCK_M, 1)
+    n_q = n_q_blocks - first
+    for g in range(GROUP):
+        for run in gl.static_range(2):
+            lo = gl.maximum(g * n_q + run * N_DIAG, 1)
+            hi = g * n_q + N_DIAG if run == 0 else (g + 1) * n_q
+            for t in range(lo, hi):
+                h, i = _next_query_block(h, i, first, n_q_blocks, GROUP)
+                _take_turn(turns, WG, t, PINGPONG)
+                st, dpt = _products(k, v, q_smem, do_smem, q_bars, do_bars, t, st_layout, NUM_BUF)
+                dv, dk = _updates(pt, dst, dv, dk, q_smem, do_smem, t - 1, NUM_BUF)
+                _pass_turn(turns, WG, PINGPONG)
+                cols, lse2, delta = _query_stats(ring, t, i, st_layout, BLOCK_M, NUM_BUF)
+                st, dpt = warpgroup_mma_wait(2, deps=[st, dpt])
+                pt_next, dst_next = _softmax_grad(st, dpt, cols, lse2, delta, i, mine, qk_scale, st_layout, DTYPE,
+                                                  BLOCK_M, HALF, run == 0)
+                pt_next, dst_next = _operand(pt_next, kv_layout), _operand(dst_next, kv_layout)
+                dv, dk, pt, dst = warpgroup_mma_wait(0, deps=[dv, dk, pt, dst])
+                mbarrier.arrive(free.index((t - 1) % NUM_BUF), count=1)  # block t-1 is no longer read
+                dv = warpgroup_mma_init(dv)
+                dk = warpgroup_mma_init(dk)
+                pt = pt_next
+                dst = dst_next
+    dv, dk = _updates(pt, dst, dv, dk, q_smem, do_smem, end - 1, NUM_BUF)
+    dv, dk = warpgroup_mma_wait(0, deps=[dv, dk])
+    _store_dkdv(dk, dv, scale, k_smem.index(WG), v_smem.index(WG), dk_desc, dv_desc, bhk * SEQ + mine)
+
+
+@gluon.jit
+def dkdv_ws_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_desc, delta_desc, Q_RB, Q_RH, Q_CH, K_RB,
+                   K_RH, K_CH, V_RB, V_RH, V_CH, DO_RB, DO_RH, DO_CH, HEADS, GROUP: gl.constexpr, SEQ, qk_scale,
+                   scale, N_SMS, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, NUM_BUF: gl.constexpr,
+                   PINGPONG: gl.constexpr, KV_IN_REGS: gl.constexpr):
+    """dK and dV of one 128-row key block of one kv head (k, v, dk and dv descriptors: blocks of 64 rows), over
+    the query blocks of every query head it serves; the loader streams them to two consumer warpgroups, one per
+    64 key rows."""
+    n_blocks = SEQ // (2 * HALF)
+    pid_n, bhk = _schedule(n_blocks, gl.num_programs(0) // n_blocks, N_SMS, False)
+    kv_heads = HEADS // GROUP
+    b = bhk // kv_heads
+    hk = bhk % kv_heads
+    start_n = pid_n * (2 * HALF)
+    k_row, k_col = _origin(b, hk, K_RB, K_RH, K_CH)
+    v_row, v_col = _origin(b, hk, V_RB, V_RH, V_CH)
+    first = start_n // BLOCK_M  # queries before start_n see none of these keys
+    end = GROUP * (SEQ // BLOCK_M - first)
+
+    k_smem = gl.allocate_shared_memory(k_desc.dtype, [2, HALF, HEAD_DIM], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(v_desc.dtype, [2, HALF, HEAD_DIM], v_desc.layout)
+    q_smem, do_smem, q_bars, do_bars = _ring(q_desc, do_desc, NUM_BUF)
+    lse_smem = gl.allocate_shared_memory(gl.float32, [NUM_BUF, BLOCK_M], lse_desc.layout)
+    delta_smem = gl.allocate_shared_memory(gl.float32, [NUM_BUF, BLOCK_M], delta_desc.layout)
+    ring = (q_smem, do_smem, lse_smem, delta_smem, q_bars, do_bars)
+    kv_bars = _bars(2, 1)
+    free = _bars(NUM_BUF, 2)  # both consumers release each slot
+    turns = _bars(2, 1)
+    fence_async_shared()
+
+    descs = (q_desc, do_desc, lse_desc, delta_desc)
+    io = (k_smem, v_smem, kv_bars, ring, free, turns, dk_desc, dv_desc, hk, bhk, start_n, first, end, qk_scale, scale,
+          SEQ)
+    gl.warp_specialize([
+        (_dkdv_consumer, (io, gl.constexpr(0), GROUP, PINGPONG, BLOCK_M, KV_IN_REGS)),
+        (_dkdv_consumer, (io, gl.constexpr(1), GROUP, PINGPONG, BLOCK_M, KV_IN_REGS)),
+        (_dkdv_loader, (descs, k_desc, v_desc, k_smem, v_smem, kv_bars, ring, free, Q_RB, Q_RH, Q_CH, DO_RB, DO_RH,
+                        DO_CH, k_row, k_col, v_row, v_col, b, hk, start_n, first, end, HEADS, SEQ, GROUP, BLOCK_M)),
     ], [4, 1], [CONSUMER_REGS, LOADER_REGS])

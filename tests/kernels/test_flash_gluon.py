@@ -86,21 +86,24 @@ def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, d_out: torch.T
 
 
 def _setting_cases() -> list[tuple[str, int, tuple]]:
-    """(kernel, head_dim, setting) for each setting `flash_gluon` picks from, the warp-specialized forward's too."""
+    """(kernel, head_dim, setting) for each setting `flash_gluon` picks from, the warp-specialized kernels' too."""
     return [(kernel, d, s) for d in flash_gluon.HEAD_DIMS
             for kernel, settings in (("forward", flash_gluon.FWD_SETTINGS), ("dq", flash_gluon.DQ_SETTINGS),
                                      ("dkdv", flash_gluon.DKDV_SETTINGS[d]))
-            for s in settings] + [("forward", d, s) for d in flash_gluon.HEAD_DIMS
-                                  for s in flash_gluon.FWD_WS_SETTINGS[d]]
+            for s in settings] + [(kernel, d, s) for d in flash_gluon.HEAD_DIMS
+                                  for kernel, settings in (("forward", flash_gluon.FWD_WS_SETTINGS[d]),
+                                                           ("dkdv", flash_gluon.DKDV_WS_SETTINGS[d]))
+                                  for s in settings]
 
 
 @pytest.mark.gpu
 @hopper
 @pytest.mark.parametrize("kernel, d, setting", _setting_cases())
-def test_every_setting_matches_reference(kernel: str, d: int, setting) -> None:
+@pytest.mark.parametrize("kv_heads", [8, 2])
+def test_every_setting_matches_reference(kernel: str, d: int, setting, kv_heads: int) -> None:
     """Each tile setting of each kernel, not only the one timing picks, gives the float32 reference's output or
-    gradients (GQA 8:2, so the dK/dV kernel walks two query heads)."""
-    q, k, v = inputs((2, 8, 384, d), (2, 2, 384, d), torch.bfloat16, seed=7)
+    gradients, without GQA and with 8:2 (where the dK/dV kernels walk four query heads)."""
+    q, k, v = inputs((2, 8, 384, d), (2, kv_heads, 384, d), torch.bfloat16, seed=7)
     scale = d ** -0.5
     out, lse = flash_gluon.forward(q.detach(), k.detach(), v.detach(), scale,
                                    setting if kernel == "forward" else None)
