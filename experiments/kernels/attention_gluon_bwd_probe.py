@@ -104,7 +104,7 @@ def main() -> None:
                 dkdv[setting] = row["ms"]
         if dkdv:  # Gluon's dQ beside the fastest Gluon dK/dV
             best = min(dkdv, key=dkdv.get)
-            for setting in DQ_SETTINGS:
+            for setting in (*DQ_SETTINGS, *flash_gluon.DQ_WS_SETTINGS[d]):
                 measured.append(measure(f"gluon dQ {setting} + dK/dV {best}", lambda setting=setting: gluon_backward(
                     q, k, v, out, lse, d_out, best, setting), check, shape, flops, args.repeats, dev))
         for setting in FUSED_SETTINGS[d]:

@@ -35,7 +35,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from lmlab.kernels.flash_gluon_fused import dkdvq_kernel, prepare_kernel
 from lmlab.kernels.flash_gluon_kernels import dkdv_kernel, dq_kernel, forward_kernel
-from lmlab.kernels.flash_gluon_ws import MAXNREG, ROWS_PER_CONSUMER, dkdv_ws_kernel, forward_ws_kernel
+from lmlab.kernels.flash_gluon_ws import MAXNREG, ROWS_PER_CONSUMER, dkdv_ws_kernel, dq_ws_kernel, forward_ws_kernel
 from lmlab.kernels.flash_triton import _sm_count
 from lmlab.timing import cold_gpu_medians
 
@@ -55,8 +55,9 @@ FWD_SETTINGS: tuple[FwdSetting, ...] = ((128, 64, 3, 8, False), (64, 64, 2, 4, T
 
 @dataclass(frozen=True)
 class WsSetting:
-    """A setting of the warp-specialized forward (`flash_gluon_ws`; 128 query rows a program): rows per key
-    block, ring slots, and whether its two consumer warpgroups take turns to issue their products."""
+    """A setting of a warp-specialized query-block kernel (`flash_gluon_ws`, forward or dQ; 128 query rows a
+    program): rows per key block, ring slots, and whether its two consumer warpgroups take turns to issue their
+    products."""
 
     block_n: int
     num_buf: int
@@ -89,6 +90,10 @@ DKDV_WS_SETTINGS: dict[int, tuple[DkdvWsSetting, ...]] = {
     64: (DkdvWsSetting(64, 3, True), DkdvWsSetting(64, 3, True, True), DkdvWsSetting(64, 4, True, True)),
     128: (DkdvWsSetting(32, 3, True), DkdvWsSetting(32, 3, False), DkdvWsSetting(32, 4, True))}
 DQ_SETTINGS: tuple[Setting, ...] = ((64, 64, 3, 4), (64, 64, 2, 4), (128, 64, 3, 8))
+# The warp-specialized dQ's: at head_dim 128 (64, 3, ping-pong) made the backward 7% faster at B4 H16 S4096 (H100,
+# 2026-12-06: 1.478 ms against 1.593 with dq_kernel's best; two slots were slower, 128-row key blocks spill); at 64
+# each setting tried ran 8-23% slower than the Triton dQ at B1 H16 S16384, so there are none.
+DQ_WS_SETTINGS: dict[int, tuple[WsSetting, ...]] = {64: (), 128: (WsSetting(64, 3, True), WsSetting(64, 3, False))}
 # dK/dV: with KV_IN_REGS (K and V as the register operands of S^T and dP^T) only at head_dim 64, where it keeps
 # its wgmmas overlapped without spilling; at 128 ptxas serializes them (experiments/kernels/attention_sass.py).
 # (64, 64, 4, 4, True) was the fastest at B1 H16 S16384 D64 once LSE and delta came by TMA (H100, 2026-12-06).
@@ -232,11 +237,13 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
 def backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
              d_out: torch.Tensor, scale: float,
              triton_dq: Callable[[torch.Tensor, torch.Tensor], None] | None = None,
-             dq_setting: Setting | str | None = None, dkdv_setting: DkdvSetting | DkdvWsSetting | None = None,
+             dq_setting: Setting | WsSetting | str | None = None,
+             dkdv_setting: DkdvSetting | DkdvWsSetting | None = None,
              fused_setting: Setting | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`forward`'s gradients: (dq, dk, dv), contiguous, in q's dtype. Two kernels: dQ (which stores delta =
-    rowsum(dO * O)), then dK/dV, at the pair of DQ_SETTINGS and DKDV_SETTINGS whose whole backward ran fastest
-    (timed on the first call per (dtype, head_dim, seq, group)) unless `dq_setting` / `dkdv_setting` pin them.
+    rowsum(dO * O)), then dK/dV, at the pair of DQ_SETTINGS + DQ_WS_SETTINGS and DKDV_SETTINGS +
+    DKDV_WS_SETTINGS whose whole backward ran fastest (timed on the first call per (dtype, head_dim, seq, group))
+    unless `dq_setting` / `dkdv_setting` pin them.
     `triton_dq(dq, delta)`, when given, fills both with flash_triton's dQ kernel: one more dQ candidate, named
     "triton" (dq_setting may name it). `fused_setting` runs the fused kernel (`flash_gluon_fused`) at those tiles
     instead: slower than the two kernels at every shape measured (experiments/kernels/README.md, 2026-12-06), so
@@ -294,11 +301,21 @@ def backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tenso
             BLOCK_M=block_m, BLOCK_N=block_n, NUM_BUF=num_buf, NUM_WARPS=warps, num_warps=warps)
         dq.copy_(acc.view(dq.shape))
         return dq, dk, dv
-    dq_launches: dict[object, Callable[[], None]] = {s: functools.partial(launch_dq, *s) for s in DQ_SETTINGS}
+    def launch_dq_ws(ws: WsSetting) -> None:
+        dq_ws_kernel[_grid(seq, 2 * ROWS_PER_CONSUMER, batch * heads)](
+            qr.descriptor(ROWS_PER_CONSUMER, dim), kr.descriptor(ws.block_n, dim), vr.descriptor(ws.block_n, dim),
+            dor.descriptor(ROWS_PER_CONSUMER, dim), dqr.descriptor(ROWS_PER_CONSUMER, dim), out, lse, delta,
+            *origins, HEAD_DIM=dim, BLOCK_N=ws.block_n, NUM_BUF=ws.num_buf, PINGPONG=ws.pingpong, num_warps=4,
+            maxnreg=MAXNREG)
+
+    def dq_at(s: Setting | WsSetting) -> Callable[[], None]:
+        return functools.partial(launch_dq_ws, s) if isinstance(s, WsSetting) else functools.partial(launch_dq, *s)
+
+    dq_launches: dict[object, Callable[[], None]] = {s: dq_at(s) for s in (*DQ_SETTINGS, *DQ_WS_SETTINGS[dim])}
     if triton_dq is not None:
         dq_launches["triton"] = functools.partial(triton_dq, dq, delta)
     if dq_setting is not None:
-        dq_launches = {dq_setting: dq_launches.get(dq_setting, functools.partial(launch_dq, *dq_setting))}
+        dq_launches = {dq_setting: dq_launches.get(dq_setting) or dq_at(dq_setting)}
     # The warp-specialized dK/dV only without GQA: with a group, ptxas serializes its wgmmas (C7513).
     dkdv_settings = ((dkdv_setting,) if dkdv_setting
                      else (*DKDV_SETTINGS[dim], *(DKDV_WS_SETTINGS[dim] if group == 1 else ())))

@@ -1,30 +1,31 @@
-"""The Hopper attention forward in FlashAttention-3's warp-specialized form (`flash_gluon.forward` times it
-beside `flash_gluon_kernels.forward_kernel`).
+"""The Hopper attention kernels in FlashAttention-3's warp-specialized form: forward, dQ and dK/dV
+(`flash_gluon` times them beside `flash_gluon_kernels`' one-warpgroup kernels and keeps the fastest).
 
 Why: in the one-warpgroup forward, ptxas 12.8 puts the loop's exponentials after the wait for the P V product
 (flash_gluon_kernels' docstring), so each warpgroup's softmax and its own matmuls take turns. Here a program
-holds a 2 * 64-row query block and three partitions:
-  loader     one warp: Q's two halves, then each key block's K and V, by TMA into a ring of NUM_BUF slots; a
-             slot refills once both consumers have released it (K after its Q K^T, V after its P V)
-  consumers  two warpgroups, one per 64-row half, each the one-warpgroup loop: issue S_j = Q K_j^T and
-             O += P_{j-1} V_{j-1}, wait for S_j, softmax, wait for P V
-With PINGPONG the consumers take turns to issue their two products (an mbarrier each, passed after issuing):
+holds 128 rows (query rows in the forward and dQ, key rows in dK/dV) and three partitions:
+  loader     one warp: the resident tiles' two 64-row halves, then each streamed block (K and V; in dK/dV Q, dO,
+             LSE and delta) by TMA into a ring of NUM_BUF slots; a slot refills once both consumers have
+             released it
+  consumers  two warpgroups, one per 64-row half, each running the one-warpgroup kernel's loop on its rows
+With PINGPONG the consumers take turns to issue each block's products (an mbarrier each, passed after issuing):
 one warpgroup's softmax then runs while the tensor cores compute the other's products, whatever order ptxas
-gives each warpgroup's own instructions (FlashAttention-3's inter-warpgroup overlap). K and V are read from
-shared memory once per 128 query rows instead of once per 64, and the loader frees the consumers' issue slots
-and registers of address arithmetic (`setmaxnreg`: consumers 240 registers a thread, the loader 24).
+gives each warpgroup's own instructions (FlashAttention-3's inter-warpgroup overlap). Each streamed block is
+read from shared memory by both consumers, once per 128 rows instead of once per 64, and the loader frees the
+consumers' issue slots and registers of address arithmetic (`setmaxnreg`: consumers 240 registers a thread, the
+loader 24).
 """
 
 from __future__ import annotations
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma_init,
-                                                              warpgroup_mma_wait)
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                              warpgroup_mma_init, warpgroup_mma_wait)
 
 from lmlab.kernels.flash_gluon_kernels import (_load_queries, _next_query_block, _operand, _origin, _products, _pv,
-                                               _query_program, _query_stats, _ring, _schedule, _scores, _softmax,
-                                               _softmax_grad, _store_dkdv, _updates, wgmma_layout)
+                                               _query_program, _query_stats, _ring, _schedule, _score_grad, _scores,
+                                               _softmax, _softmax_grad, _store_dkdv, _updates, wgmma_layout)
 
 ROWS_PER_CONSUMER = 64  # query rows per consumer warpgroup: a program takes twice as many
 HALF = gl.constexpr(ROWS_PER_CONSUMER)
@@ -44,16 +45,19 @@ def _bars(n: gl.constexpr, count: gl.constexpr):
 
 
 @gluon.jit
-def _loader(io):
-    """The loader partition: Q's halves once, then each key block's K and V as their slots free up."""
-    (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, k_free, v_free, q_row, q_col, k_row,
-     k_col, v_row, v_col, start_m, n_kv) = io
+def _loader(kv, halves, half_bars, start_m):
+    """The loader partition of the query-block kernels: the resident tensors' two 64-row halves (`halves`: (desc,
+    smem, row, col) each, both halves' mbarriers `half_bars`), then each key block's K and V (`kv`,
+    `_key_stream`'s) as their slots free up."""
+    k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_free, v_free, k_row, k_col, v_row, v_col, n_kv = kv
     NUM_BUF: gl.constexpr = k_smem.shape[0]
     BLOCK_N: gl.constexpr = k_desc.block_shape[0]
+    NBYTES: gl.constexpr = halves[0][0].block_type.nbytes * len(halves)
     for w in gl.static_range(2):
-        mbarrier.expect(q_bars.index(w), q_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(q_desc, [q_row + start_m + w * HALF, q_col], q_bars.index(w),
-                                        q_smem.index(w))
+        mbarrier.expect(half_bars.index(w), NBYTES)
+        for r in gl.static_range(len(halves)):
+            desc, smem, row, col = halves[r]
+            tma.async_copy_global_to_shared(desc, [row + start_m + w * HALF, col], half_bars.index(w), smem.index(w))
     for t in range(n_kv):
         slot = t % NUM_BUF
         free = ((t // NUM_BUF) & 1) ^ 1  # a fresh mbarrier's "previous phase" counts as complete
@@ -63,6 +67,16 @@ def _loader(io):
         mbarrier.wait(v_free.index(slot), free)
         mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(v_desc, [v_row + t * BLOCK_N, v_col], v_ready.index(slot), v_smem.index(slot))
+
+
+@gluon.jit
+def _key_stream(k_desc, v_desc, k_row, k_col, v_row, v_col, n_kv, NUM_BUF: gl.constexpr):
+    """The query-block kernels' ring of streamed K and V blocks, with its mbarriers (a slot is ready once its
+    block has landed, free once both consumers have released it), as the tuple `_loader` takes."""
+    k_smem = gl.allocate_shared_memory(k_desc.dtype, [NUM_BUF] + k_desc.block_shape, k_desc.layout)
+    v_smem = gl.allocate_shared_memory(v_desc.dtype, [NUM_BUF] + v_desc.block_shape, v_desc.layout)
+    return (k_desc, v_desc, k_smem, v_smem, _bars(NUM_BUF, 1), _bars(NUM_BUF, 1), _bars(NUM_BUF, 2),
+            _bars(NUM_BUF, 2), k_row, k_col, v_row, v_col, n_kv)
 
 
 @gluon.jit
@@ -79,10 +93,10 @@ def _pass_turn(turns, wg: gl.constexpr, PINGPONG: gl.constexpr):
 
 
 @gluon.jit
-def _consumer(io, o_desc, turns, LSE, bh, SEQ, qk_scale, WG: gl.constexpr, PINGPONG: gl.constexpr):
-    """A consumer partition: the one-warpgroup forward loop over its 64 query rows."""
-    (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, k_free, v_free, q_row, q_col, k_row,
-     k_col, v_row, v_col, start_m, n_kv) = io
+def _consumer(kv, q_smem, q_bars, start_m, o_desc, turns, LSE, bh, SEQ, qk_scale, WG: gl.constexpr,
+              PINGPONG: gl.constexpr):
+    """A forward consumer partition: the one-warpgroup forward loop over its 64 query rows."""
+    k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_free, v_free, k_row, k_col, v_row, v_col, n_kv = kv
     NUM_BUF: gl.constexpr = k_smem.shape[0]
     BLOCK_N: gl.constexpr = k_desc.block_shape[0]
     HEAD_DIM: gl.constexpr = k_desc.block_shape[1]
@@ -100,7 +114,7 @@ def _consumer(io, o_desc, turns, LSE, bh, SEQ, qk_scale, WG: gl.constexpr, PINGP
     _pass_turn(turns, WG, PINGPONG)
     s = warpgroup_mma_wait(0, deps=[s])
     mbarrier.arrive(k_free.index(0), count=1)
-    p, m_i, l_i, alpha = _softmax(s, m_i, l_i, 0, first, qk_scale, s_layout, o_layout, q_desc.dtype, HALF,
+    p, m_i, l_i, alpha = _softmax(s, m_i, l_i, 0, first, qk_scale, s_layout, o_layout, q_smem.dtype, HALF,
                                   BLOCK_N)
     for j in range(1, n_kv):
         _take_turn(turns, WG, j, PINGPONG)
@@ -109,7 +123,7 @@ def _consumer(io, o_desc, turns, LSE, bh, SEQ, qk_scale, WG: gl.constexpr, PINGP
         _pass_turn(turns, WG, PINGPONG)
         s = warpgroup_mma_wait(1, deps=[s])
         mbarrier.arrive(k_free.index(j % NUM_BUF), count=1)
-        p_next, m_i, l_i, alpha = _softmax(s, m_i, l_i, j, first, qk_scale, s_layout, o_layout, q_desc.dtype,
+        p_next, m_i, l_i, alpha = _softmax(s, m_i, l_i, j, first, qk_scale, s_layout, o_layout, q_smem.dtype,
                                            HALF, BLOCK_N)
         acc, p = warpgroup_mma_wait(0, deps=[acc, p])
         mbarrier.arrive(v_free.index((j - 1) % NUM_BUF), count=1)
@@ -137,22 +151,99 @@ def forward_ws_kernel(q_desc, k_desc, v_desc, o_desc, LSE, Q_RB, Q_RH, Q_CH, K_R
     n_kv = (start_m + 2 * HALF) // BLOCK_N  # key blocks up to the diagonal's end
 
     q_smem = gl.allocate_shared_memory(q_desc.dtype, [2, HALF, HEAD_DIM], q_desc.layout)
-    k_smem = gl.allocate_shared_memory(k_desc.dtype, [NUM_BUF, BLOCK_N, HEAD_DIM], k_desc.layout)
-    v_smem = gl.allocate_shared_memory(v_desc.dtype, [NUM_BUF, BLOCK_N, HEAD_DIM], v_desc.layout)
     q_bars = _bars(2, 1)
-    k_ready = _bars(NUM_BUF, 1)
-    v_ready = _bars(NUM_BUF, 1)
-    k_free = _bars(NUM_BUF, 2)  # both consumers release each slot
-    v_free = _bars(NUM_BUF, 2)
+    kv = _key_stream(k_desc, v_desc, k_row, k_col, v_row, v_col, n_kv, NUM_BUF)
     turns = _bars(2, 1)
     fence_async_shared()
 
-    io = (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, k_free, v_free, q_row, q_col,
-          k_row, k_col, v_row, v_col, start_m, n_kv)
     gl.warp_specialize([
-        (_consumer, (io, o_desc, turns, LSE, bh, SEQ, qk_scale, gl.constexpr(0), PINGPONG)),
-        (_consumer, (io, o_desc, turns, LSE, bh, SEQ, qk_scale, gl.constexpr(1), PINGPONG)),
-        (_loader, (io,)),
+        (_consumer, (kv, q_smem, q_bars, start_m, o_desc, turns, LSE, bh, SEQ, qk_scale, gl.constexpr(0), PINGPONG)),
+        (_consumer, (kv, q_smem, q_bars, start_m, o_desc, turns, LSE, bh, SEQ, qk_scale, gl.constexpr(1), PINGPONG)),
+        (_loader, (kv, ((q_desc, q_smem, q_row, q_col),), q_bars, start_m)),
+    ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
+
+
+@gluon.jit
+def _dq_consumer(kv, q_smem, do_smem, qdo_bars, start_m, dq_desc, turns, O, LSE, DELTA, bh, SEQ, qk_scale, scale,
+                 WG: gl.constexpr, PINGPONG: gl.constexpr):
+    """A dQ consumer partition: flash_gluon_kernels.dq_kernel's loop over its 64 query rows, and their delta."""
+    k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_free, v_free, k_row, k_col, v_row, v_col, n_kv = kv
+    NUM_BUF: gl.constexpr = k_smem.shape[0]
+    BLOCK_N: gl.constexpr = k_desc.block_shape[0]
+    HEAD_DIM: gl.constexpr = k_desc.block_shape[1]
+    DTYPE: gl.constexpr = q_smem.dtype
+    s_layout: gl.constexpr = wgmma_layout(4, BLOCK_N)
+    dq_layout: gl.constexpr = wgmma_layout(4, HEAD_DIM)
+    rows_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    first = start_m + WG * HALF
+    q = q_smem.index(WG)
+    do = do_smem.index(WG)
+
+    # delta = rowsum(dO * O) while the tiles load, stored for the dK/dV kernel
+    stat0 = bh.to(gl.int64) * SEQ
+    rows = first + gl.arange(0, HALF, layout=gl.SliceLayout(1, rows_layout))
+    cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, rows_layout))
+    o = gl.load(O + (stat0 + gl.expand_dims(rows, 1)) * HEAD_DIM + gl.expand_dims(cols, 0))
+    mbarrier.wait(qdo_bars.index(WG), 0)
+    delta = gl.sum(o.to(gl.float32) * do.load(rows_layout).to(gl.float32), 1)
+    gl.store(DELTA + stat0 + rows, delta)
+    delta = gl.convert_layout(delta, gl.SliceLayout(1, s_layout))
+    lse2 = gl.load(LSE + stat0 + first + gl.arange(0, HALF, layout=gl.SliceLayout(1, s_layout)))
+    lse2 = lse2 * 1.4426950408889634  # natural log -> base 2
+
+    # A V block is free once its dP is done, a K block only once its dQ update is.
+    _take_turn(turns, WG, 0, PINGPONG)
+    s, dp = _products(q, do, k_smem, v_smem, k_ready, v_ready, 0, s_layout, NUM_BUF)
+    _pass_turn(turns, WG, PINGPONG)
+    s, dp = warpgroup_mma_wait(0, deps=[s, dp])
+    mbarrier.arrive(v_free.index(0), count=1)
+    ds = _score_grad(s, dp, lse2, delta, 0, first, qk_scale, s_layout, dq_layout, DTYPE, HALF, BLOCK_N)
+    dq = warpgroup_mma_init(gl.zeros([HALF, HEAD_DIM], gl.float32, dq_layout))
+    for j in range(1, n_kv):
+        _take_turn(turns, WG, j, PINGPONG)
+        s, dp = _products(q, do, k_smem, v_smem, k_ready, v_ready, j, s_layout, NUM_BUF)
+        dq = warpgroup_mma(ds, k_smem.index((j - 1) % NUM_BUF), dq, is_async=True)
+        _pass_turn(turns, WG, PINGPONG)
+        s, dp = warpgroup_mma_wait(1, deps=[s, dp])
+        mbarrier.arrive(v_free.index(j % NUM_BUF), count=1)
+        ds_next = _score_grad(s, dp, lse2, delta, j, first, qk_scale, s_layout, dq_layout, DTYPE, HALF, BLOCK_N)
+        dq, ds = warpgroup_mma_wait(0, deps=[dq, ds])  # ds: kept alive until its update is done
+        mbarrier.arrive(k_free.index((j - 1) % NUM_BUF), count=1)
+        dq = warpgroup_mma_init(dq)
+        ds = ds_next
+    dq = warpgroup_mma_wait(0, deps=[warpgroup_mma(ds, k_smem.index((n_kv - 1) % NUM_BUF), dq, is_async=True)])
+
+    q.store((dq * scale).to(dq_desc.dtype))  # this half of Q is no longer read: it stages dQ for the TMA store
+    fence_async_shared()
+    tma.async_copy_shared_to_global(dq_desc, [bh * SEQ + first, 0], q)
+    tma.store_wait(0)
+
+
+@gluon.jit
+def dq_ws_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, O, LSE, DELTA, Q_RB, Q_RH, Q_CH, K_RB, K_RH, K_CH,
+                 V_RB, V_RH, V_CH, DO_RB, DO_RH, DO_CH, HEADS, GROUP, SEQ, qk_scale, scale, N_SMS,
+                 HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, NUM_BUF: gl.constexpr, PINGPONG: gl.constexpr):
+    """dQ of one 128-row query block (q, do and dq descriptors: blocks of 64 rows), and delta = rowsum(dO * O)
+    for the dK/dV kernel (O, LSE, DELTA and dQ contiguous)."""
+    bh, b, h, start_m, k_row, k_col, v_row, v_col = _query_program(K_RB, K_RH, K_CH, V_RB, V_RH, V_CH, HEADS, GROUP,
+                                                                   SEQ, N_SMS, 2 * HALF)
+    q_row, q_col = _origin(b, h, Q_RB, Q_RH, Q_CH)
+    do_row, do_col = _origin(b, h, DO_RB, DO_RH, DO_CH)
+    n_kv = (start_m + 2 * HALF) // BLOCK_N  # key blocks up to the diagonal's end
+
+    q_smem = gl.allocate_shared_memory(q_desc.dtype, [2, HALF, HEAD_DIM], q_desc.layout)
+    do_smem = gl.allocate_shared_memory(do_desc.dtype, [2, HALF, HEAD_DIM], do_desc.layout)
+    qdo_bars = _bars(2, 1)
+    kv = _key_stream(k_desc, v_desc, k_row, k_col, v_row, v_col, n_kv, NUM_BUF)
+    turns = _bars(2, 1)
+    fence_async_shared()
+
+    gl.warp_specialize([
+        (_dq_consumer, (kv, q_smem, do_smem, qdo_bars, start_m, dq_desc, turns, O, LSE, DELTA, bh, SEQ, qk_scale,
+                        scale, gl.constexpr(0), PINGPONG)),
+        (_dq_consumer, (kv, q_smem, do_smem, qdo_bars, start_m, dq_desc, turns, O, LSE, DELTA, bh, SEQ, qk_scale,
+                        scale, gl.constexpr(1), PINGPONG)),
+        (_loader, (kv, ((q_desc, q_smem, q_row, q_col), (do_desc, do_smem, do_row, do_col)), qdo_bars, start_m)),
     ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
 

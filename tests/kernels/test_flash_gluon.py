@@ -92,6 +92,7 @@ def _setting_cases() -> list[tuple[str, int, tuple]]:
                                      ("dkdv", flash_gluon.DKDV_SETTINGS[d]))
             for s in settings] + [(kernel, d, s) for d in flash_gluon.HEAD_DIMS
                                   for kernel, settings in (("forward", flash_gluon.FWD_WS_SETTINGS[d]),
+                                                           ("dq", flash_gluon.DQ_WS_SETTINGS[d]),
                                                            ("dkdv", flash_gluon.DKDV_WS_SETTINGS[d]))
                                   for s in settings]
 
