@@ -490,6 +490,23 @@ def _first_query_block(k, v, ring, hk, GROUP: gl.constexpr, first, start_n, qk_s
 
 
 @gluon.jit
+def _next_grads(st, dpt, dv, dk, pt, dst, ring, t, i, start_n, qk_scale, st_layout: gl.constexpr,
+                kv_layout: gl.constexpr, BLOCK_N: gl.constexpr, MAY_MASK: gl.constexpr):
+    """The dK/dV loop's step after issuing ring block t's S^T and dP^T (query block i) and block t-1's updates:
+    once the former are done, block t's P^T and dS^T as the next updates' register operands, computed while the
+    updates run; then the wait for those. Returns (P^T, dS^T, dV, dK)."""
+    NUM_BUF: gl.constexpr = ring[0].shape[0]
+    BLOCK_M: gl.constexpr = ring[0].shape[1]
+    cols, lse2, delta = _query_stats(ring, t, i, st_layout, BLOCK_M, NUM_BUF)
+    st, dpt = warpgroup_mma_wait(2, deps=[st, dpt])
+    pt_next, dst_next = _softmax_grad(st, dpt, cols, lse2, delta, i, start_n, qk_scale, st_layout, ring[0].dtype,
+                                      BLOCK_M, BLOCK_N, MAY_MASK)
+    pt_next, dst_next = _operand(pt_next, kv_layout), _operand(dst_next, kv_layout)
+    dv, dk, pt, dst = warpgroup_mma_wait(0, deps=[dv, dk, pt, dst])  # pt, dst: alive until their updates are done
+    return pt_next, dst_next, dv, dk
+
+
+@gluon.jit
 def dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_desc, delta_desc, Q_RB, Q_RH, Q_CH, K_RB,
                 K_RH, K_CH, V_RB, V_RH, V_CH, DO_RB, DO_RH, DO_CH, HEADS, GROUP: gl.constexpr, SEQ, qk_scale, scale,
                 N_SMS, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_BUF: gl.constexpr,
@@ -533,14 +550,10 @@ def dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_desc, del
             hi = g * n_q + N_DIAG if run == 0 else (g + 1) * n_q
             for t in range(lo, hi):
                 h, i = _next_query_block(h, i, first, n_q_blocks, GROUP)
-                st, dpt = _products(k, v, q_smem, do_smem, q_bars, do_bars, t, st_layout, NUM_BUF)
+                st_t, dpt_t = _products(k, v, q_smem, do_smem, q_bars, do_bars, t, st_layout, NUM_BUF)
                 dv, dk = _updates(pt, dst, dv, dk, q_smem, do_smem, t - 1, NUM_BUF)
-                cols, lse2, delta = _query_stats(ring, t, i, st_layout, BLOCK_M, NUM_BUF)
-                st, dpt = warpgroup_mma_wait(2, deps=[st, dpt])
-                pt_next, dst_next = _softmax_grad(st, dpt, cols, lse2, delta, i, start_n, qk_scale, st_layout,
-                                                  q_desc.dtype, BLOCK_M, BLOCK_N, run == 0)
-                pt_next, dst_next = _operand(pt_next, kv_layout), _operand(dst_next, kv_layout)
-                dv, dk, pt, dst = warpgroup_mma_wait(0, deps=[dv, dk, pt, dst])
+                pt_next, dst_next, dv, dk = _next_grads(st_t, dpt_t, dv, dk, pt, dst, ring, t, i, start_n, qk_scale,
+                                                        st_layout, kv_layout, BLOCK_N, run == 0)
                 # block t-1's Q, dO and statistics are no longer read: its slot takes block t - 1 + NUM_BUF
                 h_load, i_load = _next_query_block(h_load, i_load, first, n_q_blocks, GROUP)
                 _load_queries(descs, ring, Q_RB, Q_RH, Q_CH, DO_RB, DO_RH, DO_CH, b, h_load, i_load, HEADS, SEQ,

@@ -23,9 +23,10 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_init, warpgroup_mma_wait)
 
-from lmlab.kernels.flash_gluon_kernels import (_load_queries, _next_query_block, _operand, _origin, _products, _pv,
-                                               _query_program, _query_stats, _ring, _schedule, _score_grad, _scores,
-                                               _softmax, _softmax_grad, _store_dkdv, _updates, wgmma_layout)
+from lmlab.kernels.flash_gluon_kernels import (_load_queries, _next_grads, _next_query_block, _operand, _origin,
+                                               _products, _pv, _query_program, _query_stats, _ring, _schedule,
+                                               _score_grad, _scores, _softmax, _softmax_grad, _store_dkdv, _updates,
+                                               wgmma_layout)
 
 ROWS_PER_CONSUMER = 64  # query rows per consumer warpgroup: a program takes twice as many
 HALF = gl.constexpr(ROWS_PER_CONSUMER)
@@ -315,15 +316,11 @@ def _dkdv_consumer(io, WG: gl.constexpr, GROUP: gl.constexpr, PINGPONG: gl.const
             for t in range(lo, hi):
                 h, i = _next_query_block(h, i, first, n_q_blocks, GROUP)
                 _take_turn(turns, WG, t, PINGPONG)
-                st, dpt = _products(k, v, q_smem, do_smem, q_bars, do_bars, t, st_layout, NUM_BUF)
+                st_t, dpt_t = _products(k, v, q_smem, do_smem, q_bars, do_bars, t, st_layout, NUM_BUF)
                 dv, dk = _updates(pt, dst, dv, dk, q_smem, do_smem, t - 1, NUM_BUF)
                 _pass_turn(turns, WG, PINGPONG)
-                cols, lse2, delta = _query_stats(ring, t, i, st_layout, BLOCK_M, NUM_BUF)
-                st, dpt = warpgroup_mma_wait(2, deps=[st, dpt])
-                pt_next, dst_next = _softmax_grad(st, dpt, cols, lse2, delta, i, mine, qk_scale, st_layout, DTYPE,
-                                                  BLOCK_M, HALF, run == 0)
-                pt_next, dst_next = _operand(pt_next, kv_layout), _operand(dst_next, kv_layout)
-                dv, dk, pt, dst = warpgroup_mma_wait(0, deps=[dv, dk, pt, dst])
+                pt_next, dst_next, dv, dk = _next_grads(st_t, dpt_t, dv, dk, pt, dst, ring, t, i, mine, qk_scale,
+                                                        st_layout, kv_layout, HALF, run == 0)
                 mbarrier.arrive(free.index((t - 1) % NUM_BUF), count=1)  # block t-1 is no longer read
                 dv = warpgroup_mma_init(dv)
                 dk = warpgroup_mma_init(dk)
