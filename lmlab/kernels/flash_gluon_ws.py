@@ -39,6 +39,7 @@ MAXNREG = 168
 
 @gluon.jit
 def _bars(n: gl.constexpr, count: gl.constexpr):
+    """n mbarriers in shared memory, each completing a phase after `count` arrivals (and its expected bytes)."""
     bars = gl.allocate_shared_memory(gl.int64, [n, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(n):
         mbarrier.init(bars.index(i), count=count)
