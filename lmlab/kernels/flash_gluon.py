@@ -4,8 +4,8 @@
 or 128 and a sequence length that is a multiple of 128 (`applies`); every other call runs its Triton kernels.
 
 The kernels (`flash_gluon_kernels`) overlap the softmax with the tensor cores as FlashAttention-3 does,
-which Triton's own compiler does not on sm_90; `flash_gluon_ws` has FlashAttention-3's warp-specialized forward and
-dK/dV (a TMA loader warp and two consumer warpgroups over 128 rows), the fastest at head_dim 128. This module picks
+which Triton's own compiler does not on sm_90; `flash_gluon_ws` has FlashAttention-3's warp-specialized forward, dQ
+and dK/dV (a TMA loader warp and two consumer warpgroups over 128 rows), the fastest at head_dim 128. This module picks
 and launches them.
 
 Inputs are read where they lie: a (batch, heads, seq, head_dim) tensor whose rows sit at a fixed stride (a
@@ -268,6 +268,16 @@ def backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tenso
             dor.descriptor(block_m, dim), dqr.descriptor(block_m, dim), out, lse, delta, *origins,
             HEAD_DIM=dim, BLOCK_M=block_m, BLOCK_N=block_n, NUM_BUF=num_buf, NUM_WARPS=warps, num_warps=warps)
 
+    def launch_dq_ws(ws: WsSetting) -> None:
+        dq_ws_kernel[_grid(seq, 2 * ROWS_PER_CONSUMER, batch * heads)](
+            qr.descriptor(ROWS_PER_CONSUMER, dim), kr.descriptor(ws.block_n, dim), vr.descriptor(ws.block_n, dim),
+            dor.descriptor(ROWS_PER_CONSUMER, dim), dqr.descriptor(ROWS_PER_CONSUMER, dim), out, lse, delta,
+            *origins, HEAD_DIM=dim, BLOCK_N=ws.block_n, NUM_BUF=ws.num_buf, PINGPONG=ws.pingpong, num_warps=4,
+            maxnreg=MAXNREG)
+
+    def dq_at(s: Setting | WsSetting) -> Callable[[], None]:
+        return functools.partial(launch_dq_ws, s) if isinstance(s, WsSetting) else functools.partial(launch_dq, *s)
+
     def launch_dkdv(block_m: int, block_n: int, num_buf: int, warps: int, kv_in_regs: bool) -> None:
         dkdv_kernel[_grid(seq, block_n, batch * kv_heads)](
             qr.descriptor(block_m, dim), kr.descriptor(block_n, dim), vr.descriptor(block_n, dim),
@@ -301,15 +311,6 @@ def backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tenso
             BLOCK_M=block_m, BLOCK_N=block_n, NUM_BUF=num_buf, NUM_WARPS=warps, num_warps=warps)
         dq.copy_(acc.view(dq.shape))
         return dq, dk, dv
-    def launch_dq_ws(ws: WsSetting) -> None:
-        dq_ws_kernel[_grid(seq, 2 * ROWS_PER_CONSUMER, batch * heads)](
-            qr.descriptor(ROWS_PER_CONSUMER, dim), kr.descriptor(ws.block_n, dim), vr.descriptor(ws.block_n, dim),
-            dor.descriptor(ROWS_PER_CONSUMER, dim), dqr.descriptor(ROWS_PER_CONSUMER, dim), out, lse, delta,
-            *origins, HEAD_DIM=dim, BLOCK_N=ws.block_n, NUM_BUF=ws.num_buf, PINGPONG=ws.pingpong, num_warps=4,
-            maxnreg=MAXNREG)
-
-    def dq_at(s: Setting | WsSetting) -> Callable[[], None]:
-        return functools.partial(launch_dq_ws, s) if isinstance(s, WsSetting) else functools.partial(launch_dq, *s)
 
     dq_launches: dict[object, Callable[[], None]] = {s: dq_at(s) for s in (*DQ_SETTINGS, *DQ_WS_SETTINGS[dim])}
     if triton_dq is not None:

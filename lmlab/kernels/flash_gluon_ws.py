@@ -47,6 +47,18 @@ def _bars(n: gl.constexpr, count: gl.constexpr):
 
 
 @gluon.jit
+def _load_halves(halves, half_bars, start):
+    """Start the TMA copies of the resident tensors' two 64-row halves from row `start` of each (`halves`: (desc,
+    smem, row, col) per tensor, the head's origin); half w of every tensor lands on `half_bars`' w-th mbarrier."""
+    NBYTES: gl.constexpr = halves[0][0].block_type.nbytes * len(halves)
+    for w in gl.static_range(2):
+        mbarrier.expect(half_bars.index(w), NBYTES)
+        for r in gl.static_range(len(halves)):
+            desc, smem, row, col = halves[r]
+            tma.async_copy_global_to_shared(desc, [row + start + w * HALF, col], half_bars.index(w), smem.index(w))
+
+
+@gluon.jit
 def _loader(kv, halves, half_bars, start_m):
     """The loader partition of the query-block kernels: the resident tensors' two 64-row halves (`halves`: (desc,
     smem, row, col) each, both halves' mbarriers `half_bars`), then each key block's K and V (`kv`,
@@ -54,12 +66,7 @@ def _loader(kv, halves, half_bars, start_m):
     k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_free, v_free, k_row, k_col, v_row, v_col, n_kv = kv
     NUM_BUF: gl.constexpr = k_smem.shape[0]
     BLOCK_N: gl.constexpr = k_desc.block_shape[0]
-    NBYTES: gl.constexpr = halves[0][0].block_type.nbytes * len(halves)
-    for w in gl.static_range(2):
-        mbarrier.expect(half_bars.index(w), NBYTES)
-        for r in gl.static_range(len(halves)):
-            desc, smem, row, col = halves[r]
-            tma.async_copy_global_to_shared(desc, [row + start_m + w * HALF, col], half_bars.index(w), smem.index(w))
+    _load_halves(halves, half_bars, start_m)
     for t in range(n_kv):
         slot = t % NUM_BUF
         free = ((t // NUM_BUF) & 1) ^ 1  # a fresh mbarrier's "previous phase" counts as complete
@@ -79,6 +86,25 @@ def _key_stream(k_desc, v_desc, k_row, k_col, v_row, v_col, n_kv, NUM_BUF: gl.co
     v_smem = gl.allocate_shared_memory(v_desc.dtype, [NUM_BUF] + v_desc.block_shape, v_desc.layout)
     return (k_desc, v_desc, k_smem, v_smem, _bars(NUM_BUF, 1), _bars(NUM_BUF, 1), _bars(NUM_BUF, 2),
             _bars(NUM_BUF, 2), k_row, k_col, v_row, v_col, n_kv)
+
+
+@gluon.jit
+def _query_ws_program(q_desc, k_desc, v_desc, Q_RB, Q_RH, Q_CH, K_RB, K_RH, K_CH, V_RB, V_RH, V_CH, HEADS, GROUP, SEQ,
+                      N_SMS, NUM_BUF: gl.constexpr):
+    """A warp-specialized query-block program (forward, dQ): its batch * heads index, batch, head and first query,
+    where its Q starts, shared memory for Q's two halves with their mbarriers, the ring of K and V blocks
+    (`_key_stream`) and the consumers' turn mbarriers, initialised and fenced."""
+    BLOCK_N: gl.constexpr = k_desc.block_shape[0]
+    bh, b, h, start_m, k_row, k_col, v_row, v_col = _query_program(K_RB, K_RH, K_CH, V_RB, V_RH, V_CH, HEADS, GROUP,
+                                                                   SEQ, N_SMS, 2 * HALF)
+    q_row, q_col = _origin(b, h, Q_RB, Q_RH, Q_CH)
+    n_kv = (start_m + 2 * HALF) // BLOCK_N  # key blocks up to the diagonal's end
+    q_smem = gl.allocate_shared_memory(q_desc.dtype, [2] + q_desc.block_shape, q_desc.layout)
+    half_bars = _bars(2, 1)
+    kv = _key_stream(k_desc, v_desc, k_row, k_col, v_row, v_col, n_kv, NUM_BUF)
+    turns = _bars(2, 1)
+    fence_async_shared()
+    return bh, b, h, start_m, q_row, q_col, q_smem, half_bars, kv, turns
 
 
 @gluon.jit
@@ -147,16 +173,9 @@ def forward_ws_kernel(q_desc, k_desc, v_desc, o_desc, LSE, Q_RB, Q_RH, Q_CH, K_R
                       HEADS, GROUP, SEQ, qk_scale, N_SMS, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
                       NUM_BUF: gl.constexpr, PINGPONG: gl.constexpr):
     """Causal attention forward of one 128-row query block (q_desc and o_desc: blocks of 64 rows)."""
-    bh, b, h, start_m, k_row, k_col, v_row, v_col = _query_program(K_RB, K_RH, K_CH, V_RB, V_RH, V_CH, HEADS, GROUP,
-                                                                   SEQ, N_SMS, 2 * HALF)
-    q_row, q_col = _origin(b, h, Q_RB, Q_RH, Q_CH)
-    n_kv = (start_m + 2 * HALF) // BLOCK_N  # key blocks up to the diagonal's end
-
-    q_smem = gl.allocate_shared_memory(q_desc.dtype, [2, HALF, HEAD_DIM], q_desc.layout)
-    q_bars = _bars(2, 1)
-    kv = _key_stream(k_desc, v_desc, k_row, k_col, v_row, v_col, n_kv, NUM_BUF)
-    turns = _bars(2, 1)
-    fence_async_shared()
+    bh, b, h, start_m, q_row, q_col, q_smem, q_bars, kv, turns = _query_ws_program(
+        q_desc, k_desc, v_desc, Q_RB, Q_RH, Q_CH, K_RB, K_RH, K_CH, V_RB, V_RH, V_CH, HEADS, GROUP, SEQ, N_SMS,
+        NUM_BUF)
 
     gl.warp_specialize([
         (_consumer, (kv, q_smem, q_bars, start_m, o_desc, turns, LSE, bh, SEQ, qk_scale, gl.constexpr(0), PINGPONG)),
@@ -227,18 +246,11 @@ def dq_ws_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, O, LSE, DELTA, Q_RB, 
                  HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, NUM_BUF: gl.constexpr, PINGPONG: gl.constexpr):
     """dQ of one 128-row query block (q, do and dq descriptors: blocks of 64 rows), and delta = rowsum(dO * O)
     for the dK/dV kernel (O, LSE, DELTA and dQ contiguous)."""
-    bh, b, h, start_m, k_row, k_col, v_row, v_col = _query_program(K_RB, K_RH, K_CH, V_RB, V_RH, V_CH, HEADS, GROUP,
-                                                                   SEQ, N_SMS, 2 * HALF)
-    q_row, q_col = _origin(b, h, Q_RB, Q_RH, Q_CH)
+    bh, b, h, start_m, q_row, q_col, q_smem, qdo_bars, kv, turns = _query_ws_program(
+        q_desc, k_desc, v_desc, Q_RB, Q_RH, Q_CH, K_RB, K_RH, K_CH, V_RB, V_RH, V_CH, HEADS, GROUP, SEQ, N_SMS,
+        NUM_BUF)
     do_row, do_col = _origin(b, h, DO_RB, DO_RH, DO_CH)
-    n_kv = (start_m + 2 * HALF) // BLOCK_N  # key blocks up to the diagonal's end
-
-    q_smem = gl.allocate_shared_memory(q_desc.dtype, [2, HALF, HEAD_DIM], q_desc.layout)
     do_smem = gl.allocate_shared_memory(do_desc.dtype, [2, HALF, HEAD_DIM], do_desc.layout)
-    qdo_bars = _bars(2, 1)
-    kv = _key_stream(k_desc, v_desc, k_row, k_col, v_row, v_col, n_kv, NUM_BUF)
-    turns = _bars(2, 1)
-    fence_async_shared()
 
     gl.warp_specialize([
         (_dq_consumer, (kv, q_smem, do_smem, qdo_bars, start_m, dq_desc, turns, O, LSE, DELTA, bh, SEQ, qk_scale,
@@ -256,12 +268,7 @@ def _dkdv_loader(descs, k_desc, v_desc, k_smem, v_smem, kv_bars, ring, free, Q_R
     """The dK/dV loader partition: K's and V's halves once, then each query block's Q, dO, LSE and delta (every
     query head of the kv head in turn) as their slot frees up."""
     NUM_BUF: gl.constexpr = ring[0].shape[0]
-    for w in gl.static_range(2):
-        mbarrier.expect(kv_bars.index(w), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(k_desc, [k_row + start_n + w * HALF, k_col], kv_bars.index(w),
-                                        k_smem.index(w))
-        tma.async_copy_global_to_shared(v_desc, [v_row + start_n + w * HALF, v_col], kv_bars.index(w),
-                                        v_smem.index(w))
+    _load_halves(((k_desc, k_smem, k_row, k_col), (v_desc, v_smem, v_row, v_col)), kv_bars, start_n)
     h = hk * GROUP
     i = first
     n_q_blocks = SEQ // BLOCK_M
