@@ -107,7 +107,7 @@ def main() -> None:
             for setting in (*DQ_SETTINGS, *flash_gluon.DQ_WS_SETTINGS[d]):
                 measured.append(measure(f"gluon dQ {setting} + dK/dV {best}", lambda setting=setting: gluon_backward(
                     q, k, v, out, lse, d_out, best, setting), check, shape, flops, args.repeats, dev))
-        for setting in FUSED_SETTINGS[d]:
+        for setting in (*FUSED_SETTINGS[d], *flash_gluon.FUSED_WS_SETTINGS[d]):
             measured.append(measure(f"gluon fused dK/dV/dQ {setting}", lambda setting=setting: gluon_backward(
                 q, k, v, out, lse, d_out, fused_setting=setting), check, shape, flops, args.repeats, dev))
         measured.append(measure("lmlab backward (settings timed)", triton_backward, check, shape, flops, args.repeats,

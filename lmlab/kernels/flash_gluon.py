@@ -16,9 +16,10 @@ Outputs (out, lse, dq, dk, dv) are contiguous, as the Triton kernels' are.
 The tile settings (BLOCK_M, BLOCK_N, NUM_BUF, warps; the forward's also whether Q is a register operand) are timed
 on the first call per (dtype, head_dim, seq, group) and the fastest kept: the forward's alone, the backward's as
 (dQ, dK/dV) pairs of whole backwards. The dQ candidates include the Triton dQ kernel (`backward`'s triton_dq),
-which was the fastest at B1 H16 S16384 D64 on an H100 (experiments/kernels/README.md). `backward` can also run
-FlashAttention-3's fused backward (`flash_gluon_fused`: dQ reduced from the dK/dV pass by TMA, five block matmuls
-instead of seven); it measured slower than the two kernels, so it runs only when asked for.
+which was the fastest pair's at B1 H16 S16384 D64 on an H100 (experiments/kernels/README.md). Beside the pairs
+runs FlashAttention-3's fused backward (`flash_gluon_fused`: dQ reduced from the dK/dV pass by TMA, five block
+matmuls instead of seven) in its warp-specialized form, without GQA: at head_dim 64 it beat every pair by 16%
+(H100, 2026-12-06). The fused kernel's one-warpgroup form measured slower than the pairs; it runs only when asked.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ import triton
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from lmlab.kernels.flash_gluon_fused import dkdvq_kernel, prepare_kernel
+from lmlab.kernels.flash_gluon_fused import FUSED_WS_MAXNREG, dkdvq_kernel, dkdvq_ws_kernel, prepare_kernel
 from lmlab.kernels.flash_gluon_kernels import dkdv_kernel, dq_kernel, forward_kernel
 from lmlab.kernels.flash_gluon_ws import MAXNREG, ROWS_PER_CONSUMER, dkdv_ws_kernel, dq_ws_kernel, forward_ws_kernel
 from lmlab.kernels.flash_triton import _sm_count
@@ -107,6 +108,11 @@ DKDV_SETTINGS: dict[int, tuple[DkdvSetting, ...]] = {
 # (experiments/kernels/attention_sass.py).
 FUSED_SETTINGS: dict[int, tuple[Setting, ...]] = {64: ((64, 64, 2, 4), (64, 128, 2, 8), (64, 128, 3, 8)),
                                                   128: ((64, 128, 2, 8),)}
+# The warp-specialized fused backward's (`flash_gluon_fused.dkdvq_ws_kernel`, timed beside the pairs), head_dim 64
+# only: at 128 its dQ partition's accumulator outgrows the registers left to it. Compiled for sm_90a, these keep
+# the wgmmas overlapped and spill 112-132 bytes a thread; with K and V in registers ptxas serializes them.
+FUSED_WS_SETTINGS: dict[int, tuple[DkdvWsSetting, ...]] = {
+    64: (DkdvWsSetting(64, 3, True), DkdvWsSetting(64, 3, False), DkdvWsSetting(64, 4, True)), 128: ()}
 _PREPARE_ROWS = 64  # rows per program of the fused backward's delta and zeroing
 # LSE's and delta's blocks in shared memory: one row of BLOCK_M float32s, unswizzled (TMA swizzles rows of at
 # most the swizzle's width; nothing reads them as a wgmma operand)
@@ -239,15 +245,16 @@ def backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tenso
              triton_dq: Callable[[torch.Tensor, torch.Tensor], None] | None = None,
              dq_setting: Setting | WsSetting | str | None = None,
              dkdv_setting: DkdvSetting | DkdvWsSetting | None = None,
-             fused_setting: Setting | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+             fused_setting: Setting | DkdvWsSetting | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`forward`'s gradients: (dq, dk, dv), contiguous, in q's dtype. Two kernels: dQ (which stores delta =
     rowsum(dO * O)), then dK/dV, at the pair of DQ_SETTINGS + DQ_WS_SETTINGS and DKDV_SETTINGS +
     DKDV_WS_SETTINGS whose whole backward ran fastest (timed on the first call per (dtype, head_dim, seq, group))
-    unless `dq_setting` / `dkdv_setting` pin them.
+    unless `dq_setting` / `dkdv_setting` pin them; unpinned and without GQA, the warp-specialized fused backward
+    at FUSED_WS_SETTINGS runs in that race too (named ("fused", setting)).
     `triton_dq(dq, delta)`, when given, fills both with flash_triton's dQ kernel: one more dQ candidate, named
-    "triton" (dq_setting may name it). `fused_setting` runs the fused kernel (`flash_gluon_fused`) at those tiles
-    instead: slower than the two kernels at every shape measured (experiments/kernels/README.md, 2026-12-06), so
-    never picked by default."""
+    "triton" (dq_setting may name it). `fused_setting` runs a fused kernel (`flash_gluon_fused`) instead: the
+    warp-specialized one at a DkdvWsSetting, the one-warpgroup one at a Setting (slower than the two kernels at
+    every shape measured, experiments/kernels/README.md, 2026-12-06, so never timed by default)."""
     batch, heads, seq, dim = q.shape
     kv_heads = k.shape[1]
     group = heads // kv_heads
@@ -297,19 +304,34 @@ def backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tenso
         return (functools.partial(launch_dkdv_ws, s) if isinstance(s, DkdvWsSetting)
                 else functools.partial(launch_dkdv, *s))
 
-    if fused_setting is not None:
-        block_m, block_n, num_buf, warps = fused_setting
+    def launch_fused(s: Setting | DkdvWsSetting) -> None:
+        """The fused backward: delta and a zeroed float32 dQ, the kernel at setting s (the warp-specialized one at
+        a DkdvWsSetting), then dQ in q's dtype."""
         acc = torch.empty(batch * heads * seq, dim, dtype=torch.float32, device=q.device)  # dQ, reduced into
         prepare_kernel[(batch * heads * seq // _PREPARE_ROWS,)](
             out, dor.view, delta, acc, *dor.origin, dor.view.stride(0), heads, seq, HEAD_DIM=dim,
             BLOCK=_PREPARE_ROWS, NUM_WARPS=4, num_warps=4)
-        acc_layout = gl.NVMMASharedLayout.get_default_for([block_m, dim], gl.float32)
-        dkdvq_kernel[_grid(seq, block_n, batch * kv_heads)](
-            qr.descriptor(block_m, dim), kr.descriptor(block_n, dim), vr.descriptor(block_n, dim),
-            dor.descriptor(block_m, dim), dkr.descriptor(block_n, dim), dvr.descriptor(block_n, dim),
-            TensorDescriptor.from_tensor(acc, [block_m, dim], acc_layout), *stats(block_m), *origins, HEAD_DIM=dim,
-            BLOCK_M=block_m, BLOCK_N=block_n, NUM_BUF=num_buf, NUM_WARPS=warps, num_warps=warps)
+        block_m = s.block_m if isinstance(s, DkdvWsSetting) else s[0]
+        acc_desc = TensorDescriptor.from_tensor(
+            acc, [block_m, dim], gl.NVMMASharedLayout.get_default_for([block_m, dim], gl.float32))
+        if isinstance(s, DkdvWsSetting):
+            dkdvq_ws_kernel[_grid(seq, 2 * ROWS_PER_CONSUMER, batch * kv_heads)](
+                qr.descriptor(block_m, dim), kr.descriptor(ROWS_PER_CONSUMER, dim),
+                vr.descriptor(ROWS_PER_CONSUMER, dim), dor.descriptor(block_m, dim),
+                dkr.descriptor(ROWS_PER_CONSUMER, dim), dvr.descriptor(ROWS_PER_CONSUMER, dim), acc_desc,
+                *stats(block_m), *origins, HEAD_DIM=dim, BLOCK_M=block_m, NUM_BUF=s.num_buf, PINGPONG=s.pingpong,
+                KV_IN_REGS=s.kv_in_regs, num_warps=4, maxnreg=FUSED_WS_MAXNREG)
+        else:
+            _, block_n, num_buf, warps = s
+            dkdvq_kernel[_grid(seq, block_n, batch * kv_heads)](
+                qr.descriptor(block_m, dim), kr.descriptor(block_n, dim), vr.descriptor(block_n, dim),
+                dor.descriptor(block_m, dim), dkr.descriptor(block_n, dim), dvr.descriptor(block_n, dim), acc_desc,
+                *stats(block_m), *origins, HEAD_DIM=dim, BLOCK_M=block_m, BLOCK_N=block_n, NUM_BUF=num_buf,
+                NUM_WARPS=warps, num_warps=warps)
         dq.copy_(acc.view(dq.shape))
+
+    if fused_setting is not None:
+        launch_fused(fused_setting)
         return dq, dk, dv
 
     dq_launches: dict[object, Callable[[], None]] = {s: dq_at(s) for s in (*DQ_SETTINGS, *DQ_WS_SETTINGS[dim])}
@@ -324,6 +346,8 @@ def backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tenso
     # than in the backward it belongs to (2026-12-06, H100: the pick took 3.697 ms where the best pair took 3.519).
     pairs = {(name, setting): functools.partial(_in_turn, dq_launches[name], dkdv_at(setting))
              for name in dq_launches for setting in dkdv_settings}
+    if dq_setting is None and dkdv_setting is None and group == 1:  # the fused backward, like the WS dK/dV
+        pairs.update({("fused", s): functools.partial(launch_fused, s) for s in FUSED_WS_SETTINGS[dim]})
     if len(pairs) == 1:
         next(iter(pairs.values()))()
     else:

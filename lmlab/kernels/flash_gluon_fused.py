@@ -1,9 +1,12 @@
 """The fused backward of lmlab's Hopper attention: dK, dV and dQ from one pass over the scores, as
 FlashAttention-3 computes them (`flash_gluon.backward(..., fused_setting=...)` launches it).
 
-Measured on an H200 (experiments/kernels/README.md, 2026-12-06) it is slower than the two kernels at every shape
-tried, 1.10x the time at B1 H16 S16384 D64 at its best setting, so `flash_gluon` runs it only when asked; it stays
-as the tested form of FlashAttention-3's dQ path, which the two-kernel backward can be compared against.
+Two forms. `dkdvq_kernel`, one warpgroup a program over 64 keys, is slower than the two kernels at every shape
+tried (1.25x their time at B1 H16 S16384 D64 on an H100, experiments/kernels/README.md, 2026-12-06), so
+`flash_gluon` runs it only when asked for. `dkdvq_ws_kernel` is `flash_gluon_ws.dkdv_ws_kernel` (128 keys, two
+consumer warpgroups and a loader warp) with a fourth partition, a warpgroup that forms each query block's dQ from
+the dS^T both consumers leave in shared memory and reduces it, once per 128 keys: there 16% faster than the
+fastest pair of kernels (2.658 ms against 3.166) and 15% faster than cuDNN's backward (3.110).
 
 The two-kernel backward (`flash_gluon_kernels`' dQ, then dK/dV) computes S and dP twice: seven block matmuls
 where five do. Here each key block's program also forms every query block's share of dQ, dS K, and adds it
@@ -12,7 +15,7 @@ the addition at the L2, so no program waits for another, as the atomics of a Tri
 2026-12-03 made them do. Gluon 3.6 has no wrapper for that instruction; its builder has the operation
 (`_tma_reduce_add`).
 
-Per query block t of the ring, the loop issues block t's S^T = K Q^T and dP^T = V dO^T, then block t-1's
+In `dkdvq_kernel`, per query block t of the ring, the loop issues block t's S^T = K Q^T and dP^T = V dO^T, then block t-1's
 dV += P^T dO, dK += dS^T Q and dQ_{t-1} = dS K, waits for block t's scores alone and computes its P^T and dS^T
 while the updates run. P^T and dS^T go to shared memory, two slots each (one written while the other is read):
 no register operand stays alive across the updates, which is what lets head_dim 128 keep its wgmmas
@@ -26,12 +29,20 @@ from triton._C.libtriton import ir
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language._core import builtin
-from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, tma, warpgroup_mma,
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_init, warpgroup_mma_wait)
 
 from lmlab.kernels.flash_gluon_kernels import (_first_query_block, _key_program, _load_queries, _next_query_block,
                                                _origin, _products, _query_stats, _release, _softmax_grad, _store_dkdv,
                                                wgmma_layout)
+from lmlab.kernels.flash_gluon_ws import HALF, LOADER_REGS, _bars, _dkdv_consumer, _dkdv_loader, _key_ws_program
+
+# Registers a thread of the warp-specialized fused kernel: its four warpgroups (two consumers, the dQ partition,
+# the loader's warp padded to one) share an SM's 64K, 128 each at launch; setmaxnreg then moves them to the
+# consumers: 2 * 208 + 72 + 24 = 4 * 128.
+FUSED_WS_MAXNREG = 128
+FUSED_CONSUMER_REGS = gl.constexpr(208)
+DQ_REGS = gl.constexpr(72)
 
 
 @builtin
@@ -152,3 +163,61 @@ def dkdvq_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, lse
     _add_dq(dq, scale, dq_smem, dq_desc, (b * HEADS + h) * SEQ + i * BLOCK_M)
     _store_dkdv(dk, dv, scale, k_smem, v_smem, dk_desc, dv_desc, bhk * SEQ + start_n)
     _release(kv_bar, q_bars, do_bars, NUM_BUF)
+
+
+@gluon.jit
+def _dq_partition(k_smem, ds_halves, ready, free, dq_smem, dq_desc, b, hk, first, end, HEADS, SEQ, scale,
+                  GROUP: gl.constexpr):
+    """The warp-specialized fused kernel's dQ warpgroup: per ring block, once both consumers have put their rows
+    of its dS^T in its slot, dQ_t = dS K over all 128 keys (a wgmma per consumer's 64), added (times scale) into
+    the float32 dQ through one of two staging buffers."""
+    BLOCK_M: gl.constexpr = ds_halves[0].shape[2]
+    HEAD_DIM: gl.constexpr = k_smem.shape[2]
+    zero = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, wgmma_layout(4, HEAD_DIM))
+    h = hk * GROUP
+    i = first
+    n_q_blocks = SEQ // BLOCK_M
+    for t in range(end):
+        slot = t % 2
+        mbarrier.wait(ready.index(slot), (t // 2) & 1)
+        dq = warpgroup_mma(ds_halves[0].index(slot).permute((1, 0)), k_smem.index(0), zero, use_acc=False,
+                           is_async=True)
+        dq = warpgroup_mma(ds_halves[1].index(slot).permute((1, 0)), k_smem.index(1), dq, is_async=True)
+        dq = warpgroup_mma_wait(0, deps=[dq])
+        mbarrier.arrive(free.index(slot), count=1)
+        tma.store_wait(1)  # the reduction that read this staging buffer two blocks ago is done
+        staged = dq_smem.index(slot)
+        staged.store(dq * scale)
+        fence_async_shared()
+        _tma_reduce_add(dq_desc, [(b * HEADS + h) * SEQ + i * BLOCK_M, 0], staged)
+        h, i = _next_query_block(h, i, first, n_q_blocks, GROUP)
+    tma.store_wait(0)
+
+
+@gluon.jit
+def dkdvq_ws_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, lse_desc, delta_desc, Q_RB, Q_RH,
+                    Q_CH, K_RB, K_RH, K_CH, V_RB, V_RH, V_CH, DO_RB, DO_RH, DO_CH, HEADS, GROUP: gl.constexpr, SEQ,
+                    qk_scale, scale, N_SMS, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, NUM_BUF: gl.constexpr,
+                    PINGPONG: gl.constexpr, KV_IN_REGS: gl.constexpr):
+    """The fused backward in warp-specialized form: `flash_gluon_ws.dkdv_ws_kernel`'s program (128 key rows, two
+    consumer warpgroups, the loader), whose consumers also put each query block's dS^T in shared memory (two
+    slots), and a fourth partition that forms that block's dQ from it over all 128 keys and adds it into the
+    float32 dQ (zeroed by `prepare_kernel`): one reduction per 128 keys, half the one-warpgroup kernel's."""
+    io, feed, where = _key_ws_program(
+        q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_desc, delta_desc, Q_RB, Q_RH, Q_CH, K_RB, K_RH, K_CH,
+        V_RB, V_RH, V_CH, DO_RB, DO_RH, DO_CH, HEADS, GROUP, SEQ, qk_scale, scale, N_SMS, BLOCK_M, NUM_BUF)
+    b, hk, first, end = where
+    ds_layout: gl.constexpr = _swizzled(HALF, BLOCK_M, q_desc.dtype)
+    ds_halves = (gl.allocate_shared_memory(q_desc.dtype, [2, HALF, BLOCK_M], ds_layout),
+                 gl.allocate_shared_memory(q_desc.dtype, [2, HALF, BLOCK_M], ds_layout))
+    dq_smem = gl.allocate_shared_memory(gl.float32, [2] + dq_desc.block_shape, dq_desc.layout)
+    ready = _bars(2, 2)  # both consumers' rows of a block's dS^T are in
+    free = _bars(2, 1)  # the dQ partition has read them
+    fence_async_shared()
+    gl.warp_specialize([
+        (_dkdv_consumer, (io, gl.constexpr(0), GROUP, PINGPONG, BLOCK_M, KV_IN_REGS, (ds_halves[0], ready, free))),
+        (_dkdv_consumer, (io, gl.constexpr(1), GROUP, PINGPONG, BLOCK_M, KV_IN_REGS, (ds_halves[1], ready, free))),
+        (_dq_partition, (io[0], ds_halves, ready, free, dq_smem, dq_desc, b, hk, first, end, HEADS, SEQ, scale,
+                         GROUP)),
+        (_dkdv_loader, (feed, GROUP, BLOCK_M)),
+    ], [4, 4, 1], [FUSED_CONSUMER_REGS, DQ_REGS, LOADER_REGS])

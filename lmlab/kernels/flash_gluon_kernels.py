@@ -490,17 +490,32 @@ def _first_query_block(k, v, ring, hk, GROUP: gl.constexpr, first, start_n, qk_s
 
 
 @gluon.jit
+def _share_ds(share, dst, t):
+    """With `share` (the fused warp-specialized backward's: this consumer's rows of two dS^T slots, and their ready
+    and free mbarriers), put ring block t's dS^T in slot t % 2 for the dQ partition, once that has read block
+    t-2's; without, nothing."""
+    if share is not None:
+        ds_smem, ready, free = share
+        slot = t % 2
+        mbarrier.wait(free.index(slot), ((t // 2) & 1) ^ 1)  # a fresh mbarrier's "previous phase" counts as complete
+        ds_smem.index(slot).store(dst)
+        fence_async_shared()
+        mbarrier.arrive(ready.index(slot), count=1)
+
+
+@gluon.jit
 def _next_grads(st, dpt, dv, dk, pt, dst, ring, t, i, start_n, qk_scale, st_layout: gl.constexpr,
-                kv_layout: gl.constexpr, BLOCK_N: gl.constexpr, MAY_MASK: gl.constexpr):
+                kv_layout: gl.constexpr, BLOCK_N: gl.constexpr, MAY_MASK: gl.constexpr, share=None):
     """The dK/dV loop's step after issuing ring block t's S^T and dP^T (query block i) and block t-1's updates:
     once the former are done, block t's P^T and dS^T as the next updates' register operands, computed while the
-    updates run; then the wait for those. Returns (P^T, dS^T, dV, dK)."""
+    updates run (dS^T also shared, `_share_ds`); then the wait for those. Returns (P^T, dS^T, dV, dK)."""
     NUM_BUF: gl.constexpr = ring[0].shape[0]
     BLOCK_M: gl.constexpr = ring[0].shape[1]
     cols, lse2, delta = _query_stats(ring, t, i, st_layout, BLOCK_M, NUM_BUF)
     st, dpt = warpgroup_mma_wait(2, deps=[st, dpt])
     pt_next, dst_next = _softmax_grad(st, dpt, cols, lse2, delta, i, start_n, qk_scale, st_layout, ring[0].dtype,
                                       BLOCK_M, BLOCK_N, MAY_MASK)
+    _share_ds(share, dst_next, t)
     pt_next, dst_next = _operand(pt_next, kv_layout), _operand(dst_next, kv_layout)
     dv, dk, pt, dst = warpgroup_mma_wait(0, deps=[dv, dk, pt, dst])  # pt, dst: alive until their updates are done
     return pt_next, dst_next, dv, dk

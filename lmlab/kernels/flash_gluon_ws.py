@@ -25,8 +25,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 from lmlab.kernels.flash_gluon_kernels import (_load_queries, _next_grads, _next_query_block, _operand, _origin,
                                                _products, _pv, _query_program, _query_stats, _ring, _schedule,
-                                               _score_grad, _scores, _softmax, _softmax_grad, _store_dkdv, _updates,
-                                               wgmma_layout)
+                                               _score_grad, _scores, _share_ds, _softmax, _softmax_grad, _store_dkdv,
+                                               _updates, wgmma_layout)
 
 ROWS_PER_CONSUMER = 64  # query rows per consumer warpgroup: a program takes twice as many
 HALF = gl.constexpr(ROWS_PER_CONSUMER)
@@ -262,11 +262,11 @@ def dq_ws_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, O, LSE, DELTA, Q_RB, 
 
 
 @gluon.jit
-def _dkdv_loader(descs, k_desc, v_desc, k_smem, v_smem, kv_bars, ring, free, Q_RB, Q_RH, Q_CH, DO_RB, DO_RH, DO_CH,
-                 k_row, k_col, v_row, v_col, b, hk, start_n, first, end, HEADS, SEQ, GROUP: gl.constexpr,
-                 BLOCK_M: gl.constexpr):
+def _dkdv_loader(feed, GROUP: gl.constexpr, BLOCK_M: gl.constexpr):
     """The dK/dV loader partition: K's and V's halves once, then each query block's Q, dO, LSE and delta (every
-    query head of the kv head in turn) as their slot frees up."""
+    query head of the kv head in turn) as their slot frees up (`feed`: `_key_ws_program`'s)."""
+    (descs, k_desc, v_desc, k_smem, v_smem, kv_bars, ring, free, Q_RB, Q_RH, Q_CH, DO_RB, DO_RH, DO_CH, k_row, k_col,
+     v_row, v_col, b, hk, start_n, first, end, HEADS, SEQ) = feed
     NUM_BUF: gl.constexpr = ring[0].shape[0]
     _load_halves(((k_desc, k_smem, k_row, k_col), (v_desc, v_smem, v_row, v_col)), kv_bars, start_n)
     h = hk * GROUP
@@ -280,11 +280,19 @@ def _dkdv_loader(descs, k_desc, v_desc, k_smem, v_smem, kv_bars, ring, free, Q_R
 
 
 @gluon.jit
+def _dq_done(share, t):
+    """With `share` (`_share_ds`'s), wait until the dQ partition has read ring block t's dS^T and K."""
+    if share is not None:
+        mbarrier.wait(share[2].index(t % 2), (t // 2) & 1)
+
+
+@gluon.jit
 def _dkdv_consumer(io, WG: gl.constexpr, GROUP: gl.constexpr, PINGPONG: gl.constexpr, BLOCK_M: gl.constexpr,
-                   KV_IN_REGS: gl.constexpr):
+                   KV_IN_REGS: gl.constexpr, share):
     """A dK/dV consumer partition: flash_gluon_kernels.dkdv_kernel's loop for its 64 key rows (KV_IN_REGS: K
     and V as register operands, as there). The blocks of the ring that lie wholly above its rows' diagonal (the
-    other consumer's first ones) come out masked to zero."""
+    other consumer's first ones) come out masked to zero. With `share`, each block's dS^T also goes to the fused
+    backward's dQ partition (`_share_ds`)."""
     (k_smem, v_smem, kv_bars, ring, free, turns, dk_desc, dv_desc, hk, bhk, start_n, first, end, qk_scale, scale,
      SEQ) = io
     NUM_BUF: gl.constexpr = ring[0].shape[0]
@@ -310,6 +318,7 @@ def _dkdv_consumer(io, WG: gl.constexpr, GROUP: gl.constexpr, PINGPONG: gl.const
     cols, lse2, delta = _query_stats(ring, 0, i, st_layout, BLOCK_M, NUM_BUF)
     st, dpt = warpgroup_mma_wait(0, deps=[st, dpt])
     pt, dst = _softmax_grad(st, dpt, cols, lse2, delta, i, mine, qk_scale, st_layout, DTYPE, BLOCK_M, HALF)
+    _share_ds(share, dst, 0)
     pt, dst = _operand(pt, kv_layout), _operand(dst, kv_layout)
     dv = warpgroup_mma_init(gl.zeros([HALF, HEAD_DIM], gl.float32, kv_layout))
     dk = warpgroup_mma_init(gl.zeros([HALF, HEAD_DIM], gl.float32, kv_layout))
@@ -328,7 +337,7 @@ def _dkdv_consumer(io, WG: gl.constexpr, GROUP: gl.constexpr, PINGPONG: gl.const
                 dv, dk = _updates(pt, dst, dv, dk, q_smem, do_smem, t - 1, NUM_BUF)
                 _pass_turn(turns, WG, PINGPONG)
                 pt_next, dst_next, dv, dk = _next_grads(st_t, dpt_t, dv, dk, pt, dst, ring, t, i, mine, qk_scale,
-                                                        st_layout, kv_layout, HALF, run == 0)
+                                                        st_layout, kv_layout, HALF, run == 0, share)
                 mbarrier.arrive(free.index((t - 1) % NUM_BUF), count=1)  # block t-1 is no longer read
                 dv = warpgroup_mma_init(dv)
                 dk = warpgroup_mma_init(dk)
@@ -336,17 +345,19 @@ def _dkdv_consumer(io, WG: gl.constexpr, GROUP: gl.constexpr, PINGPONG: gl.const
                 dst = dst_next
     dv, dk = _updates(pt, dst, dv, dk, q_smem, do_smem, end - 1, NUM_BUF)
     dv, dk = warpgroup_mma_wait(0, deps=[dv, dk])
+    _dq_done(share, end - 1)  # K's buffer stages dK next
     _store_dkdv(dk, dv, scale, k_smem.index(WG), v_smem.index(WG), dk_desc, dv_desc, bhk * SEQ + mine)
 
 
 @gluon.jit
-def dkdv_ws_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_desc, delta_desc, Q_RB, Q_RH, Q_CH, K_RB,
-                   K_RH, K_CH, V_RB, V_RH, V_CH, DO_RB, DO_RH, DO_CH, HEADS, GROUP: gl.constexpr, SEQ, qk_scale,
-                   scale, N_SMS, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, NUM_BUF: gl.constexpr,
-                   PINGPONG: gl.constexpr, KV_IN_REGS: gl.constexpr):
-    """dK and dV of one 128-row key block of one kv head (k, v, dk and dv descriptors: blocks of 64 rows), over
-    the query blocks of every query head it serves; the loader streams them to two consumer warpgroups, one per
-    64 key rows."""
+def _key_ws_program(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_desc, delta_desc, Q_RB, Q_RH, Q_CH, K_RB,
+                    K_RH, K_CH, V_RB, V_RH, V_CH, DO_RB, DO_RH, DO_CH, HEADS, GROUP, SEQ, qk_scale, scale, N_SMS,
+                    BLOCK_M: gl.constexpr, NUM_BUF: gl.constexpr):
+    """A warp-specialized key-block program (dK/dV, the fused backward): shared memory for K's and V's halves and
+    the ring of Q, dO, LSE and delta blocks, with their mbarriers, initialised and fenced; returns what the
+    consumers take (`io`), what the loader takes (`feed`), and the program's batch, kv head, first query block and
+    number of ring blocks."""
+    HEAD_DIM: gl.constexpr = k_desc.block_shape[1]
     n_blocks = SEQ // (2 * HALF)
     pid_n, bhk = _schedule(n_blocks, gl.num_programs(0) // n_blocks, N_SMS, False)
     kv_heads = HEADS // GROUP
@@ -369,12 +380,26 @@ def dkdv_ws_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_desc, 
     turns = _bars(2, 1)
     fence_async_shared()
 
-    descs = (q_desc, do_desc, lse_desc, delta_desc)
     io = (k_smem, v_smem, kv_bars, ring, free, turns, dk_desc, dv_desc, hk, bhk, start_n, first, end, qk_scale, scale,
           SEQ)
+    feed = ((q_desc, do_desc, lse_desc, delta_desc), k_desc, v_desc, k_smem, v_smem, kv_bars, ring, free, Q_RB, Q_RH,
+            Q_CH, DO_RB, DO_RH, DO_CH, k_row, k_col, v_row, v_col, b, hk, start_n, first, end, HEADS, SEQ)
+    return io, feed, (b, hk, first, end)
+
+
+@gluon.jit
+def dkdv_ws_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_desc, delta_desc, Q_RB, Q_RH, Q_CH, K_RB,
+                   K_RH, K_CH, V_RB, V_RH, V_CH, DO_RB, DO_RH, DO_CH, HEADS, GROUP: gl.constexpr, SEQ, qk_scale,
+                   scale, N_SMS, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, NUM_BUF: gl.constexpr,
+                   PINGPONG: gl.constexpr, KV_IN_REGS: gl.constexpr):
+    """dK and dV of one 128-row key block of one kv head (k, v, dk and dv descriptors: blocks of 64 rows), over
+    the query blocks of every query head it serves; the loader streams them to two consumer warpgroups, one per
+    64 key rows."""
+    io, feed, _ = _key_ws_program(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_desc, delta_desc, Q_RB,
+                                  Q_RH, Q_CH, K_RB, K_RH, K_CH, V_RB, V_RH, V_CH, DO_RB, DO_RH, DO_CH, HEADS, GROUP,
+                                  SEQ, qk_scale, scale, N_SMS, BLOCK_M, NUM_BUF)
     gl.warp_specialize([
-        (_dkdv_consumer, (io, gl.constexpr(0), GROUP, PINGPONG, BLOCK_M, KV_IN_REGS)),
-        (_dkdv_consumer, (io, gl.constexpr(1), GROUP, PINGPONG, BLOCK_M, KV_IN_REGS)),
-        (_dkdv_loader, (descs, k_desc, v_desc, k_smem, v_smem, kv_bars, ring, free, Q_RB, Q_RH, Q_CH, DO_RB, DO_RH,
-                        DO_CH, k_row, k_col, v_row, v_col, b, hk, start_n, first, end, HEADS, SEQ, GROUP, BLOCK_M)),
+        (_dkdv_consumer, (io, gl.constexpr(0), GROUP, PINGPONG, BLOCK_M, KV_IN_REGS, None)),
+        (_dkdv_consumer, (io, gl.constexpr(1), GROUP, PINGPONG, BLOCK_M, KV_IN_REGS, None)),
+        (_dkdv_loader, (feed, GROUP, BLOCK_M)),
     ], [4, 1], [CONSUMER_REGS, LOADER_REGS])

@@ -121,7 +121,8 @@ def test_every_setting_matches_reference(kernel: str, d: int, setting, kv_heads:
 
 @pytest.mark.gpu
 @hopper
-@pytest.mark.parametrize("d, setting", [(d, s) for d, settings in flash_gluon.FUSED_SETTINGS.items() for s in settings])
+@pytest.mark.parametrize("d, setting", [(d, s) for table in (flash_gluon.FUSED_SETTINGS, flash_gluon.FUSED_WS_SETTINGS)
+                                        for d, settings in table.items() for s in settings])
 @pytest.mark.parametrize("heads, kv_heads, dtype, layout", [
     (4, 4, torch.bfloat16, "contiguous"),   # MHA
     (8, 2, torch.float16, "contiguous"),    # GQA 8:2
@@ -129,8 +130,8 @@ def test_every_setting_matches_reference(kernel: str, d: int, setting, kv_heads:
 ])
 def test_fused_backward_matches_reference(d: int, setting, heads: int, kv_heads: int, dtype: torch.dtype,
                                           layout: str) -> None:
-    """The fused backward (dQ reduced from the dK/dV pass) at each of its settings gives the float32
-    reference's gradients, and the two-kernel backward's."""
+    """The fused backward (dQ reduced from the dK/dV pass), one-warpgroup and warp-specialized, at each of its
+    settings gives the float32 reference's gradients, and the two-kernel backward's."""
     b, s = 2, 384
     if layout == "contiguous":
         q, k, v = inputs((b, heads, s, d), (b, kv_heads, s, d), dtype, seed=5)
