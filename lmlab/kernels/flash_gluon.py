@@ -108,11 +108,12 @@ DKDV_SETTINGS: dict[int, tuple[DkdvSetting, ...]] = {
 # (experiments/kernels/attention_sass.py).
 FUSED_SETTINGS: dict[int, tuple[Setting, ...]] = {64: ((64, 64, 2, 4), (64, 128, 2, 8), (64, 128, 3, 8)),
                                                   128: ((64, 128, 2, 8),)}
-# The warp-specialized fused backward's (`flash_gluon_fused.dkdvq_ws_kernel`, timed beside the pairs), head_dim 64
-# only: at 128 its dQ partition's accumulator outgrows the registers left to it. Compiled for sm_90a, these keep
-# the wgmmas overlapped and spill 112-132 bytes a thread; with K and V in registers ptxas serializes them.
+# The warp-specialized fused backward's (`flash_gluon_fused.dkdvq_ws_kernel`, timed beside the pairs). Compiled for
+# sm_90a without GQA these keep the wgmmas overlapped, spilling 112-132 bytes a thread at head_dim 64 and 12-20 at
+# 128; K and V in registers, or GQA, make ptxas serialize them (C7512, C7513).
 FUSED_WS_SETTINGS: dict[int, tuple[DkdvWsSetting, ...]] = {
-    64: (DkdvWsSetting(64, 3, True), DkdvWsSetting(64, 3, False), DkdvWsSetting(64, 4, True)), 128: ()}
+    64: (DkdvWsSetting(64, 3, True), DkdvWsSetting(64, 3, False), DkdvWsSetting(64, 4, True)),
+    128: (DkdvWsSetting(32, 3, True), DkdvWsSetting(32, 3, False), DkdvWsSetting(32, 4, True))}
 _PREPARE_ROWS = 64  # rows per program of the fused backward's delta and zeroing
 # LSE's and delta's blocks in shared memory: one row of BLOCK_M float32s, unswizzled (TMA swizzles rows of at
 # most the swizzle's width; nothing reads them as a wgmma operand)

@@ -173,20 +173,31 @@ def _dq_partition(k_smem, ds_halves, ready, free, dq_smem, dq_desc, b, hk, first
     the float32 dQ through one of two staging buffers."""
     BLOCK_M: gl.constexpr = ds_halves[0].shape[2]
     HEAD_DIM: gl.constexpr = k_smem.shape[2]
-    zero = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, wgmma_layout(4, HEAD_DIM))
+    SWAP: gl.constexpr = BLOCK_M < 64  # a wgmma's M is 64 at least: form dQ^T = K^T dS^T instead
+    if SWAP:
+        zero = gl.zeros([HEAD_DIM, BLOCK_M], gl.float32, wgmma_layout(4, BLOCK_M))
+    else:
+        zero = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, wgmma_layout(4, HEAD_DIM))
     h = hk * GROUP
     i = first
     n_q_blocks = SEQ // BLOCK_M
+    N_DS: gl.constexpr = ds_halves[0].shape[0]
     for t in range(end):
-        slot = t % 2
-        mbarrier.wait(ready.index(slot), (t // 2) & 1)
-        dq = warpgroup_mma(ds_halves[0].index(slot).permute((1, 0)), k_smem.index(0), zero, use_acc=False,
-                           is_async=True)
-        dq = warpgroup_mma(ds_halves[1].index(slot).permute((1, 0)), k_smem.index(1), dq, is_async=True)
-        dq = warpgroup_mma_wait(0, deps=[dq])
+        slot = t % N_DS
+        mbarrier.wait(ready.index(slot), (t // N_DS) & 1)
+        if SWAP:
+            dq = warpgroup_mma(k_smem.index(0).permute((1, 0)), ds_halves[0].index(slot), zero, use_acc=False,
+                               is_async=True)
+            dq = warpgroup_mma(k_smem.index(1).permute((1, 0)), ds_halves[1].index(slot), dq, is_async=True)
+            dq = gl.permute(warpgroup_mma_wait(0, deps=[dq]), [1, 0])
+        else:
+            dq = warpgroup_mma(ds_halves[0].index(slot).permute((1, 0)), k_smem.index(0), zero, use_acc=False,
+                               is_async=True)
+            dq = warpgroup_mma(ds_halves[1].index(slot).permute((1, 0)), k_smem.index(1), dq, is_async=True)
+            dq = warpgroup_mma_wait(0, deps=[dq])
         mbarrier.arrive(free.index(slot), count=1)
         tma.store_wait(1)  # the reduction that read this staging buffer two blocks ago is done
-        staged = dq_smem.index(slot)
+        staged = dq_smem.index(t % 2)
         staged.store(dq * scale)
         fence_async_shared()
         _tma_reduce_add(dq_desc, [(b * HEADS + h) * SEQ + i * BLOCK_M, 0], staged)
@@ -200,14 +211,15 @@ def dkdvq_ws_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, 
                     qk_scale, scale, N_SMS, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, NUM_BUF: gl.constexpr,
                     PINGPONG: gl.constexpr, KV_IN_REGS: gl.constexpr):
     """The fused backward in warp-specialized form: `flash_gluon_ws.dkdv_ws_kernel`'s program (128 key rows, two
-    consumer warpgroups, the loader), whose consumers also put each query block's dS^T in shared memory (two
-    slots), and a fourth partition that forms that block's dQ from it over all 128 keys and adds it into the
+    consumer warpgroups, the loader), whose consumers also put each query block's dS^T in shared memory, and a
+    fourth partition that forms that block's dQ from it over all 128 keys and adds it into the
     float32 dQ (zeroed by `prepare_kernel`): one reduction per 128 keys, half the one-warpgroup kernel's."""
     io, feed, where = _key_ws_program(
         q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_desc, delta_desc, Q_RB, Q_RH, Q_CH, K_RB, K_RH, K_CH,
         V_RB, V_RH, V_CH, DO_RB, DO_RH, DO_CH, HEADS, GROUP, SEQ, qk_scale, scale, N_SMS, BLOCK_M, NUM_BUF)
     b, hk, first, end = where
     ds_layout: gl.constexpr = _swizzled(HALF, BLOCK_M, q_desc.dtype)
+    # two dS^T slots: as many as the ring's measured no faster (H100, 2026-12-06) and spilled more
     ds_halves = (gl.allocate_shared_memory(q_desc.dtype, [2, HALF, BLOCK_M], ds_layout),
                  gl.allocate_shared_memory(q_desc.dtype, [2, HALF, BLOCK_M], ds_layout))
     dq_smem = gl.allocate_shared_memory(gl.float32, [2] + dq_desc.block_shape, dq_desc.layout)

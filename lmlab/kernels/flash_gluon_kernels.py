@@ -491,13 +491,14 @@ def _first_query_block(k, v, ring, hk, GROUP: gl.constexpr, first, start_n, qk_s
 
 @gluon.jit
 def _share_ds(share, dst, t):
-    """With `share` (the fused warp-specialized backward's: this consumer's rows of two dS^T slots, and their ready
-    and free mbarriers), put ring block t's dS^T in slot t % 2 for the dQ partition, once that has read block
-    t-2's; without, nothing."""
+    """With `share` (the fused warp-specialized backward's: this consumer's rows of N dS^T slots, and their ready
+    and free mbarriers), put ring block t's dS^T in slot t % N for the dQ partition, once that has read block
+    t-N's; without, nothing."""
     if share is not None:
         ds_smem, ready, free = share
-        slot = t % 2
-        mbarrier.wait(free.index(slot), ((t // 2) & 1) ^ 1)  # a fresh mbarrier's "previous phase" counts as complete
+        N: gl.constexpr = ds_smem.shape[0]
+        slot = t % N
+        mbarrier.wait(free.index(slot), ((t // N) & 1) ^ 1)  # a fresh mbarrier's "previous phase" counts as complete
         ds_smem.index(slot).store(dst)
         fence_async_shared()
         mbarrier.arrive(ready.index(slot), count=1)

@@ -283,7 +283,8 @@ def _dkdv_loader(feed, GROUP: gl.constexpr, BLOCK_M: gl.constexpr):
 def _dq_done(share, t):
     """With `share` (`_share_ds`'s), wait until the dQ partition has read ring block t's dS^T and K."""
     if share is not None:
-        mbarrier.wait(share[2].index(t % 2), (t // 2) & 1)
+        N: gl.constexpr = share[0].shape[0]
+        mbarrier.wait(share[2].index(t % N), (t // N) & 1)
 
 
 @gluon.jit
