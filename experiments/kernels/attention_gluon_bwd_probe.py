@@ -17,9 +17,10 @@ fastest of those, the fused kernel (`flash_gluon_fused`: dQ reduced from the dK/
 setting, then lmlab's backward as it ships (each kernel's setting picked by timing). Every result's
 dQ, dK and dV are checked against the Triton kernels' first.
 
-Limits: causal self-attention, sequence a multiple of 128, head_dim 64 or 128, bf16, Hopper.
+Limits: causal self-attention, sequence a multiple of 128, head_dim 64 or 128, bf16, Hopper. --kv-heads N gives
+every shape N K/V heads (GQA).
 
-    python experiments/kernels/attention_gluon_bwd_probe.py --json OUT.json
+    python experiments/kernels/attention_gluon_bwd_probe.py [--kv-heads 4] --json OUT.json
 """
 
 from __future__ import annotations
@@ -44,7 +45,8 @@ def _triton_dq(q, k, v, out, lse, d_out, dq, delta) -> None:
     b, h, s, d = q.shape
     strides = [t.stride()[:3] for t in (q, k, v, out, d_out, dq)]
     grid = lambda meta: (triton.cdiv(s, meta["BLOCK_M"]) * b * h,)  # noqa: E731
-    flash_triton._bwd_dq_kernel[grid](q, k, v, out, d_out, lse, delta, dq, *(x for st in strides for x in st), h, 1,
+    flash_triton._bwd_dq_kernel[grid](q, k, v, out, d_out, lse, delta, dq, *(x for st in strides for x in st), h,
+                                      h // k.shape[1],
                                       s, s, math.log2(math.e) / math.sqrt(d), 1 / math.sqrt(d),
                                       torch.cuda.get_device_properties(q.device).multi_processor_count,
                                       HEAD_DIM=d, CAUSAL=True, PREC="tf32")
@@ -73,19 +75,21 @@ FUSED_SETTINGS = {64: [(64, 64, 2, 4), (64, 64, 3, 4), (64, 128, 2, 8), (64, 128
 
 
 def main() -> None:
-    args = parse_args(__doc__.splitlines()[0])
+    args = parse_args(__doc__.splitlines()[0], kv_heads=True)
     dev = torch.device("cuda")
     rows = []
     for b, h, s, d in args.shapes:
-        shape = f"B{b} H{h} S{s} D{d}"
-        q, k, v = (torch.randn(b, h, s, d, device=dev, dtype=torch.bfloat16) for _ in range(3))
+        kv = args.kv_heads or h
+        shape = f"B{b} H{h} S{s} D{d}" + (f" KV{kv}" if kv != h else "")
+        q = torch.randn(b, h, s, d, device=dev, dtype=torch.bfloat16)
+        k, v = (torch.randn(b, kv, s, d, device=dev, dtype=torch.bfloat16) for _ in range(2))
         d_out = torch.randn_like(q)
         out, lse = portable(flash_triton.flash_attention_triton_forward)(q, k, v, True)
         triton_backward = functools.partial(flash_triton._backward_op, q, k, v, out, lse, d_out, True, 1 / math.sqrt(d))
         expected = portable(triton_backward)()
         flops = 2.5 * 4 * b * h * s * s * d / 2  # the backward's matmuls: 2.5 times the causal forward's
         qc, kc, vc = (t.detach().clone().requires_grad_() for t in (q, k, v))
-        cudnn_out = torch.nn.functional.scaled_dot_product_attention(qc, kc, vc, is_causal=True)
+        cudnn_out = torch.nn.functional.scaled_dot_product_attention(qc, kc, vc, is_causal=True, enable_gqa=kv != h)
 
         def check(grads: tuple) -> dict:
             errors = {grad: worst(g, e) for grad, g, e in zip(("dq", "dk", "dv"), grads, expected)}

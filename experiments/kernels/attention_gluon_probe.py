@@ -88,11 +88,14 @@ SETTINGS = [(*tiles, q_in_regs) for q_in_regs in (False, True)
             for tiles in ((128, 64, 3, 8), (128, 128, 2, 8), (64, 64, 2, 4), (64, 64, 3, 4))]
 
 
-def parse_args(description: str) -> argparse.Namespace:
+def parse_args(description: str, kv_heads: bool = False) -> argparse.Namespace:
+    """The probes' options; `kv_heads` adds --kv-heads (K/V heads, for GQA: the query heads' by default)."""
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--json", default=None)
     parser.add_argument("--shapes", type=shape_arg, nargs="+", default=SHAPES, help="B,H,S,D ...")
+    if kv_heads:
+        parser.add_argument("--kv-heads", type=int, default=None, help="K/V heads of every shape (GQA)")
     return parser.parse_args()
 
 

@@ -83,8 +83,8 @@ class DkdvWsSetting:
     kv_in_regs: bool = False
 
 
-# Compiled offline for sm_90a with wgmmas overlapped without GQA (at head_dim 128, 64-row query blocks spill and
-# serialize them, and so does K/V in registers; at 64 that spills 8-16 bytes a thread). On an H100 (2026-12-06)
+# Compiled offline for sm_90a with wgmmas overlapped, up to WS_MAX_GROUP query heads a kv head (at head_dim 128,
+# 64-row query blocks spill and serialize them, and so does K/V in registers; at 64 that spills 8-16 bytes a thread). On an H100 (2026-12-06)
 # the head_dim-128 ones were the fastest dK/dV at B4 H16 S4096 D128, 2-3% ahead of dkdv_kernel's best, and two
 # slots 25% slower; at head_dim 64 none beat dkdv_kernel's (64, 64, 4, 4, True) at B1 H16 S16384.
 DKDV_WS_SETTINGS: dict[int, tuple[DkdvWsSetting, ...]] = {
@@ -110,10 +110,15 @@ FUSED_SETTINGS: dict[int, tuple[Setting, ...]] = {64: ((64, 64, 2, 4), (64, 128,
                                                   128: ((64, 128, 2, 8),)}
 # The warp-specialized fused backward's (`flash_gluon_fused.dkdvq_ws_kernel`, timed beside the pairs). Compiled for
 # sm_90a without GQA these keep the wgmmas overlapped, spilling 112-132 bytes a thread at head_dim 64 and 12-20 at
-# 128; K and V in registers, or GQA, make ptxas serialize them (C7512, C7513).
+# 128 (at a group of 4: 724 and 60); with K and V in registers ptxas serializes them (C7512).
 FUSED_WS_SETTINGS: dict[int, tuple[DkdvWsSetting, ...]] = {
     64: (DkdvWsSetting(64, 3, True), DkdvWsSetting(64, 3, False), DkdvWsSetting(64, 4, True)),
     128: (DkdvWsSetting(32, 3, True), DkdvWsSetting(32, 3, False), DkdvWsSetting(32, 4, True))}
+# The warp-specialized dK/dV and fused kernels unroll their loop over the query heads of a kv head (GROUP of them):
+# as a runtime loop ptxas serialized their wgmmas (C7513). Up to 4 heads they compile overlapped; at 8 the dK/dV
+# kernel's are serialized again, so larger groups leave them out. At 4 (H100, 2026-12-06, B4 H16 S4096 D128 and
+# B1 H16 S16384 D64, KV4) they made the backward 6% and 21% faster than the picks without them.
+WS_MAX_GROUP = 4
 _PREPARE_ROWS = 64  # rows per program of the fused backward's delta and zeroing
 # LSE's and delta's blocks in shared memory: one row of BLOCK_M float32s, unswizzled (TMA swizzles rows of at
 # most the swizzle's width; nothing reads them as a wgmma operand)
@@ -250,8 +255,9 @@ def backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tenso
     """`forward`'s gradients: (dq, dk, dv), contiguous, in q's dtype. Two kernels: dQ (which stores delta =
     rowsum(dO * O)), then dK/dV, at the pair of DQ_SETTINGS + DQ_WS_SETTINGS and DKDV_SETTINGS +
     DKDV_WS_SETTINGS whose whole backward ran fastest (timed on the first call per (dtype, head_dim, seq, group))
-    unless `dq_setting` / `dkdv_setting` pin them; unpinned and without GQA, the warp-specialized fused backward
-    at FUSED_WS_SETTINGS runs in that race too (named ("fused", setting)).
+    unless `dq_setting` / `dkdv_setting` pin them; unpinned, the warp-specialized fused backward at
+    FUSED_WS_SETTINGS runs in that race too (named ("fused", setting)). The warp-specialized dK/dV and fused
+    kernels are candidates only where a kv head serves at most WS_MAX_GROUP query heads.
     `triton_dq(dq, delta)`, when given, fills both with flash_triton's dQ kernel: one more dQ candidate, named
     "triton" (dq_setting may name it). `fused_setting` runs a fused kernel (`flash_gluon_fused`) instead: the
     warp-specialized one at a DkdvWsSetting, the one-warpgroup one at a Setting (slower than the two kernels at
@@ -340,14 +346,14 @@ def backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tenso
         dq_launches["triton"] = functools.partial(triton_dq, dq, delta)
     if dq_setting is not None:
         dq_launches = {dq_setting: dq_launches.get(dq_setting) or dq_at(dq_setting)}
-    # The warp-specialized dK/dV only without GQA: with a group, ptxas serializes its wgmmas (C7513).
+    warp_specialized = group <= WS_MAX_GROUP
     dkdv_settings = ((dkdv_setting,) if dkdv_setting
-                     else (*DKDV_SETTINGS[dim], *(DKDV_WS_SETTINGS[dim] if group == 1 else ())))
+                     else (*DKDV_SETTINGS[dim], *(DKDV_WS_SETTINGS[dim] if warp_specialized else ())))
     # Timed as whole backwards, pairs of settings: the dQ kernel timed alone ranked its candidates otherwise
     # than in the backward it belongs to (2026-12-06, H100: the pick took 3.697 ms where the best pair took 3.519).
     pairs = {(name, setting): functools.partial(_in_turn, dq_launches[name], dkdv_at(setting))
              for name in dq_launches for setting in dkdv_settings}
-    if dq_setting is None and dkdv_setting is None and group == 1:  # the fused backward, like the WS dK/dV
+    if dq_setting is None and dkdv_setting is None and warp_specialized:
         pairs.update({("fused", s): functools.partial(launch_fused, s) for s in FUSED_WS_SETTINGS[dim]})
     if len(pairs) == 1:
         next(iter(pairs.values()))()

@@ -324,10 +324,11 @@ def _dkdv_consumer(io, WG: gl.constexpr, GROUP: gl.constexpr, PINGPONG: gl.const
     dv = warpgroup_mma_init(gl.zeros([HALF, HEAD_DIM], gl.float32, kv_layout))
     dk = warpgroup_mma_init(gl.zeros([HALF, HEAD_DIM], gl.float32, kv_layout))
     # The first N_DIAG blocks of each query head may reach either consumer's diagonal; the rest compile without
-    # the mask (as dkdv_kernel's runs).
+    # the mask (as dkdv_kernel's runs). The loop over the query heads is unrolled: as a runtime loop (GROUP > 1),
+    # ptxas serialized every wgmma (C7513).
     N_DIAG: gl.constexpr = max(2 * HALF // BLOCK_M, 1)
     n_q = n_q_blocks - first
-    for g in range(GROUP):
+    for g in gl.static_range(GROUP):
         for run in gl.static_range(2):
             lo = gl.maximum(g * n_q + run * N_DIAG, 1)
             hi = g * n_q + N_DIAG if run == 0 else (g + 1) * n_q
