@@ -1,9 +1,11 @@
 """What the attention kernels compile to on sm_90, without a GPU: registers, spills, and how their wgmmas wait.
 
 Compiles, for sm_90a with the ptxas that ships with Triton, every 16-bit tile setting of
-`lmlab.kernels.flash_triton`'s three kernels (forward, dK/dV, dQ) and each setting that the probes
-sweep of `lmlab.kernels.flash_gluon`'s (the Hopper path), as a launch would specialize them (causal,
-bf16, one K/V head per query head, pointers and strides 16-byte aligned). Per kernel and setting it prints:
+`lmlab.kernels.flash_triton`'s three kernels (forward, dK/dV, dQ), each setting that the probes
+sweep of `lmlab.kernels.flash_gluon`'s one-warpgroup kernels (the Hopper path), and each setting of its
+warp-specialized ones (`flash_gluon_ws`, and the fused backward's `dkdvq_ws_kernel`), as a launch would
+specialize them (causal, bf16, --group query heads per K/V head, 1 by default, pointers and strides 16-byte
+aligned). Per kernel and setting it prints:
 
 - registers per thread, spilled bytes (`ptxas -v`) and shared memory per block (an H100's or H200's SM holds
   228 KiB: two blocks of up to 113 KiB share one);
@@ -12,7 +14,10 @@ bf16, one K/V head per query head, pointers and strides 16-byte aligned). Per ke
 - the `wgmma.wait_group` arguments in the PTX, in order: 0 waits for every wgmma in flight, N lets
   the N most recent groups run on (the Gluon kernels' overlap of the softmax with the tensor cores).
 
-    python experiments/kernels/attention_sass.py [--head-dims 64 128]
+A warp-specialized kernel's registers are the launch's (`maxnreg`); its partitions then move them with
+`setmaxnreg`, and ptxas says so (C7507) where one cannot keep what its code needs.
+
+    python experiments/kernels/attention_sass.py [--head-dims 64 128] [--group 4]
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ from triton.compiler import ASTSource
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon._runtime import GluonASTSource
 
-from lmlab.kernels import flash_gluon, flash_gluon_fused, flash_gluon_kernels, flash_triton
+from lmlab.kernels import flash_gluon, flash_gluon_fused, flash_gluon_kernels, flash_gluon_ws, flash_triton
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import attention_gluon_bwd_probe  # noqa: E402  (sibling scripts, not a package): their sweeps
@@ -95,6 +100,34 @@ def gluon_kernel(kernel, head_dim: int, block_m: int, block_n: int, num_buf: int
     return triton.compile(source, target=SM90, options=dict(num_warps=warps))
 
 
+def ws_kernel(kernel, head_dim: int, setting, group: int = 1):
+    """A warp-specialized kernel at a flash_gluon.WsSetting (forward, dQ: 64-row query halves, streamed key blocks)
+    or DkdvWsSetting (dK/dV, fused: 64-row key halves, streamed query blocks), as flash_gluon launches it."""
+    key_block = isinstance(setting, flash_gluon.DkdvWsSetting)
+    streamed = setting.block_m if key_block else setting.block_n
+    constants = {"HEAD_DIM": head_dim, "NUM_BUF": setting.num_buf, "PINGPONG": setting.pingpong, "GROUP": group}
+    if key_block:
+        constants.update(BLOCK_M=setting.block_m, KV_IN_REGS=setting.kv_in_regs)
+    else:
+        constants["BLOCK_N"] = setting.block_n
+    fused = kernel is flash_gluon_fused.dkdvq_ws_kernel
+
+    def descriptor(name: str) -> str:
+        if name in ("lse_desc", "delta_desc"):
+            return f"tensordesc<fp32[{streamed}],{flash_gluon.STATS_LAYOUT!r}>"
+        query_side = name in ("q_desc", "o_desc", "do_desc", "dq_desc")
+        rows = flash_gluon_ws.ROWS_PER_CONSUMER if query_side != key_block else streamed
+        fp32 = fused and name == "dq_desc"
+        layout = gl.NVMMASharedLayout.get_default_for([rows, head_dim], gl.float32 if fp32 else gl.bfloat16)
+        return f"tensordesc<{'fp32' if fp32 else 'bf16'}[{rows}, {head_dim}],{layout!r}>"
+
+    names = kernel.arg_names
+    signature, attrs = _signature(names, constants, descriptor)
+    source = GluonASTSource(kernel, signature, {(names.index(k),): v for k, v in constants.items()}, attrs)
+    maxnreg = flash_gluon_fused.FUSED_WS_MAXNREG if fused else flash_gluon_ws.MAXNREG
+    return triton.compile(source, target=SM90, options=dict(num_warps=4, maxnreg=maxnreg))
+
+
 def report(compiled) -> str:
     ptx = compiled.asm["ptx"]
     with tempfile.TemporaryDirectory() as tmp:
@@ -117,6 +150,8 @@ def report(compiled) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
+    parser.add_argument("--group", type=int, default=1, help="query heads per K/V head (the warp-specialized "
+                        "kernels' loop over them is unrolled)")
     args = parser.parse_args()
     kernels = {"forward": (flash_triton._fwd_kernel, flash_triton._FWD_BLOCKS),
                "dK/dV": (flash_triton._bwd_dkdv_kernel, flash_triton._DKDV_BLOCKS),
@@ -135,6 +170,15 @@ def main() -> None:
                 print(f"D{head_dim} Gluon  {name:8} {str(setting):18} "
                       f"{report(gluon_kernel(kernel, head_dim, *setting))}",
                       flush=True)
+        warp_specialized = {"forward": (flash_gluon_ws.forward_ws_kernel, flash_gluon.FWD_WS_SETTINGS[head_dim]),
+                            "dQ": (flash_gluon_ws.dq_ws_kernel, flash_gluon.DQ_WS_SETTINGS[head_dim]),
+                            "dK/dV": (flash_gluon_ws.dkdv_ws_kernel, flash_gluon.DKDV_WS_SETTINGS[head_dim]),
+                            "fused": (flash_gluon_fused.dkdvq_ws_kernel, flash_gluon.FUSED_WS_SETTINGS[head_dim])}
+        for name, (kernel, settings) in warp_specialized.items():
+            for setting in settings:
+                fields = ", ".join(str(v) for v in vars(setting).values())
+                print(f"D{head_dim} WS     {name:8} ({fields}) "
+                      f"{report(ws_kernel(kernel, head_dim, setting, args.group))}", flush=True)
 
 if __name__ == "__main__":
     main()
