@@ -84,9 +84,10 @@ class DkdvWsSetting:
 
 
 # Compiled offline for sm_90a with wgmmas overlapped, up to WS_MAX_GROUP query heads a kv head (at head_dim 128,
-# 64-row query blocks spill and serialize them, and so does K/V in registers; at 64 that spills 8-16 bytes a thread). On an H100 (2026-12-06)
-# the head_dim-128 ones were the fastest dK/dV at B4 H16 S4096 D128, 2-3% ahead of dkdv_kernel's best, and two
-# slots 25% slower; at head_dim 64 none beat dkdv_kernel's (64, 64, 4, 4, True) at B1 H16 S16384.
+# 64-row query blocks spill and serialize them, and so does K/V in registers; at 64 that spills 8-16 bytes a
+# thread). On an H100 (2026-12-06) the head_dim-128 ones were the fastest dK/dV at B4 H16 S4096 D128, 2-3% ahead
+# of dkdv_kernel's best, and two slots 25% slower; at head_dim 64 none beat dkdv_kernel's (64, 64, 4, 4, True) at
+# B1 H16 S16384.
 DKDV_WS_SETTINGS: dict[int, tuple[DkdvWsSetting, ...]] = {
     64: (DkdvWsSetting(64, 3, True), DkdvWsSetting(64, 3, True, True), DkdvWsSetting(64, 4, True, True)),
     128: (DkdvWsSetting(32, 3, True), DkdvWsSetting(32, 3, False), DkdvWsSetting(32, 4, True))}

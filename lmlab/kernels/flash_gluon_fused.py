@@ -1,5 +1,5 @@
 """The fused backward of lmlab's Hopper attention: dK, dV and dQ from one pass over the scores, as
-FlashAttention-3 computes them (`flash_gluon.backward(..., fused_setting=...)` launches it).
+FlashAttention-3 computes them (`flash_gluon.backward` launches them).
 
 Two forms. `dkdvq_kernel`, one warpgroup a program over 64 keys, is slower than the two kernels at every shape
 tried (1.25x their time at B1 H16 S16384 D64 on an H100, experiments/kernels/README.md, 2026-12-06), so
@@ -15,11 +15,11 @@ the addition at the L2, so no program waits for another, as the atomics of a Tri
 2026-12-03 made them do. Gluon 3.6 has no wrapper for that instruction; its builder has the operation
 (`_tma_reduce_add`).
 
-In `dkdvq_kernel`, per query block t of the ring, the loop issues block t's S^T = K Q^T and dP^T = V dO^T, then block t-1's
-dV += P^T dO, dK += dS^T Q and dQ_{t-1} = dS K, waits for block t's scores alone and computes its P^T and dS^T
-while the updates run. P^T and dS^T go to shared memory, two slots each (one written while the other is read):
-no register operand stays alive across the updates, which is what lets head_dim 128 keep its wgmmas
-overlapped (with registers for P^T ptxas serializes them there). dQ_{t-1} goes through a float32 buffer to its
+In `dkdvq_kernel`, per query block t of the ring, the loop issues block t's S^T = K Q^T and dP^T = V dO^T,
+then block t-1's dV += P^T dO, dK += dS^T Q and dQ_{t-1} = dS K, waits for block t's scores alone and computes
+its P^T and dS^T while the updates run. P^T and dS^T go to shared memory, two slots each (one written while the
+other is read): no register operand stays alive across the updates, which is what lets head_dim 128 keep its
+wgmmas overlapped (with registers for P^T ptxas serializes them there). dQ_{t-1} goes through a float32 buffer to its
 reduction. `prepare_kernel` stores delta = rowsum(dO * O) and zeroes the float32 dQ first.
 """
 
@@ -212,8 +212,8 @@ def dkdvq_ws_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, 
                     PINGPONG: gl.constexpr, KV_IN_REGS: gl.constexpr):
     """The fused backward in warp-specialized form: `flash_gluon_ws.dkdv_ws_kernel`'s program (128 key rows, two
     consumer warpgroups, the loader), whose consumers also put each query block's dS^T in shared memory, and a
-    fourth partition that forms that block's dQ from it over all 128 keys and adds it into the
-    float32 dQ (zeroed by `prepare_kernel`): one reduction per 128 keys, half the one-warpgroup kernel's."""
+    fourth partition that forms that block's dQ from it over all 128 keys and adds it into the float32 dQ (zeroed
+    by `prepare_kernel`): one reduction per 128 keys, half the one-warpgroup kernel's."""
     io, feed, where = _key_ws_program(
         q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_desc, delta_desc, Q_RB, Q_RH, Q_CH, K_RB, K_RH, K_CH,
         V_RB, V_RH, V_CH, DO_RB, DO_RH, DO_CH, HEADS, GROUP, SEQ, qk_scale, scale, N_SMS, BLOCK_M, NUM_BUF)
