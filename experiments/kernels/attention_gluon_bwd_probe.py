@@ -46,8 +46,7 @@ def _triton_dq(q, k, v, out, lse, d_out, dq, delta) -> None:
     strides = [t.stride()[:3] for t in (q, k, v, out, d_out, dq)]
     grid = lambda meta: (triton.cdiv(s, meta["BLOCK_M"]) * b * h,)  # noqa: E731
     flash_triton._bwd_dq_kernel[grid](q, k, v, out, d_out, lse, delta, dq, *(x for st in strides for x in st), h,
-                                      h // k.shape[1],
-                                      s, s, math.log2(math.e) / math.sqrt(d), 1 / math.sqrt(d),
+                                      h // k.shape[1], s, s, math.log2(math.e) / math.sqrt(d), 1 / math.sqrt(d),
                                       torch.cuda.get_device_properties(q.device).multi_processor_count,
                                       HEAD_DIM=d, CAUSAL=True, PREC="tf32")
 

@@ -18,8 +18,9 @@ on the first call per (dtype, head_dim, seq, group) and the fastest kept: the fo
 (dQ, dK/dV) pairs of whole backwards. The dQ candidates include the Triton dQ kernel (`backward`'s triton_dq),
 which was the fastest pair's at B1 H16 S16384 D64 on an H100 (experiments/kernels/README.md). Beside the pairs
 runs FlashAttention-3's fused backward (`flash_gluon_fused`: dQ reduced from the dK/dV pass by TMA, five block
-matmuls instead of seven) in its warp-specialized form, without GQA: at head_dim 64 it beat every pair by 16%
-(H100, 2026-12-06). The fused kernel's one-warpgroup form measured slower than the pairs; it runs only when asked.
+matmuls instead of seven) in its warp-specialized form, up to WS_MAX_GROUP query heads a kv head: at head_dim 64
+it beat every pair by 16% (H100, 2026-12-06). The fused kernel's one-warpgroup form measured slower than the
+pairs; it runs only when asked.
 """
 
 from __future__ import annotations
