@@ -1,0 +1,292 @@
+"""Does a weight stream that runs ahead of the grid barriers lift a batch-1 decode step toward the bandwidth bound?
+
+    python experiments/inference/stream_gemv_probe.py [--layers 24] [--repeats 20] [--json F]
+
+The megakernel (lmlab.kernels.decode_layers_triton) reads each stage's weights only after the grid barrier that
+opens the stage, so every barrier and every latency-bound stage (attention) leaves DRAM idle: its batch-1 step reads
+at ~40% of the copy bandwidth (experiments/inference/README.md, "the megakernel's hardware counters"). Weights do
+not depend on the activations, so a loader warp could stream them into a ring of shared memory through the
+barriers, limited only by the ring's size. This probe measures that design on llama400m's matrix-vector chain
+alone: per layer q/k/v (3072 x 1024), o_proj (1024 x 1024), gate/up (5632 x 1024) and down (1024 x 2816), each
+stage's input the previous stage's output (its first K entries), with a grid barrier between every two stages
+(one more a layer than the megakernel, which needs none before o_proj).
+
+One Gluon program per SM: a loader warp TMA-copies the program's share of every stage's weight chunks (ROWS x 256)
+into a ring of NUM_BUF slots; four compute warps wait at each grid barrier, stage the input vector in shared
+memory, multiply each chunk as it lands and add each row block's sum into the stage's float32 output with atomics.
+`RUN_AHEAD=False` makes the loader wait at the same barriers, which is the megakernel's order of events, so the
+two differ only in when the bytes move. bf16 and int8 weights (codes and a scale per row, twice the rows a chunk),
+each against the device copy bandwidth measured in the same process, and checked against the same chain in
+float32 on the host.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import statistics
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+D_MODEL, D_FF, QKV = 1024, 2816, 3072
+STAGES = ((QKV, D_MODEL), (D_MODEL, D_MODEL), (2 * D_FF, D_MODEL), (D_MODEL, D_FF))  # (rows, columns)
+MAX_WIDTH = 4096  # the widest input a stage may have
+ACT_WIDTH = 2 * D_FF  # one row of float32 outputs per stage
+
+
+@gluon.jit
+def _wait_count(Sync, target):
+    """Spin until Sync reaches target, reading it with acquire semantics."""
+    seen = gl.atomic_add(Sync, 0, sem="acquire", scope="gpu")
+    while seen < target:
+        seen = gl.atomic_add(Sync, 0, sem="acquire", scope="gpu")
+
+
+@gluon.jit
+def _share(pid, n_programs, n_chunks):
+    """This program's contiguous range of a stage's chunks."""
+    return pid * n_chunks // n_programs, (pid + 1) * n_chunks // n_programs
+
+
+@gluon.jit
+def _load_stage(desc, ring, ready, free, i, layer, Sync, target, pid, n_programs, N: gl.constexpr,
+                K: gl.constexpr, RUN_AHEAD: gl.constexpr, WEIGHTS: gl.constexpr):
+    ROWS: gl.constexpr = desc.block_shape[0]
+    COLS: gl.constexpr = desc.block_shape[1]
+    KC: gl.constexpr = K // COLS
+    NUM_BUF: gl.constexpr = ring.shape[0]
+    if not RUN_AHEAD:
+        _wait_count(Sync, target)
+    start, end = _share(pid, n_programs, (N // ROWS) * KC * WEIGHTS)
+    for t in range(start, end):
+        slot = i % NUM_BUF
+        mbarrier.wait(free.index(slot), ((i // NUM_BUF) & 1) ^ 1)  # a fresh mbarrier's previous phase is done
+        mbarrier.expect(ready.index(slot), desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(desc, [layer * N + (t // KC) * ROWS, (t % KC) * COLS], ready.index(slot),
+                                        ring.index(slot))
+        i += 1
+    return i
+
+
+@gluon.jit
+def _loader(descs, ring, ready, free, Sync, layers, pid, n_programs, NS: gl.constexpr, KS: gl.constexpr,
+            RUN_AHEAD: gl.constexpr, WEIGHTS: gl.constexpr):
+    i = 0
+    for layer in range(layers):
+        for s in gl.static_range(4):
+            target = (layer * 4 + s) * n_programs
+            i = _load_stage(descs[s], ring, ready, free, i, layer, Sync, target, pid, n_programs, NS[s], KS[s],
+                            RUN_AHEAD, WEIGHTS)
+
+
+@gluon.jit
+def _compute_stage(desc, Scales, ring, ready, free, x_smem, i, layer, Act, Sync, stage, pid, n_programs,
+                   N: gl.constexpr, K: gl.constexpr, ACT_WIDTH: gl.constexpr, SYNC: gl.constexpr,
+                   WEIGHTS: gl.constexpr):
+    ROWS: gl.constexpr = desc.block_shape[0]
+    COLS: gl.constexpr = desc.block_shape[1]
+    KC: gl.constexpr = K // COLS
+    NUM_BUF: gl.constexpr = ring.shape[0]
+    VEC: gl.constexpr = 128 // desc.dtype.primitive_bitwidth  # 16 bytes a thread: 8 bf16 or 16 int8 weights
+    LANES: gl.constexpr = COLS // VEC  # lanes across a chunk's row: each row's sum stays in its warp
+    w_layout: gl.constexpr = gl.BlockedLayout([1, VEC], [32 // LANES, LANES], [4, 1], [1, 0])
+    x_layout: gl.constexpr = gl.BlockedLayout([4], [32], [4], [0])
+    rows_layout: gl.constexpr = gl.SliceLayout(1, w_layout)
+
+    if SYNC and stage > 0:
+        _wait_count(Sync, stage * n_programs)
+        gl.thread_barrier()
+    # the stage's input, staged in shared memory as (chunk, COLS)
+    cols = gl.arange(0, triton.next_power_of_2(K), layout=x_layout)
+    x_smem.slice(0, cols.shape[0]).store(gl.load(Act + stage * ACT_WIDTH + cols, mask=cols < K, other=0.0))
+    x_chunks = x_smem._reinterpret(gl.float32, [x_smem.shape[0] // COLS, COLS], x_smem.layout)
+    gl.thread_barrier()
+
+    out = Act + (stage + 1) * ACT_WIDTH
+    start, end = _share(pid, n_programs, (N // ROWS) * KC * WEIGHTS)
+    acc = gl.zeros([ROWS, COLS], gl.float32, w_layout)  # products, summed over the row block's chunks
+    for t in range(start, end):
+        slot = i % NUM_BUF
+        mbarrier.wait(ready.index(slot), (i // NUM_BUF) & 1)
+        w = ring.index(slot).load(w_layout).to(gl.float32)
+        x = x_chunks.index(t % KC).load(gl.SliceLayout(0, w_layout))
+        gl.thread_barrier()  # every warp has read the slot before the loader may refill it
+        mbarrier.arrive(free.index(slot), count=1)
+        acc += w * gl.expand_dims(x, 0)
+        i += 1
+        if (t % KC == KC - 1) | (t == end - 1):  # the row block's last chunk here: add its sums
+            sums = gl.sum(acc, 1)
+            rows = layer * N + (t // KC) * ROWS + gl.arange(0, ROWS, layout=rows_layout)
+            if Scales is not None:
+                sums = sums * gl.load(Scales + rows)
+            gl.atomic_add(out + (t // KC) * ROWS + gl.arange(0, ROWS, layout=rows_layout), sums, sem="relaxed")
+            acc = gl.zeros([ROWS, COLS], gl.float32, w_layout)
+    gl.thread_barrier()  # every warp's atomics are issued before the release
+    gl.atomic_add(Sync, 1, sem="release", scope="gpu")
+    return i
+
+
+@gluon.jit
+def _compute(descs, scales, ring, ready, free, x_smem, Act, Sync, layers, pid, n_programs, NS: gl.constexpr,
+             KS: gl.constexpr, ACT_WIDTH: gl.constexpr, SYNC: gl.constexpr, WEIGHTS: gl.constexpr):
+    i = 0
+    for layer in range(layers):
+        for s in gl.static_range(4):
+            i = _compute_stage(descs[s], scales[s], ring, ready, free, x_smem, i, layer, Act, Sync, layer * 4 + s,
+                               pid, n_programs, NS[s], KS[s], ACT_WIDTH, SYNC, WEIGHTS)
+
+
+@gluon.jit
+def stream_kernel(d0, d1, d2, d3, S0, S1, S2, S3, Act, Sync, layers, NS: gl.constexpr, KS: gl.constexpr,
+                  ACT_WIDTH: gl.constexpr, MAX_WIDTH: gl.constexpr, NUM_BUF: gl.constexpr, RUN_AHEAD: gl.constexpr,
+                  SYNC: gl.constexpr, WEIGHTS: gl.constexpr):
+    pid = gl.program_id(0)
+    n_programs = gl.num_programs(0)
+    ring = gl.allocate_shared_memory(d0.dtype, [NUM_BUF] + d0.block_shape, d0.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
+    free = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
+    for slot in gl.static_range(NUM_BUF):
+        mbarrier.init(ready.index(slot), count=1)
+        mbarrier.init(free.index(slot), count=1)
+    x_smem = gl.allocate_shared_memory(gl.float32, [MAX_WIDTH], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    fence_async_shared()
+    descs = (d0, d1, d2, d3)
+    gl.warp_specialize([
+        (_compute, (descs, (S0, S1, S2, S3), ring, ready, free, x_smem, Act, Sync, layers, pid, n_programs, NS, KS,
+                    ACT_WIDTH, SYNC, WEIGHTS)),
+        (_loader, (descs, ring, ready, free, Sync, layers, pid, n_programs, NS, KS, RUN_AHEAD, WEIGHTS)),
+    ], [1], [40])
+
+
+class Chain:
+    """llama400m's matrix-vector chain in one dtype: weights stacked per stage over the layers (int8: codes and a
+    float32 scale per row), their TMA descriptors for chunks of `chunk_bytes`, and the float32 reference of one
+    step."""
+
+    def __init__(self, layers: int, dtype: torch.dtype, chunk_bytes: int, swizzle: int, generator: torch.Generator):
+        self.layers, self.dtype, self.chunk_bytes, self.swizzle = layers, dtype, chunk_bytes, swizzle
+        size = torch.empty((), dtype=dtype).element_size()
+        # unswizzled: rows of 256 columns (a TMA box's widest); swizzled: rows of the swizzle's width, which a box
+        # may not exceed
+        cols = swizzle // size if swizzle else 256
+        rows = chunk_bytes // (cols * size)
+        layout = gl.NVMMASharedLayout(swizzle_byte_width=swizzle, element_bitwidth=8 * size, rank=2)
+        self.weights, self.scales, self.descs = [], [], []
+        for n, k in STAGES:
+            w = torch.randn(layers * n, k, generator=generator) / k ** 0.5
+            if dtype == torch.int8:
+                scale = w.abs().amax(1) / 127
+                self.weights.append((w / scale[:, None]).round().to(torch.int8).cuda())
+                self.scales.append(scale.cuda())
+            else:
+                self.weights.append(w.to(dtype).cuda())
+                self.scales.append(None)
+            self.descs.append(TensorDescriptor.from_tensor(self.weights[-1], [rows, cols], layout))
+        self.nbytes = sum(w.numel() * w.element_size() for w in self.weights)
+
+    def dequantized(self, s: int) -> torch.Tensor:
+        w = self.weights[s].float()
+        return w if self.scales[s] is None else w * self.scales[s][:, None]
+
+    def reference(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in range(self.layers):
+            for s, (n, k) in enumerate(STAGES):
+                x = self.dequantized(s)[layer * n:(layer + 1) * n] @ x[:k]
+        return x
+
+
+# name: (the loader runs ahead of the barriers, programs wait at them, weights streamed). Without barriers the
+# outputs are wrong (a stage may read its input before it is written): those rows time the rest of the chain.
+VARIANTS = {
+    "megakernel order": (False, True, True),
+    "stream ahead": (True, True, True),
+    "no barriers": (True, False, True),
+    "barriers, no weights": (True, True, False),
+    "neither": (True, False, False),  # each stage's input staging, output atomics and release fence alone
+}
+
+
+def time_chain(chain: Chain, x0: torch.Tensor, ring_bytes: int, variant: str, repeats: int) -> dict:
+    run_ahead, sync, weights = VARIANTS[variant]
+    n_programs = torch.cuda.get_device_properties(0).multi_processor_count
+    num_buf = ring_bytes // chain.chunk_bytes
+    act = torch.zeros(chain.layers * 4 + 1, ACT_WIDTH, device="cuda")
+    sync_count = torch.zeros(1, dtype=torch.int32, device="cuda")
+    times = []
+    for r in range(repeats + 3):
+        act.zero_()
+        act[0, :D_MODEL] = x0
+        sync_count.zero_()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        stream_kernel[(n_programs,)](
+            *chain.descs, *chain.scales, act, sync_count, chain.layers, tuple(n for n, _ in STAGES),
+            tuple(k for _, k in STAGES), ACT_WIDTH, MAX_WIDTH, num_buf, run_ahead, sync, int(weights), num_warps=4)
+        end.record()
+        end.synchronize()
+        if r >= 3:
+            times.append(start.elapsed_time(end) * 1e3)
+    expected = chain.reference(x0)
+    error = ((act[-1, :D_MODEL] - expected).norm() / expected.norm()).item()
+    us = statistics.median(times)
+    return {"dtype": str(chain.dtype).removeprefix("torch."), "chunk_bytes": chain.chunk_bytes,
+            "swizzle": chain.swizzle, "num_buf": num_buf, "variant": variant, "us": us, "min_us": min(times),
+            "max_us": max(times), "weight_bytes": chain.nbytes, "relative_error": error}
+
+
+def copy_bandwidth(repeats: int) -> float:
+    """Device-to-device copy bandwidth (bytes read + written / s) of a 1 GiB buffer, median of `repeats`."""
+    src = torch.empty(1 << 29, dtype=torch.int16, device="cuda")
+    dst = torch.empty_like(src)
+    times = []
+    for r in range(repeats + 3):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        if r >= 3:
+            times.append(start.elapsed_time(end) / 1e3)
+    return 2 * src.numel() * src.element_size() / statistics.median(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, default=24)
+    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--chunk-kb", type=int, nargs="+", default=[16], help="bytes a ring slot holds")
+    parser.add_argument("--swizzle", type=int, nargs="+", default=[128], help="bytes (0: rows of 256 columns)")
+    parser.add_argument("--ring-kb", type=int, default=160, help="the ring's shared memory")
+    parser.add_argument("--json")
+    args = parser.parse_args()
+    generator = torch.Generator().manual_seed(0)
+    x0 = torch.randn(D_MODEL, generator=generator).cuda()
+    bandwidth = copy_bandwidth(args.repeats)
+    print(f"{torch.cuda.get_device_name()}: copy bandwidth {bandwidth / 1e12:.2f} TB/s, triton {triton.__version__}")
+    rows = []
+    for dtype in (torch.bfloat16, torch.int8):
+        for chunk_kb, swizzle in itertools.product(args.chunk_kb, args.swizzle):
+            chain = Chain(args.layers, dtype, chunk_kb * 1024, swizzle, generator)
+            bound = chain.nbytes / bandwidth * 1e6
+            for variant in VARIANTS:
+                row = time_chain(chain, x0, args.ring_kb * 1024, variant, args.repeats)
+                row["of_copy_bound"] = bound / row["us"]
+                rows.append(row)
+                print(f"{row['dtype']:>8}, {chunk_kb:2d} KB chunks, swizzle {swizzle:3d}, {row['num_buf']:2d} slots, "
+                      f"{variant:21}: {row['us']:6.1f} us (range {row['min_us']:.1f}-{row['max_us']:.1f}), "
+                      f"{row['of_copy_bound']:4.0%} of the copy bound ({bound:.1f} us for {chain.nbytes / 1e6:.0f} "
+                      f"MB), relative error {row['relative_error']:.1e}", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "copy_bandwidth": bandwidth, "rows": rows}, f,
+                      indent=1)
+
+
+if __name__ == "__main__":
+    main()
