@@ -1,6 +1,7 @@
 """Does a weight stream that runs ahead of the grid barriers lift a batch-1 decode step toward the bandwidth bound?
 
-    python experiments/inference/stream_gemv_probe.py [--layers 24] [--repeats 20] [--json F]
+    python experiments/inference/stream_gemv_probe.py [--layers 24] [--repeats 20] [--chunk-kb 16] [--swizzle 128]
+        [--ring-kb 160] [--variants NAME ...] [--json F]
 
 The megakernel (lmlab.kernels.decode_layers_triton) reads each stage's weights only after the grid barrier that
 opens the stage, so every barrier and every latency-bound stage (attention) leaves DRAM idle: its batch-1 step reads
@@ -11,12 +12,14 @@ alone: per layer q/k/v (3072 x 1024), o_proj (1024 x 1024), gate/up (5632 x 1024
 stage's input the previous stage's output (its first K entries), with a grid barrier between every two stages
 (one more a layer than the megakernel, which needs none before o_proj).
 
-One Gluon program per SM: a loader warp TMA-copies the program's share of every stage's weight chunks (ROWS x 256)
-into a ring of NUM_BUF slots; four compute warps wait at each grid barrier, stage the input vector in shared
-memory, multiply each chunk as it lands and add each row block's sum into the stage's float32 output with atomics.
-`RUN_AHEAD=False` makes the loader wait at the same barriers, which is the megakernel's order of events, so the
-two differ only in when the bytes move. bf16 and int8 weights (codes and a scale per row, twice the rows a chunk),
-each against the device copy bandwidth measured in the same process, and checked against the same chain in
+One Gluon program per SM: a loader warp TMA-copies the program's share of every stage's weight chunks (a TMA box:
+rows of 256 columns unswizzled, or of the swizzle's width) into a ring of slots; four compute warps wait at each
+grid barrier, stage the input vector in shared memory, multiply each chunk as it lands and add each row block's sum
+into the stage's float32 output with atomics. The variants (VARIANTS) differ in one thing each: whether the loader
+also waits at the barriers (the megakernel's order of events), whether there are barriers or weights at all (what
+the rest of the chain costs), whether outputs travel as tagged words instead of atomics and barriers, and whether
+the tensor cores do the products (bf16). bf16 and int8 weights (codes and a scale per row, chunks of the same
+bytes), each against the device copy bandwidth measured in the same process, and checked against the same chain in
 float32 on the host.
 """
 
@@ -34,6 +37,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from lmlab.kernels.flash_gluon_ws import _bars
 
 D_MODEL, D_FF, QKV = 1024, 2816, 3072
 STAGES = ((QKV, D_MODEL), (D_MODEL, D_MODEL), (2 * D_FF, D_MODEL), (D_MODEL, D_FF))  # (rows, columns)
@@ -229,11 +234,7 @@ def stream_kernel(d0, d1, d2, d3, S0, S1, S2, S3, Act, Sync, layers, NS: gl.cons
     pid = gl.program_id(0)
     n_programs = gl.num_programs(0)
     ring = gl.allocate_shared_memory(d0.dtype, [NUM_BUF] + d0.block_shape, d0.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
-    free = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
-    for slot in gl.static_range(NUM_BUF):
-        mbarrier.init(ready.index(slot), count=1)
-        mbarrier.init(free.index(slot), count=1)
+    ready, free = _bars(NUM_BUF, 1), _bars(NUM_BUF, 1)
     if MMA:  # the input as B operands, a (COLS, 8) block per chunk
         COLS: gl.constexpr = d0.block_shape[1]
         x_smem = gl.allocate_shared_memory(gl.bfloat16, [MAX_WIDTH // COLS, COLS, 8],
