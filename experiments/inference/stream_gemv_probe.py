@@ -79,6 +79,8 @@ def _tagged_input(Row, tag, K: gl.constexpr, layout: gl.constexpr):
 @gluon.jit
 def _load_stage(desc, ring, ready, free, i, layer, Sync, target, pid, n_programs, N: gl.constexpr,
                 K: gl.constexpr, RUN_AHEAD: gl.constexpr, WEIGHTS: gl.constexpr, TAGGED: gl.constexpr):
+    """Copy this program's chunks of one stage of one layer into the ring, each as a slot frees (after the
+    stage's grid barrier unless RUN_AHEAD); returns the running chunk count."""
     ROWS: gl.constexpr = desc.block_shape[0]
     COLS: gl.constexpr = desc.block_shape[1]
     KC: gl.constexpr = K // COLS
@@ -111,6 +113,8 @@ def _loader(descs, ring, ready, free, Sync, layers, pid, n_programs, NS: gl.cons
 def _compute_stage(desc, Scales, ring, ready, free, x_smem, i, layer, Act, Sync, stage, pid, n_programs,
                    N: gl.constexpr, K: gl.constexpr, ACT_WIDTH: gl.constexpr, SYNC: gl.constexpr,
                    WEIGHTS: gl.constexpr, TAGGED: gl.constexpr):
+    """One stage in the compute warps: wait for its input, multiply this program's chunks by it as they land and
+    add (or store, TAGGED) each row block's sums; returns the running chunk count."""
     ROWS: gl.constexpr = desc.block_shape[0]
     COLS: gl.constexpr = desc.block_shape[1]
     KC: gl.constexpr = K // COLS
