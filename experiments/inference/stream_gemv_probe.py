@@ -38,6 +38,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from lmlab.inference.bench import copy_bandwidth
 from lmlab.kernels.flash_gluon_ws import _bars
 
 D_MODEL, D_FF, QKV = 1024, 2816, 3072
@@ -343,22 +344,6 @@ def time_chain(chain: Chain, x0: torch.Tensor, ring_bytes: int, variant: str, re
             "max_us": max(times), "weight_bytes": chain.nbytes, "relative_error": error}
 
 
-def copy_bandwidth(repeats: int) -> float:
-    """Device-to-device copy bandwidth (bytes read + written / s) of a 1 GiB buffer, median of `repeats`."""
-    src = torch.empty(1 << 29, dtype=torch.int16, device="cuda")
-    dst = torch.empty_like(src)
-    times = []
-    for r in range(repeats + 3):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        dst.copy_(src)
-        end.record()
-        end.synchronize()
-        if r >= 3:
-            times.append(start.elapsed_time(end) / 1e3)
-    return 2 * src.numel() * src.element_size() / statistics.median(times)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=24)
@@ -371,7 +356,7 @@ def main() -> None:
     args = parser.parse_args()
     generator = torch.Generator().manual_seed(0)
     x0 = torch.randn(D_MODEL, generator=generator).cuda()
-    bandwidth = copy_bandwidth(args.repeats)
+    bandwidth = copy_bandwidth(torch.device("cuda"), repeats=args.repeats)  # issue 17's roofline's
     print(f"{torch.cuda.get_device_name()}: copy bandwidth {bandwidth / 1e12:.2f} TB/s, triton {triton.__version__}")
     rows = []
     for dtype in (torch.bfloat16, torch.int8):
