@@ -39,6 +39,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from lmlab.inference.bench import copy_bandwidth
+from lmlab.inference.quant.grid import INT8, round_to_nearest
 from lmlab.kernels.flash_gluon_ws import _bars
 
 D_MODEL, D_FF, QKV = 1024, 2816, 3072
@@ -272,9 +273,9 @@ class Chain:
         for n, k in STAGES:
             w = torch.randn(layers * n, k, generator=generator) / k ** 0.5
             if dtype == torch.int8:
-                scale = w.abs().amax(1) / 127
-                self.weights.append((w / scale[:, None]).round().to(torch.int8).cuda())
-                self.scales.append(scale.cuda())
+                codes, scale, _ = round_to_nearest(w, INT8, k, None, 0.0)  # one group a row: per channel
+                self.weights.append(codes.to(torch.int8).cuda())
+                self.scales.append(scale[:, 0].cuda())
             else:
                 self.weights.append(w.to(dtype).cuda())
                 self.scales.append(None)
