@@ -1,7 +1,7 @@
 """Does a weight stream that runs ahead of the grid barriers lift a batch-1 decode step toward the bandwidth bound?
 
     python experiments/inference/stream_gemv_probe.py [--layers 24] [--repeats 20] [--chunk-kb 16] [--swizzle 128]
-        [--ring-kb 160] [--variants NAME ...] [--json F]
+        [--ring-kb 160] [--warps 4] [--variants NAME ...] [--json F]
 
 The megakernel (lmlab.kernels.decode_layers_triton) reads each stage's weights only after the grid barrier that
 opens the stage, so every barrier and every latency-bound stage (attention) leaves DRAM idle: its batch-1 step reads
@@ -46,6 +46,10 @@ D_MODEL, D_FF, QKV = 1024, 2816, 3072
 STAGES = ((QKV, D_MODEL), (D_MODEL, D_MODEL), (2 * D_FF, D_MODEL), (D_MODEL, D_FF))  # (rows, columns)
 MAX_WIDTH = 4096  # the widest input a stage may have
 ACT_WIDTH = 2 * D_FF  # one row of float32 outputs per stage
+# what the compute warps do with each chunk: multiply it in registers; on the tensor cores, each chunk's wgmmas
+# waited for or one chunk's left in flight; or only wait for it and free its slot (no input, products or outputs:
+# what the loader's stream alone reaches)
+SCALAR, WGMMA_WAITED, WGMMA, DRAIN = gl.constexpr(0), gl.constexpr(1), gl.constexpr(2), gl.constexpr(3)
 
 
 @gluon.jit
@@ -123,8 +127,8 @@ def _compute_stage(desc, Scales, ring, ready, free, x_smem, i, layer, Act, Sync,
     NUM_BUF: gl.constexpr = ring.shape[0]
     VEC: gl.constexpr = 128 // desc.dtype.primitive_bitwidth  # 16 bytes a thread: 8 bf16 or 16 int8 weights
     LANES: gl.constexpr = COLS // VEC  # lanes across a chunk's row: each row's sum stays in its warp
-    w_layout: gl.constexpr = gl.BlockedLayout([1, VEC], [32 // LANES, LANES], [4, 1], [1, 0])
-    x_layout: gl.constexpr = gl.BlockedLayout([4], [32], [4], [0])
+    w_layout: gl.constexpr = gl.BlockedLayout([1, VEC], [32 // LANES, LANES], [gl.num_warps(), 1], [1, 0])
+    x_layout: gl.constexpr = gl.BlockedLayout([4], [32], [gl.num_warps()], [0])
     rows_layout: gl.constexpr = gl.SliceLayout(1, w_layout)
 
     # the stage's input, staged in shared memory as (chunk, COLS)
@@ -175,59 +179,93 @@ def _compute_stage(desc, Scales, ring, ready, free, x_smem, i, layer, Act, Sync,
 
 
 @gluon.jit
-def _mma_stage(desc, ring, ready, free, b_smem, i, layer, Act, Sync, stage, pid, n_programs, N: gl.constexpr,
-               K: gl.constexpr, ACT_WIDTH: gl.constexpr, SYNC: gl.constexpr):
-    """_compute_stage on the tensor cores (bf16 weights): each chunk is a wgmma's A operand straight from the ring,
-    the input a (COLS, 8) B operand per chunk with the input in its first column and zeros in the others, so the
-    warps issue a few instructions a chunk instead of converting and multiplying every weight."""
+def _mma_stage(desc, ring, ready, free, x_smem, b_smem, i, layer, Act, Sync, stage, pid, n_programs, N: gl.constexpr,
+               K: gl.constexpr, ACT_WIDTH: gl.constexpr, SYNC: gl.constexpr, IN_FLIGHT: gl.constexpr):
+    """_compute_stage on the tensor cores (bf16 weights): each chunk is a wgmma's A operand straight from the ring
+    and the input chunk a (COLS, 8) B operand (the input in every column), so the warps issue a few instructions a
+    chunk instead of converting and multiplying every weight. The input is read once into x_smem (float32) and only
+    the B chunks of this program's columns are built from it; IN_FLIGHT wgmma groups stay in flight, their slots
+    freed as each completes."""
+    WARPS: gl.constexpr = gl.num_warps()
     ROWS: gl.constexpr = desc.block_shape[0]
     COLS: gl.constexpr = desc.block_shape[1]
     KC: gl.constexpr = K // COLS
     NUM_BUF: gl.constexpr = ring.shape[0]
-    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 8, 16])
-    b_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32, 1], [4, 1], [1, 0])
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
+                                                          instr_shape=[16, 8, 16])
+    b_layout: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [1, WARPS], [1, 0])
+    x_layout: gl.constexpr = gl.BlockedLayout([4], [32], [WARPS], [0])
     rows_layout: gl.constexpr = gl.SliceLayout(1, acc_layout)
 
     if SYNC and stage > 0:
         _wait_count(Sync, stage * n_programs)
         gl.thread_barrier()
-    k = gl.arange(0, COLS, layout=gl.SliceLayout(1, b_layout))
-    first_column = gl.expand_dims(gl.arange(0, 8, layout=gl.SliceLayout(0, b_layout)), 0) == 0
-    for c in gl.static_range(KC):
-        x = gl.expand_dims(gl.load(Act + stage * ACT_WIDTH + c * COLS + k), 1)
-        b_smem.index(c).store(gl.where(first_column, x, 0.0).to(gl.bfloat16))
+    cols = gl.arange(0, triton.next_power_of_2(K), layout=x_layout)
+    staged = gl.load(Act + stage * ACT_WIDTH + cols, mask=cols < K, other=0.0)
+    x_smem.slice(0, staged.shape[0]).store(staged)
+    x_chunks = x_smem._reinterpret(gl.float32, [x_smem.shape[0] // COLS, COLS], x_smem.layout)
+    gl.thread_barrier()
+    start, end = _share(pid, n_programs, N // ROWS, KC, False)
+    for t in range(start, gl.minimum(end, start + KC)):  # B chunks (8, COLS), K-major, of this program's columns
+        x = gl.expand_dims(x_chunks.index(t % KC).load(gl.SliceLayout(0, b_layout)), 0)
+        b_smem.index(t % KC).store((x + gl.zeros([8, COLS], gl.float32, b_layout)).to(gl.bfloat16))
     fence_async_shared()
     gl.thread_barrier()
 
     out = Act + (stage + 1) * ACT_WIDTH
-    start, end = _share(pid, n_programs, N // ROWS, KC, False)
+    first_column = gl.expand_dims(gl.arange(0, 8, layout=gl.SliceLayout(0, acc_layout)), 0) == 0
     acc = gl.zeros([ROWS, 8], gl.float32, acc_layout)
     for t in range(start, end):
         slot = i % NUM_BUF
         mbarrier.wait(ready.index(slot), (i // NUM_BUF) & 1)
-        acc = warpgroup_mma_wait(0, deps=[warpgroup_mma(ring.index(slot), b_smem.index(t % KC), acc,
-                                                         is_async=True)])
-        mbarrier.arrive(free.index(slot), count=1)
+        # a row block's first chunk here starts its sums afresh (use_acc, not a zeroed accumulator, which would
+        # make ptxas wait for the wgmmas in flight)
+        acc = warpgroup_mma(ring.index(slot), b_smem.index(t % KC).permute((1, 0)), acc,
+                            use_acc=(t % KC != 0) & (t != start), is_async=True)
+        acc = warpgroup_mma_wait(IN_FLIGHT, deps=[acc])
+        if IN_FLIGHT:  # the previous chunk's wgmmas are done: its slot may refill
+            if t > start:
+                mbarrier.arrive(free.index((i - 1) % NUM_BUF), count=1)
+        else:
+            mbarrier.arrive(free.index(slot), count=1)
         i += 1
         if (t % KC == KC - 1) | (t == end - 1):  # the row block's last chunk here: add its sums
+            acc = warpgroup_mma_wait(0, deps=[acc])
             outs = out + (t // KC) * ROWS + gl.arange(0, ROWS, layout=rows_layout)
-            gl.atomic_add(outs, gl.sum(acc, 1), sem="relaxed")
-            acc = gl.zeros([ROWS, 8], gl.float32, acc_layout)
+            gl.atomic_add(outs, gl.sum(gl.where(first_column, acc, 0.0), 1), sem="relaxed")
+    if IN_FLIGHT and end > start:
+        mbarrier.arrive(free.index((i - 1) % NUM_BUF), count=1)
     gl.thread_barrier()  # every warp's atomics are issued before the release
     gl.atomic_add(Sync, 1, sem="release", scope="gpu")
     return i
 
 
 @gluon.jit
-def _compute(descs, scales, ring, ready, free, x_smem, Act, Sync, layers, pid, n_programs, NS: gl.constexpr,
-             KS: gl.constexpr, ACT_WIDTH: gl.constexpr, SYNC: gl.constexpr, WEIGHTS: gl.constexpr,
-             TAGGED: gl.constexpr, MMA: gl.constexpr):
+def _drain_stage(desc, ring, ready, free, i, pid, n_programs, N: gl.constexpr, K: gl.constexpr):
+    """Wait for each of this program's chunks of a stage and free its slot at once."""
+    ROWS: gl.constexpr = desc.block_shape[0]
+    KC: gl.constexpr = K // desc.block_shape[1]
+    NUM_BUF: gl.constexpr = ring.shape[0]
+    start, end = _share(pid, n_programs, N // ROWS, KC, False)
+    for t in range(start, end):
+        mbarrier.wait(ready.index(i % NUM_BUF), (i // NUM_BUF) & 1)
+        mbarrier.arrive(free.index(i % NUM_BUF), count=1)
+        i += 1
+    return i
+
+
+@gluon.jit
+def _compute(descs, scales, ring, ready, free, x_smem, b_smem, Act, Sync, layers, pid, n_programs,
+             NS: gl.constexpr, KS: gl.constexpr, ACT_WIDTH: gl.constexpr, SYNC: gl.constexpr, WEIGHTS: gl.constexpr,
+             TAGGED: gl.constexpr, CONSUMER: gl.constexpr):
     i = 0
     for layer in range(layers):
         for s in gl.static_range(4):
-            if MMA:
-                i = _mma_stage(descs[s], ring, ready, free, x_smem, i, layer, Act, Sync, layer * 4 + s, pid,
-                               n_programs, NS[s], KS[s], ACT_WIDTH, SYNC)
+            if CONSUMER == DRAIN:
+                i = _drain_stage(descs[s], ring, ready, free, i, pid, n_programs, NS[s], KS[s])
+            elif CONSUMER != SCALAR:
+                i = _mma_stage(descs[s], ring, ready, free, x_smem, b_smem, i, layer, Act, Sync, layer * 4 + s, pid,
+                               n_programs, NS[s], KS[s], ACT_WIDTH, SYNC, CONSUMER - WGMMA_WAITED)
             else:
                 i = _compute_stage(descs[s], scales[s], ring, ready, free, x_smem, i, layer, Act, Sync,
                                    layer * 4 + s, pid, n_programs, NS[s], KS[s], ACT_WIDTH, SYNC, WEIGHTS, TAGGED)
@@ -236,22 +274,23 @@ def _compute(descs, scales, ring, ready, free, x_smem, Act, Sync, layers, pid, n
 @gluon.jit
 def stream_kernel(d0, d1, d2, d3, S0, S1, S2, S3, Act, Sync, layers, NS: gl.constexpr, KS: gl.constexpr,
                   ACT_WIDTH: gl.constexpr, MAX_WIDTH: gl.constexpr, NUM_BUF: gl.constexpr, RUN_AHEAD: gl.constexpr,
-                  SYNC: gl.constexpr, WEIGHTS: gl.constexpr, TAGGED: gl.constexpr, MMA: gl.constexpr):
+                  SYNC: gl.constexpr, WEIGHTS: gl.constexpr, TAGGED: gl.constexpr, CONSUMER: gl.constexpr):
     pid = gl.program_id(0)
     n_programs = gl.num_programs(0)
     ring = gl.allocate_shared_memory(d0.dtype, [NUM_BUF] + d0.block_shape, d0.layout)
     ready, free = _bars(NUM_BUF, 1), _bars(NUM_BUF, 1)
-    if MMA:  # the input as B operands, a (COLS, 8) block per chunk
+    x_smem = gl.allocate_shared_memory(gl.float32, [MAX_WIDTH], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    if (CONSUMER == WGMMA) | (CONSUMER == WGMMA_WAITED):  # the input as B operands, an (8, COLS) block per chunk
         COLS: gl.constexpr = d0.block_shape[1]
-        x_smem = gl.allocate_shared_memory(gl.bfloat16, [MAX_WIDTH // COLS, COLS, 8],
-                                           gl.NVMMASharedLayout.get_default_for([COLS, 8], gl.bfloat16))
+        b_smem = gl.allocate_shared_memory(gl.bfloat16, [MAX_WIDTH // COLS, 8, COLS],
+                                           gl.NVMMASharedLayout.get_default_for([8, COLS], gl.bfloat16))
     else:
-        x_smem = gl.allocate_shared_memory(gl.float32, [MAX_WIDTH], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+        b_smem = x_smem  # unused
     fence_async_shared()
     descs = (d0, d1, d2, d3)
     gl.warp_specialize([
-        (_compute, (descs, (S0, S1, S2, S3), ring, ready, free, x_smem, Act, Sync, layers, pid, n_programs, NS, KS,
-                    ACT_WIDTH, SYNC, WEIGHTS, TAGGED, MMA)),
+        (_compute, (descs, (S0, S1, S2, S3), ring, ready, free, x_smem, b_smem, Act, Sync, layers, pid, n_programs,
+                    NS, KS, ACT_WIDTH, SYNC, WEIGHTS, TAGGED, CONSUMER)),
         (_loader, (descs, ring, ready, free, Sync, layers, pid, n_programs, NS, KS, RUN_AHEAD, WEIGHTS, TAGGED)),
     ], [1], [40])
 
@@ -296,23 +335,25 @@ class Chain:
 # name: (the loader runs ahead of the barriers, programs wait at them, weights streamed, tagged words). Without
 # barriers the outputs are wrong (a stage may read its input before it is written): those rows time the rest of the
 # chain. Tagged: each program owns whole row blocks and stores each output with its stage's tag in one 8-byte word,
-# which the next stage reads until every tag is there (no atomics, no fence, no counter). Tensor cores: a
-# wgmma per chunk (_mma_stage).
+# which the next stage reads until every tag is there (no atomics, no fence, no counter). Tensor cores (bf16 only):
+# a wgmma per chunk (_mma_stage). Stream only: the loader's stream drained as it lands, nothing else.
 VARIANTS = {
-    "megakernel order": (False, True, True, False, False),
-    "stream ahead": (True, True, True, False, False),
-    "no barriers": (True, False, True, False, False),
-    "barriers, no weights": (True, True, False, False, False),
-    "neither": (True, False, False, False, False),  # each stage's input staging, output atomics and release fence
-    "tagged": (True, False, True, True, False),
-    "tagged, no weights": (True, False, False, True, False),
-    "stream ahead, tensor cores": (True, True, True, False, True),  # bf16 only
-    "no barriers, tensor cores": (True, False, True, False, True),
+    "megakernel order": (False, True, True, False, SCALAR.value),
+    "stream ahead": (True, True, True, False, SCALAR.value),
+    "no barriers": (True, False, True, False, SCALAR.value),
+    "barriers, no weights": (True, True, False, False, SCALAR.value),
+    "neither": (True, False, False, False, SCALAR.value),  # each stage's input staging, output atomics, release
+    "tagged": (True, False, True, True, SCALAR.value),
+    "tagged, no weights": (True, False, False, True, SCALAR.value),
+    "stream ahead, tensor cores": (True, True, True, False, WGMMA.value),
+    "stream ahead, tensor cores, each waited": (True, True, True, False, WGMMA_WAITED.value),
+    "no barriers, tensor cores": (True, False, True, False, WGMMA.value),
+    "stream only": (True, False, True, False, DRAIN.value),
 }
 
 
-def time_chain(chain: Chain, x0: torch.Tensor, ring_bytes: int, variant: str, repeats: int) -> dict:
-    run_ahead, sync, weights, tagged, mma = VARIANTS[variant]
+def time_chain(chain: Chain, x0: torch.Tensor, ring_bytes: int, variant: str, repeats: int, warps: int) -> dict:
+    run_ahead, sync, weights, tagged, consumer = VARIANTS[variant]
     n_programs = torch.cuda.get_device_properties(0).multi_processor_count
     num_buf = ring_bytes // chain.chunk_bytes
     act = torch.zeros(chain.layers * 4 + 1, ACT_WIDTH, device="cuda", dtype=torch.int64 if tagged else torch.float32)
@@ -329,7 +370,7 @@ def time_chain(chain: Chain, x0: torch.Tensor, ring_bytes: int, variant: str, re
         stream_kernel[(n_programs,)](
             *chain.descs, *chain.scales, act, sync_count, chain.layers, tuple(n for n, _ in STAGES),
             tuple(k for _, k in STAGES), ACT_WIDTH, MAX_WIDTH, num_buf, run_ahead, sync, int(weights), tagged,
-            mma, num_warps=4)
+            consumer, num_warps=warps)
         end.record()
         end.synchronize()
         if r >= 3:
@@ -341,7 +382,7 @@ def time_chain(chain: Chain, x0: torch.Tensor, ring_bytes: int, variant: str, re
     error = ((out - expected).norm() / expected.norm()).item()
     us = statistics.median(times)
     return {"dtype": str(chain.dtype).removeprefix("torch."), "chunk_bytes": chain.chunk_bytes,
-            "swizzle": chain.swizzle, "num_buf": num_buf, "variant": variant, "us": us, "min_us": min(times),
+            "swizzle": chain.swizzle, "num_buf": num_buf, "warps": warps, "variant": variant, "us": us, "min_us": min(times),
             "max_us": max(times), "weight_bytes": chain.nbytes, "relative_error": error}
 
 
@@ -352,6 +393,7 @@ def main() -> None:
     parser.add_argument("--chunk-kb", type=int, nargs="+", default=[16], help="bytes a ring slot holds")
     parser.add_argument("--swizzle", type=int, nargs="+", default=[128], help="bytes (0: rows of 256 columns)")
     parser.add_argument("--ring-kb", type=int, default=160, help="the ring's shared memory")
+    parser.add_argument("--warps", type=int, nargs="+", default=[4], help="compute warps a program")
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS), metavar="NAME")
     parser.add_argument("--json")
     args = parser.parse_args()
@@ -364,12 +406,17 @@ def main() -> None:
         for chunk_kb, swizzle in itertools.product(args.chunk_kb, args.swizzle):
             chain = Chain(args.layers, dtype, chunk_kb * 1024, swizzle, generator)
             bound = chain.nbytes / bandwidth * 1e6
-            for variant in [v for v in args.variants if dtype == torch.bfloat16 or not VARIANTS[v][4]]:
-                row = time_chain(chain, x0, args.ring_kb * 1024, variant, args.repeats)
+            rows_a_chunk = chain.descs[0].block_shape[0]
+            for warps, variant in itertools.product(args.warps, args.variants):
+                # the tensor cores take bf16, and a wgmma's rows are 16 a warp
+                tensor_cores = VARIANTS[variant][4] in (WGMMA.value, WGMMA_WAITED.value)
+                if tensor_cores and (dtype != torch.bfloat16 or rows_a_chunk < 16 * warps):
+                    continue
+                row = time_chain(chain, x0, args.ring_kb * 1024, variant, args.repeats, warps)
                 row["of_copy_bound"] = bound / row["us"]
                 rows.append(row)
                 print(f"{row['dtype']:>8}, {chunk_kb:2d} KB chunks, swizzle {swizzle:3d}, {row['num_buf']:2d} slots, "
-                      f"{variant:21}: {row['us']:6.1f} us (range {row['min_us']:.1f}-{row['max_us']:.1f}), "
+                      f"{warps:2d} warps, {variant:21}: {row['us']:6.1f} us (range {row['min_us']:.1f}-{row['max_us']:.1f}), "
                       f"{row['of_copy_bound']:4.0%} of the copy bound ({bound:.1f} us for {chain.nbytes / 1e6:.0f} "
                       f"MB), relative error {row['relative_error']:.1e}", flush=True)
     if args.json:
