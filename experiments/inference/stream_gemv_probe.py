@@ -241,16 +241,23 @@ def _mma_stage(desc, ring, ready, free, x_smem, b_smem, i, layer, Act, Sync, sta
 
 
 @gluon.jit
-def _drain_stage(desc, ring, ready, free, i, pid, n_programs, N: gl.constexpr, K: gl.constexpr):
-    """Wait for each of this program's chunks of a stage and free its slot at once."""
+def _drain_stage(desc, ring, ready, free, i, Sync, stage, pid, n_programs, N: gl.constexpr, K: gl.constexpr,
+                 SYNC: gl.constexpr):
+    """Wait for each of this program's chunks of a stage and free its slot at once; with SYNC, between the
+    stage's grid barriers (no input, products or outputs: what the stream and the barriers cost together)."""
     ROWS: gl.constexpr = desc.block_shape[0]
     KC: gl.constexpr = K // desc.block_shape[1]
     NUM_BUF: gl.constexpr = ring.shape[0]
+    if SYNC and stage > 0:
+        _wait_count(Sync, stage * n_programs)
     start, end = _share(pid, n_programs, N // ROWS, KC, False)
     for t in range(start, end):
         mbarrier.wait(ready.index(i % NUM_BUF), (i // NUM_BUF) & 1)
         mbarrier.arrive(free.index(i % NUM_BUF), count=1)
         i += 1
+    if SYNC:
+        gl.thread_barrier()
+        gl.atomic_add(Sync, 1, sem="release", scope="gpu")
     return i
 
 
@@ -262,7 +269,8 @@ def _compute(descs, scales, ring, ready, free, x_smem, b_smem, Act, Sync, layers
     for layer in range(layers):
         for s in gl.static_range(4):
             if CONSUMER == DRAIN:
-                i = _drain_stage(descs[s], ring, ready, free, i, pid, n_programs, NS[s], KS[s])
+                i = _drain_stage(descs[s], ring, ready, free, i, Sync, layer * 4 + s, pid, n_programs, NS[s], KS[s],
+                                 SYNC)
             elif CONSUMER != SCALAR:
                 i = _mma_stage(descs[s], ring, ready, free, x_smem, b_smem, i, layer, Act, Sync, layer * 4 + s, pid,
                                n_programs, NS[s], KS[s], ACT_WIDTH, SYNC, CONSUMER - WGMMA_WAITED)
@@ -336,7 +344,7 @@ class Chain:
 # barriers the outputs are wrong (a stage may read its input before it is written): those rows time the rest of the
 # chain. Tagged: each program owns whole row blocks and stores each output with its stage's tag in one 8-byte word,
 # which the next stage reads until every tag is there (no atomics, no fence, no counter). Tensor cores (bf16 only):
-# a wgmma per chunk (_mma_stage). Stream only: the loader's stream drained as it lands, nothing else.
+# a wgmma per chunk (_mma_stage). Stream only: the loader's stream drained as it lands, with or without barriers.
 VARIANTS = {
     "megakernel order": (False, True, True, False, SCALAR.value),
     "stream ahead": (True, True, True, False, SCALAR.value),
@@ -349,6 +357,7 @@ VARIANTS = {
     "stream ahead, tensor cores, each waited": (True, True, True, False, WGMMA_WAITED.value),
     "no barriers, tensor cores": (True, False, True, False, WGMMA.value),
     "stream only": (True, False, True, False, DRAIN.value),
+    "barriers, stream only": (True, True, True, False, DRAIN.value),
 }
 
 
