@@ -13,9 +13,9 @@ stage's input the previous stage's output (its first K entries), with a grid bar
 (one more a layer than the megakernel, which needs none before o_proj).
 
 One Gluon program per SM: a loader warp TMA-copies the program's share of every stage's weight chunks (a TMA box:
-rows of 256 columns unswizzled, or of the swizzle's width) into a ring of slots; the compute warps (--warps) wait at each
-grid barrier, stage the input vector in shared memory, multiply each chunk as it lands and add each row block's sum
-into the stage's float32 output with atomics. The variants (VARIANTS) differ in one thing each: whether the loader
+rows of 256 columns unswizzled, or of the swizzle's width) into a ring of slots; the compute warps (--warps) wait
+at each grid barrier, stage the input vector in shared memory, multiply each chunk as it lands and add each row
+block's sum into the stage's float32 output with atomics. The variants (VARIANTS) differ in one thing each: whether the loader
 also waits at the barriers (the megakernel's order of events), whether there are barriers or weights at all (what
 the rest of the chain costs), whether outputs travel as tagged words instead of atomics and barriers, whether
 the tensor cores do the products (bf16), and whether the compute warps only drain the stream (what it reaches
@@ -392,8 +392,8 @@ def time_chain(chain: Chain, x0: torch.Tensor, ring_bytes: int, variant: str, re
     error = ((out - expected).norm() / expected.norm()).item()
     us = statistics.median(times)
     return {"dtype": str(chain.dtype).removeprefix("torch."), "chunk_bytes": chain.chunk_bytes,
-            "swizzle": chain.swizzle, "num_buf": num_buf, "warps": warps, "variant": variant, "us": us, "min_us": min(times),
-            "max_us": max(times), "weight_bytes": chain.nbytes, "relative_error": error}
+            "swizzle": chain.swizzle, "num_buf": num_buf, "warps": warps, "variant": variant, "us": us,
+            "min_us": min(times), "max_us": max(times), "weight_bytes": chain.nbytes, "relative_error": error}
 
 
 def main() -> None:
@@ -426,7 +426,8 @@ def main() -> None:
                 row["of_copy_bound"] = bound / row["us"]
                 rows.append(row)
                 print(f"{row['dtype']:>8}, {chunk_kb:2d} KB chunks, swizzle {swizzle:3d}, {row['num_buf']:2d} slots, "
-                      f"{warps:2d} warps, {variant:21}: {row['us']:6.1f} us (range {row['min_us']:.1f}-{row['max_us']:.1f}), "
+                      f"{warps:2d} warps, {variant:21}: {row['us']:6.1f} us "
+                      f"(range {row['min_us']:.1f}-{row['max_us']:.1f}), "
                       f"{row['of_copy_bound']:4.0%} of the copy bound ({bound:.1f} us for {chain.nbytes / 1e6:.0f} "
                       f"MB), relative error {row['relative_error']:.1e}", flush=True)
     if args.json:
