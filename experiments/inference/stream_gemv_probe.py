@@ -13,15 +13,15 @@ stage's input the previous stage's output (its first K entries), with a grid bar
 (one more a layer than the megakernel, which needs none before o_proj).
 
 One Gluon program per SM: a loader warp TMA-copies the program's share of every stage's weight chunks (a TMA box:
-rows of 256 columns unswizzled, or of the swizzle's width) into a ring of slots; the compute warps (--warps) wait
-at each grid barrier, stage the input vector in shared memory, multiply each chunk as it lands and add each row
-block's sum into the stage's float32 output with atomics. The variants (VARIANTS) differ in one thing each: whether the loader
-also waits at the barriers (the megakernel's order of events), whether there are barriers or weights at all (what
-the rest of the chain costs), whether outputs travel as tagged words instead of atomics and barriers, whether
-the tensor cores do the products (bf16), and whether the compute warps only drain the stream (what it reaches
-alone, with or without the barriers). bf16 and int8 weights (codes and a scale per row, chunks of the same
-bytes), each against the device copy bandwidth measured in the same process, and checked against the same chain in
-float32 on the host.
+rows of 256 columns unswizzled, or of the swizzle's width) into a ring of slots; the compute warps (--warps) wait at
+each grid barrier, stage the input vector in shared memory, multiply each chunk as it lands and add each row block's
+sum into the stage's float32 output with atomics. The variants (VARIANTS) differ in one thing each: whether the
+loader also waits at the barriers (the megakernel's order of events), whether there are barriers or weights at all
+(what the rest of the chain costs), whether outputs travel as tagged words instead of atomics and barriers, whether
+the tensor cores do the products (bf16), and whether the compute warps only drain the stream (what it reaches alone,
+with or without the barriers). bf16 and int8 weights (codes and a scale per row, chunks of the same bytes), each
+against the device copy bandwidth measured in the same process, and checked against the same chain in float32 on the
+host.
 """
 
 from __future__ import annotations
