@@ -1,7 +1,8 @@
 """Does a weight stream that runs ahead of the grid barriers lift a batch-1 decode step toward the bandwidth bound?
 
     python experiments/inference/stream_gemv_probe.py [--layers 24] [--repeats 20] [--chunk-kb 16] [--swizzle 128]
-        [--ring-kb 160] [--warps 4] [--variants NAME ...] [--json F]
+        [--ring-kb 160] [--warps 4] [--counters 1]
+        [--variants NAME ...] [--json F]
 
 The megakernel (lmlab.kernels.decode_layers_triton) reads each stage's weights only after the grid barrier that
 opens the stage, so every barrier and every latency-bound stage (attention) leaves DRAM idle: its batch-1 step reads
@@ -51,6 +52,7 @@ ACT_WIDTH = 2 * D_FF  # one row of float32 outputs per stage
 # waited for or one chunk's left in flight; or only wait for it and free its slot (no input, products or outputs:
 # what the loader's stream alone reaches)
 SCALAR, WGMMA_WAITED, WGMMA, DRAIN = gl.constexpr(0), gl.constexpr(1), gl.constexpr(2), gl.constexpr(3)
+SPREAD = gl.constexpr(64)  # int32s between a grid barrier's counters (--counters): 256 bytes, apart in L2
 
 
 @gluon.jit
@@ -59,6 +61,23 @@ def _wait_count(Sync, target):
     seen = gl.atomic_add(Sync, 0, sem="acquire", scope="gpu")
     while seen < target:
         seen = gl.atomic_add(Sync, 0, sem="acquire", scope="gpu")
+
+
+@gluon.jit
+def _arrive(Sync, pid, n_programs, arrivals, COUNTERS: gl.constexpr):
+    """Count this program in at the grid barrier (its `arrivals`-th), released. With COUNTERS > 1 the programs
+    arrive in COUNTERS groups (pid % COUNTERS), each at a counter of its own (SPREAD int32s apart, after Sync), and
+    the group's last arrival adds the group's size to Sync: the arrivals queue at COUNTERS addresses, not one, and
+    the waiters still read one counter."""
+    gl.thread_barrier()  # every warp's writes are issued before the release
+    if COUNTERS == 1:
+        gl.atomic_add(Sync, 1, sem="release", scope="gpu")
+    else:
+        group = pid % COUNTERS
+        members = (n_programs - group + COUNTERS - 1) // COUNTERS
+        before = gl.atomic_add(Sync + SPREAD * (1 + group), 1, sem="acq_rel", scope="gpu")
+        if before + 1 == arrivals * members:  # acquired every member's release: pass them on in one
+            gl.atomic_add(Sync, members, sem="release", scope="gpu")
 
 
 @gluon.jit
@@ -119,7 +138,7 @@ def _loader(descs, ring, ready, free, Sync, layers, pid, n_programs, NS: gl.cons
 @gluon.jit
 def _compute_stage(desc, Scales, ring, ready, free, x_smem, i, layer, Act, Sync, stage, pid, n_programs,
                    N: gl.constexpr, K: gl.constexpr, ACT_WIDTH: gl.constexpr, SYNC: gl.constexpr,
-                   WEIGHTS: gl.constexpr, TAGGED: gl.constexpr):
+                   WEIGHTS: gl.constexpr, TAGGED: gl.constexpr, COUNTERS: gl.constexpr):
     """One stage in the compute warps: wait for its input, multiply this program's chunks by it as they land and
     add (or store, TAGGED) each row block's sums; returns the running chunk count."""
     ROWS: gl.constexpr = desc.block_shape[0]
@@ -174,14 +193,14 @@ def _compute_stage(desc, Scales, ring, ready, free, x_smem, i, layer, Act, Sync,
         for block in range(pid * (N // ROWS) // n_programs, (pid + 1) * (N // ROWS) // n_programs):
             gl.store(out + block * ROWS + gl.arange(0, ROWS, layout=rows_layout), tagged_zero)
     if not TAGGED:
-        gl.thread_barrier()  # every warp's atomics are issued before the release
-        gl.atomic_add(Sync, 1, sem="release", scope="gpu")
+        _arrive(Sync, pid, n_programs, stage + 1, COUNTERS)
     return i
 
 
 @gluon.jit
 def _mma_stage(desc, ring, ready, free, x_smem, b_smem, i, layer, Act, Sync, stage, pid, n_programs, N: gl.constexpr,
-               K: gl.constexpr, ACT_WIDTH: gl.constexpr, SYNC: gl.constexpr, IN_FLIGHT: gl.constexpr):
+               K: gl.constexpr, ACT_WIDTH: gl.constexpr, SYNC: gl.constexpr, IN_FLIGHT: gl.constexpr,
+               COUNTERS: gl.constexpr):
     """_compute_stage on the tensor cores (bf16 weights): each chunk is a wgmma's A operand straight from the ring
     and the input chunk a (COLS, 8) B operand (the input in every column), so the warps issue a few instructions a
     chunk instead of converting and multiplying every weight. The input is read once into x_smem (float32) and only
@@ -236,14 +255,13 @@ def _mma_stage(desc, ring, ready, free, x_smem, b_smem, i, layer, Act, Sync, sta
             gl.atomic_add(outs, gl.sum(gl.where(first_column, acc, 0.0), 1), sem="relaxed")
     if IN_FLIGHT and end > start:
         mbarrier.arrive(free.index((i - 1) % NUM_BUF), count=1)
-    gl.thread_barrier()  # every warp's atomics are issued before the release
-    gl.atomic_add(Sync, 1, sem="release", scope="gpu")
+    _arrive(Sync, pid, n_programs, stage + 1, COUNTERS)
     return i
 
 
 @gluon.jit
 def _drain_stage(desc, ring, ready, free, i, Sync, stage, pid, n_programs, N: gl.constexpr, K: gl.constexpr,
-                 SYNC: gl.constexpr):
+                 SYNC: gl.constexpr, COUNTERS: gl.constexpr):
     """Wait for each of this program's chunks of a stage and free its slot at once; with SYNC, between the
     stage's grid barriers (no input, products or outputs: what the stream and the barriers cost together)."""
     ROWS: gl.constexpr = desc.block_shape[0]
@@ -257,33 +275,35 @@ def _drain_stage(desc, ring, ready, free, i, Sync, stage, pid, n_programs, N: gl
         mbarrier.arrive(free.index(i % NUM_BUF), count=1)
         i += 1
     if SYNC:
-        gl.thread_barrier()
-        gl.atomic_add(Sync, 1, sem="release", scope="gpu")
+        _arrive(Sync, pid, n_programs, stage + 1, COUNTERS)
     return i
 
 
 @gluon.jit
 def _compute(descs, scales, ring, ready, free, x_smem, b_smem, Act, Sync, layers, pid, n_programs,
              NS: gl.constexpr, KS: gl.constexpr, ACT_WIDTH: gl.constexpr, SYNC: gl.constexpr, WEIGHTS: gl.constexpr,
-             TAGGED: gl.constexpr, CONSUMER: gl.constexpr):
+             TAGGED: gl.constexpr, CONSUMER: gl.constexpr, COUNTERS: gl.constexpr):
     i = 0
     for layer in range(layers):
         for s in gl.static_range(4):
             if CONSUMER == DRAIN:
                 i = _drain_stage(descs[s], ring, ready, free, i, Sync, layer * 4 + s, pid, n_programs, NS[s], KS[s],
-                                 SYNC)
+                                 SYNC, COUNTERS)
             elif CONSUMER != SCALAR:
                 i = _mma_stage(descs[s], ring, ready, free, x_smem, b_smem, i, layer, Act, Sync, layer * 4 + s, pid,
-                               n_programs, NS[s], KS[s], ACT_WIDTH, SYNC, CONSUMER - WGMMA_WAITED)
+                               n_programs, NS[s], KS[s], ACT_WIDTH, SYNC, CONSUMER - WGMMA_WAITED,
+                               COUNTERS)
             else:
                 i = _compute_stage(descs[s], scales[s], ring, ready, free, x_smem, i, layer, Act, Sync,
-                                   layer * 4 + s, pid, n_programs, NS[s], KS[s], ACT_WIDTH, SYNC, WEIGHTS, TAGGED)
+                                   layer * 4 + s, pid, n_programs, NS[s], KS[s], ACT_WIDTH, SYNC, WEIGHTS, TAGGED,
+                                   COUNTERS)
 
 
 @gluon.jit
 def stream_kernel(d0, d1, d2, d3, S0, S1, S2, S3, Act, Sync, layers, NS: gl.constexpr, KS: gl.constexpr,
                   ACT_WIDTH: gl.constexpr, MAX_WIDTH: gl.constexpr, NUM_BUF: gl.constexpr, RUN_AHEAD: gl.constexpr,
-                  SYNC: gl.constexpr, WEIGHTS: gl.constexpr, TAGGED: gl.constexpr, CONSUMER: gl.constexpr):
+                  SYNC: gl.constexpr, WEIGHTS: gl.constexpr, TAGGED: gl.constexpr, CONSUMER: gl.constexpr,
+                  COUNTERS: gl.constexpr):
     pid = gl.program_id(0)
     n_programs = gl.num_programs(0)
     ring = gl.allocate_shared_memory(d0.dtype, [NUM_BUF] + d0.block_shape, d0.layout)
@@ -299,7 +319,7 @@ def stream_kernel(d0, d1, d2, d3, S0, S1, S2, S3, Act, Sync, layers, NS: gl.cons
     descs = (d0, d1, d2, d3)
     gl.warp_specialize([
         (_compute, (descs, (S0, S1, S2, S3), ring, ready, free, x_smem, b_smem, Act, Sync, layers, pid, n_programs,
-                    NS, KS, ACT_WIDTH, SYNC, WEIGHTS, TAGGED, CONSUMER)),
+                    NS, KS, ACT_WIDTH, SYNC, WEIGHTS, TAGGED, CONSUMER, COUNTERS)),
         (_loader, (descs, ring, ready, free, Sync, layers, pid, n_programs, NS, KS, RUN_AHEAD, WEIGHTS, TAGGED)),
     ], [1], [40])
 
@@ -362,14 +382,15 @@ VARIANTS = {
 }
 
 
-def time_chain(chain: Chain, x0: torch.Tensor, ring_bytes: int, variant: str, repeats: int, warps: int) -> dict:
+def time_chain(chain: Chain, x0: torch.Tensor, ring_bytes: int, variant: str, repeats: int, warps: int,
+               counters: int) -> dict:
     run_ahead, sync, weights, tagged, consumer = VARIANTS[variant]
     n_programs = torch.cuda.get_device_properties(0).multi_processor_count
     num_buf = ring_bytes // chain.chunk_bytes
     act = torch.zeros(chain.layers * 4 + 1, ACT_WIDTH, device="cuda", dtype=torch.int64 if tagged else torch.float32)
     # tagged: the input's words carry tag 0; every later row starts all zeros, so no tag it waits for (1 and up)
     first = x0.view(torch.int32).to(torch.int64) & 0xFFFFFFFF if tagged else x0
-    sync_count = torch.zeros(1, dtype=torch.int32, device="cuda")
+    sync_count = torch.zeros((counters + 1) * SPREAD.value, dtype=torch.int32, device="cuda")
     times = []
     for r in range(repeats + 3):
         act.zero_()
@@ -380,7 +401,7 @@ def time_chain(chain: Chain, x0: torch.Tensor, ring_bytes: int, variant: str, re
         stream_kernel[(n_programs,)](
             *chain.descs, *chain.scales, act, sync_count, chain.layers, tuple(n for n, _ in STAGES),
             tuple(k for _, k in STAGES), ACT_WIDTH, MAX_WIDTH, num_buf, run_ahead, sync, int(weights), tagged,
-            consumer, num_warps=warps)
+            consumer, counters, num_warps=warps)
         end.record()
         end.synchronize()
         if r >= 3:
@@ -392,7 +413,8 @@ def time_chain(chain: Chain, x0: torch.Tensor, ring_bytes: int, variant: str, re
     error = ((out - expected).norm() / expected.norm()).item()
     us = statistics.median(times)
     return {"dtype": str(chain.dtype).removeprefix("torch."), "chunk_bytes": chain.chunk_bytes,
-            "swizzle": chain.swizzle, "num_buf": num_buf, "warps": warps, "variant": variant, "us": us,
+            "swizzle": chain.swizzle, "num_buf": num_buf, "warps": warps, "counters": counters,
+            "variant": variant, "us": us,
             "min_us": min(times), "max_us": max(times), "weight_bytes": chain.nbytes, "relative_error": error}
 
 
@@ -404,6 +426,8 @@ def main() -> None:
     parser.add_argument("--swizzle", type=int, nargs="+", default=[128], help="bytes (0: rows of 256 columns)")
     parser.add_argument("--ring-kb", type=int, default=160, help="the ring's shared memory")
     parser.add_argument("--warps", type=int, nargs="+", default=[4], help="compute warps a program")
+    parser.add_argument("--counters", type=int, nargs="+", default=[1],
+                        help="counters a grid barrier's arrivals spread over (powers of 2)")
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS), metavar="NAME")
     parser.add_argument("--json")
     args = parser.parse_args()
@@ -417,16 +441,18 @@ def main() -> None:
             chain = Chain(args.layers, dtype, chunk_kb * 1024, swizzle, generator)
             bound = chain.nbytes / bandwidth * 1e6
             rows_a_chunk = chain.descs[0].block_shape[0]
-            for warps, variant in itertools.product(args.warps, args.variants):
-                # the tensor cores take bf16, and a wgmma's rows are 16 a warp
+            for warps, variant, counters in itertools.product(args.warps, args.variants, args.counters):
+                # the tensor cores take bf16, and a wgmma's rows are 16 a warp; counters serve barriers only
                 tensor_cores = VARIANTS[variant][4] in (WGMMA.value, WGMMA_WAITED.value)
                 if tensor_cores and (dtype != torch.bfloat16 or rows_a_chunk < 16 * warps):
                     continue
-                row = time_chain(chain, x0, args.ring_kb * 1024, variant, args.repeats, warps)
+                if counters > 1 and not VARIANTS[variant][1]:
+                    continue
+                row = time_chain(chain, x0, args.ring_kb * 1024, variant, args.repeats, warps, counters)
                 row["of_copy_bound"] = bound / row["us"]
                 rows.append(row)
                 print(f"{row['dtype']:>8}, {chunk_kb:2d} KB chunks, swizzle {swizzle:3d}, {row['num_buf']:2d} slots, "
-                      f"{warps:2d} warps, {variant:21}: {row['us']:6.1f} us "
+                      f"{warps:2d} warps, {counters:2d} counters, {variant:21}: {row['us']:6.1f} us "
                       f"(range {row['min_us']:.1f}-{row['max_us']:.1f}), "
                       f"{row['of_copy_bound']:4.0%} of the copy bound ({bound:.1f} us for {chain.nbytes / 1e6:.0f} "
                       f"MB), relative error {row['relative_error']:.1e}", flush=True)
