@@ -53,6 +53,9 @@ ACT_WIDTH = 2 * D_FF  # one row of float32 outputs per stage
 # what the loader's stream alone reaches)
 SCALAR, WGMMA_WAITED, WGMMA, DRAIN = gl.constexpr(0), gl.constexpr(1), gl.constexpr(2), gl.constexpr(3)
 SPREAD = gl.constexpr(64)  # int32s between a grid barrier's counters (--counters): 256 bytes, apart in L2
+# SYNC: what a stage waits for (0: nothing) - every program's arrival at the grid barrier, or only the arrivals of
+# its own group's programs (pid % --counters), a barrier of that group alone (the outputs are then wrong)
+GRID, GROUPS = gl.constexpr(1), gl.constexpr(2)
 
 
 @gluon.jit
@@ -64,20 +67,35 @@ def _wait_count(Sync, target):
 
 
 @gluon.jit
-def _arrive(Sync, pid, n_programs, arrivals, COUNTERS: gl.constexpr):
-    """Count this program in at the grid barrier (its `arrivals`-th), released. With COUNTERS > 1 the programs
-    arrive in COUNTERS groups (pid % COUNTERS), each at a counter of its own (SPREAD int32s apart, after Sync), and
-    the group's last arrival adds the group's size to Sync: the arrivals queue at COUNTERS addresses, not one, and
-    the waiters still read one counter."""
+def _arrive(Sync, pid, n_programs, arrivals, SYNC: gl.constexpr, COUNTERS: gl.constexpr):
+    """Count this program in at the barrier (its `arrivals`-th), released. With COUNTERS > 1 the programs arrive
+    in COUNTERS groups (pid % COUNTERS), each at a counter of its own (SPREAD int32s apart, after Sync); at a grid
+    barrier the group's last arrival then adds the group's size to Sync: the arrivals queue at COUNTERS addresses,
+    not one, and the waiters still read one counter."""
     gl.thread_barrier()  # every warp's writes are issued before the release
-    if COUNTERS == 1:
+    group = pid % COUNTERS
+    members = (n_programs - group + COUNTERS - 1) // COUNTERS
+    if (COUNTERS == 1) & (SYNC != GROUPS):
         gl.atomic_add(Sync, 1, sem="release", scope="gpu")
+    elif SYNC == GROUPS:
+        gl.atomic_add(Sync + SPREAD * (1 + group), 1, sem="release", scope="gpu")
     else:
-        group = pid % COUNTERS
-        members = (n_programs - group + COUNTERS - 1) // COUNTERS
         before = gl.atomic_add(Sync + SPREAD * (1 + group), 1, sem="acq_rel", scope="gpu")
         if before + 1 == arrivals * members:  # acquired every member's release: pass them on in one
             gl.atomic_add(Sync, members, sem="release", scope="gpu")
+
+
+@gluon.jit
+def _await_stage(Sync, pid, n_programs, stage, SYNC: gl.constexpr, COUNTERS: gl.constexpr):
+    """Before a stage: wait for every program's arrival at the grid barrier (GRID), or for those of this program's
+    group (GROUPS), then hold every warp until the one that polled has seen it."""
+    if (SYNC == GRID) and (stage > 0):
+        _wait_count(Sync, stage * n_programs)
+        gl.thread_barrier()
+    if (SYNC == GROUPS) and (stage > 0):
+        group = pid % COUNTERS
+        _wait_count(Sync + SPREAD * (1 + group), stage * ((n_programs - group + COUNTERS - 1) // COUNTERS))
+        gl.thread_barrier()
 
 
 @gluon.jit
@@ -155,9 +173,7 @@ def _compute_stage(desc, Scales, ring, ready, free, x_smem, i, layer, Act, Sync,
     if TAGGED:
         staged = _tagged_input(Act + stage * ACT_WIDTH, stage, K, x_layout)
     else:
-        if SYNC and stage > 0:
-            _wait_count(Sync, stage * n_programs)
-            gl.thread_barrier()
+        _await_stage(Sync, pid, n_programs, stage, SYNC, COUNTERS)
         cols = gl.arange(0, triton.next_power_of_2(K), layout=x_layout)
         staged = gl.load(Act + stage * ACT_WIDTH + cols, mask=cols < K, other=0.0)
     x_smem.slice(0, staged.shape[0]).store(staged)
@@ -193,7 +209,7 @@ def _compute_stage(desc, Scales, ring, ready, free, x_smem, i, layer, Act, Sync,
         for block in range(pid * (N // ROWS) // n_programs, (pid + 1) * (N // ROWS) // n_programs):
             gl.store(out + block * ROWS + gl.arange(0, ROWS, layout=rows_layout), tagged_zero)
     if not TAGGED:
-        _arrive(Sync, pid, n_programs, stage + 1, COUNTERS)
+        _arrive(Sync, pid, n_programs, stage + 1, SYNC, COUNTERS)
     return i
 
 
@@ -217,9 +233,7 @@ def _mma_stage(desc, ring, ready, free, x_smem, b_smem, i, layer, Act, Sync, sta
     x_layout: gl.constexpr = gl.BlockedLayout([4], [32], [WARPS], [0])
     rows_layout: gl.constexpr = gl.SliceLayout(1, acc_layout)
 
-    if SYNC and stage > 0:
-        _wait_count(Sync, stage * n_programs)
-        gl.thread_barrier()
+    _await_stage(Sync, pid, n_programs, stage, SYNC, COUNTERS)
     cols = gl.arange(0, triton.next_power_of_2(K), layout=x_layout)
     staged = gl.load(Act + stage * ACT_WIDTH + cols, mask=cols < K, other=0.0)
     x_smem.slice(0, staged.shape[0]).store(staged)
@@ -255,7 +269,7 @@ def _mma_stage(desc, ring, ready, free, x_smem, b_smem, i, layer, Act, Sync, sta
             gl.atomic_add(outs, gl.sum(gl.where(first_column, acc, 0.0), 1), sem="relaxed")
     if IN_FLIGHT and end > start:
         mbarrier.arrive(free.index((i - 1) % NUM_BUF), count=1)
-    _arrive(Sync, pid, n_programs, stage + 1, COUNTERS)
+    _arrive(Sync, pid, n_programs, stage + 1, SYNC, COUNTERS)
     return i
 
 
@@ -267,15 +281,14 @@ def _drain_stage(desc, ring, ready, free, i, Sync, stage, pid, n_programs, N: gl
     ROWS: gl.constexpr = desc.block_shape[0]
     KC: gl.constexpr = K // desc.block_shape[1]
     NUM_BUF: gl.constexpr = ring.shape[0]
-    if SYNC and stage > 0:
-        _wait_count(Sync, stage * n_programs)
+    _await_stage(Sync, pid, n_programs, stage, SYNC, COUNTERS)
     start, end = _share(pid, n_programs, N // ROWS, KC, False)
     for t in range(start, end):
         mbarrier.wait(ready.index(i % NUM_BUF), (i // NUM_BUF) & 1)
         mbarrier.arrive(free.index(i % NUM_BUF), count=1)
         i += 1
     if SYNC:
-        _arrive(Sync, pid, n_programs, stage + 1, COUNTERS)
+        _arrive(Sync, pid, n_programs, stage + 1, SYNC, COUNTERS)
     return i
 
 
@@ -361,24 +374,29 @@ class Chain:
         return x
 
 
-# name: (the loader runs ahead of the barriers, programs wait at them, weights streamed, tagged words). Without
+# name: (the loader runs ahead of the barriers, what programs wait for (SYNC), weights streamed, tagged words, what
+# the compute warps do with a chunk). Without
 # barriers the outputs are wrong (a stage may read its input before it is written): those rows time the rest of the
 # chain. Tagged: each program owns whole row blocks and stores each output with its stage's tag in one 8-byte word,
 # which the next stage reads until every tag is there (no atomics, no fence, no counter). Tensor cores (bf16 only):
 # a wgmma per chunk (_mma_stage). Stream only: the loader's stream drained as it lands, with or without barriers.
+# Group barriers: each program waits only for its group's (pid % --counters) programs, a stand-in for barriers of
+# thread-block clusters (through L2, not distributed shared memory).
 VARIANTS = {
-    "megakernel order": (False, True, True, False, SCALAR.value),
-    "stream ahead": (True, True, True, False, SCALAR.value),
-    "no barriers": (True, False, True, False, SCALAR.value),
-    "barriers, no weights": (True, True, False, False, SCALAR.value),
-    "neither": (True, False, False, False, SCALAR.value),  # each stage's input staging, output atomics, release
-    "tagged": (True, False, True, True, SCALAR.value),
-    "tagged, no weights": (True, False, False, True, SCALAR.value),
-    "stream ahead, tensor cores": (True, True, True, False, WGMMA.value),
-    "stream ahead, tensor cores, each waited": (True, True, True, False, WGMMA_WAITED.value),
-    "no barriers, tensor cores": (True, False, True, False, WGMMA.value),
-    "stream only": (True, False, True, False, DRAIN.value),
-    "barriers, stream only": (True, True, True, False, DRAIN.value),
+    "megakernel order": (False, GRID.value, True, False, SCALAR.value),
+    "stream ahead": (True, GRID.value, True, False, SCALAR.value),
+    "no barriers": (True, 0, True, False, SCALAR.value),
+    "barriers, no weights": (True, GRID.value, False, False, SCALAR.value),
+    "neither": (True, 0, False, False, SCALAR.value),  # each stage's input staging, output atomics, release
+    "tagged": (True, 0, True, True, SCALAR.value),
+    "tagged, no weights": (True, 0, False, True, SCALAR.value),
+    "stream ahead, tensor cores": (True, GRID.value, True, False, WGMMA.value),
+    "stream ahead, tensor cores, each waited": (True, GRID.value, True, False, WGMMA_WAITED.value),
+    "no barriers, tensor cores": (True, 0, True, False, WGMMA.value),
+    "stream only": (True, 0, True, False, DRAIN.value),
+    "barriers, stream only": (True, GRID.value, True, False, DRAIN.value),
+    "group barriers, no weights": (True, GROUPS.value, False, False, SCALAR.value),
+    "group barriers, stream only": (True, GROUPS.value, True, False, DRAIN.value),
 }
 
 
