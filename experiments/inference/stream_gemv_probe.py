@@ -110,6 +110,21 @@ def _share(pid, n_programs, n_blocks, KC: gl.constexpr, WHOLE_ROWS: gl.constexpr
 
 
 @gluon.jit
+def _input(Row, K: gl.constexpr, layout: gl.constexpr):
+    """The first K floats of a stage's row of Act (its input), zero-padded to a power of 2."""
+    cols = gl.arange(0, triton.next_power_of_2(K), layout=layout)
+    return gl.load(Row + cols, mask=cols < K, other=0.0)
+
+
+@gluon.jit
+def _in_chunks(x_smem, staged, COLS: gl.constexpr):
+    """A stage's input stored in shared memory, viewed as (chunk, COLS) once every warp has stored its part."""
+    x_smem.slice(0, staged.shape[0]).store(staged)
+    gl.thread_barrier()
+    return x_smem._reinterpret(gl.float32, [x_smem.shape[0] // COLS, COLS], x_smem.layout)
+
+
+@gluon.jit
 def _tagged_input(Row, tag, K: gl.constexpr, layout: gl.constexpr):
     """The first K words of a row of (tag << 32 | float32 bits) words, read again until every one carries `tag`:
     a value and its flag arrive in one 8-byte store, so no fence or counter stands between producer and reader."""
@@ -174,11 +189,8 @@ def _compute_stage(desc, Scales, ring, ready, free, x_smem, i, layer, Act, Sync,
         staged = _tagged_input(Act + stage * ACT_WIDTH, stage, K, x_layout)
     else:
         _await_stage(Sync, pid, n_programs, stage, SYNC, COUNTERS)
-        cols = gl.arange(0, triton.next_power_of_2(K), layout=x_layout)
-        staged = gl.load(Act + stage * ACT_WIDTH + cols, mask=cols < K, other=0.0)
-    x_smem.slice(0, staged.shape[0]).store(staged)
-    x_chunks = x_smem._reinterpret(gl.float32, [x_smem.shape[0] // COLS, COLS], x_smem.layout)
-    gl.thread_barrier()
+        staged = _input(Act + stage * ACT_WIDTH, K, x_layout)
+    x_chunks = _in_chunks(x_smem, staged, COLS)
 
     out = Act + (stage + 1) * ACT_WIDTH
     start, end = _share(pid, n_programs, (N // ROWS) * WEIGHTS, KC, TAGGED)
@@ -234,11 +246,7 @@ def _mma_stage(desc, ring, ready, free, x_smem, b_smem, i, layer, Act, Sync, sta
     rows_layout: gl.constexpr = gl.SliceLayout(1, acc_layout)
 
     _await_stage(Sync, pid, n_programs, stage, SYNC, COUNTERS)
-    cols = gl.arange(0, triton.next_power_of_2(K), layout=x_layout)
-    staged = gl.load(Act + stage * ACT_WIDTH + cols, mask=cols < K, other=0.0)
-    x_smem.slice(0, staged.shape[0]).store(staged)
-    x_chunks = x_smem._reinterpret(gl.float32, [x_smem.shape[0] // COLS, COLS], x_smem.layout)
-    gl.thread_barrier()
+    x_chunks = _in_chunks(x_smem, _input(Act + stage * ACT_WIDTH, K, x_layout), COLS)
     start, end = _share(pid, n_programs, N // ROWS, KC, False)
     for t in range(start, gl.minimum(end, start + KC)):  # B chunks (8, COLS), K-major, of this program's columns
         x = gl.expand_dims(x_chunks.index(t % KC).load(gl.SliceLayout(0, b_layout)), 0)
