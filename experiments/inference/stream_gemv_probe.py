@@ -67,20 +67,27 @@ def _wait_count(Sync, target):
 
 
 @gluon.jit
-def _arrive(Sync, pid, n_programs, arrivals, SYNC: gl.constexpr, COUNTERS: gl.constexpr):
-    """Count this program in at the barrier (its `arrivals`-th), released. With COUNTERS > 1 the programs arrive
-    in COUNTERS groups (pid % COUNTERS), each at a counter of its own (SPREAD int32s apart, after Sync); at a grid
-    barrier the group's last arrival then adds the group's size to Sync: the arrivals queue at COUNTERS addresses,
-    not one, and the waiters still read one counter."""
-    gl.thread_barrier()  # every warp's writes are issued before the release
+def _group_counter(Sync, pid, n_programs, COUNTERS: gl.constexpr):
+    """This program's group (pid % COUNTERS): its counter (SPREAD int32s apart, after Sync) and how many programs
+    it has."""
     group = pid % COUNTERS
-    members = (n_programs - group + COUNTERS - 1) // COUNTERS
-    if (COUNTERS == 1) & (SYNC != GROUPS):
+    return Sync + SPREAD * (1 + group), (n_programs - group + COUNTERS - 1) // COUNTERS
+
+
+@gluon.jit
+def _arrive(Sync, pid, n_programs, arrivals, SYNC: gl.constexpr, COUNTERS: gl.constexpr):
+    """Count this program in at the barrier (its `arrivals`-th), released: at its group's counter (GROUPS), at Sync
+    (one counter), or through a tree: the program arrives at its group's counter, and the group's last arrival adds
+    the group's size to Sync, so the arrivals queue at COUNTERS addresses, not one, and the waiters still read one
+    counter."""
+    gl.thread_barrier()  # every warp's writes are issued before the release
+    counter, members = _group_counter(Sync, pid, n_programs, COUNTERS)
+    if SYNC == GROUPS:
+        gl.atomic_add(counter, 1, sem="release", scope="gpu")
+    elif COUNTERS == 1:
         gl.atomic_add(Sync, 1, sem="release", scope="gpu")
-    elif SYNC == GROUPS:
-        gl.atomic_add(Sync + SPREAD * (1 + group), 1, sem="release", scope="gpu")
     else:
-        before = gl.atomic_add(Sync + SPREAD * (1 + group), 1, sem="acq_rel", scope="gpu")
+        before = gl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
         if before + 1 == arrivals * members:  # acquired every member's release: pass them on in one
             gl.atomic_add(Sync, members, sem="release", scope="gpu")
 
@@ -89,12 +96,12 @@ def _arrive(Sync, pid, n_programs, arrivals, SYNC: gl.constexpr, COUNTERS: gl.co
 def _await_stage(Sync, pid, n_programs, stage, SYNC: gl.constexpr, COUNTERS: gl.constexpr):
     """Before a stage: wait for every program's arrival at the grid barrier (GRID), or for those of this program's
     group (GROUPS), then hold every warp until the one that polled has seen it."""
-    if (SYNC == GRID) and (stage > 0):
-        _wait_count(Sync, stage * n_programs)
-        gl.thread_barrier()
-    if (SYNC == GROUPS) and (stage > 0):
-        group = pid % COUNTERS
-        _wait_count(Sync + SPREAD * (1 + group), stage * ((n_programs - group + COUNTERS - 1) // COUNTERS))
+    if SYNC and (stage > 0):
+        if SYNC == GROUPS:
+            counter, members = _group_counter(Sync, pid, n_programs, COUNTERS)
+            _wait_count(counter, stage * members)
+        else:
+            _wait_count(Sync, stage * n_programs)
         gl.thread_barrier()
 
 
