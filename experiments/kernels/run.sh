@@ -29,8 +29,13 @@
 #           samples, the last two gzipped (the reports stay on the machine)
 #   fp8-loss  lmlab-train of the ~1.4B config on tinyshakespeare (CORPUS, bytes) for FP8_STEPS steps, each fp8
 #           entry of FP8_RECIPES (none tensorwise rowwise) in turn: the validation loss after the same tokens
-# fp8 needs torchao: carry its wheel. Env: B14_BATCH, CORPUS (outputs/data/tinyshakespeare.txt), FP8_STEPS (300), FP8_RECIPES, B16_FP8.
-# Usage: experiments/kernels/run.sh OUT_DIR [tests|kernels|train|graphs|graphs14|recompute|attention|gluon-bwd|attention-train|ncu|fp8|b16|fp8-loss ...]   (tests kernels train by default)
+#   compute  trainer.compute_dtype=bfloat16 (the forward and backward on bf16 copies of the float32 weights) against the
+#           float32 weights under autocast: the ~400M step (BEST, BEST+compute-bfloat16 and COMPUTE_ATTN, lmlab's
+#           attention, +compute-bfloat16; profiles), then the ~1.4B step at B14_BATCH (16) x 2048, each in its own process
+#   compute-loss  as fp8-loss, for trainer.compute_dtype=null and bfloat16, COMPUTE_STEPS (150) steps
+# fp8 needs torchao: carry its wheel. Env: B14_BATCH, CORPUS (outputs/data/tinyshakespeare.txt), FP8_STEPS (300), FP8_RECIPES, B16_FP8,
+# COMPUTE_ATTN, COMPUTE_STEPS.
+# Usage: experiments/kernels/run.sh OUT_DIR [tests|kernels|train|graphs|graphs14|recompute|attention|gluon-bwd|attention-train|ncu|fp8|b16|fp8-loss|compute|compute-loss ...]   (tests kernels train by default)
 set -euo pipefail
 D=${1:?usage: run.sh OUT_DIR [tests|kernels|train ...]}
 shift
@@ -49,6 +54,15 @@ ncu_pages() {  # REPORT PREFIX: PREFIX-details.txt, PREFIX-raw.csv.gz, PREFIX-sa
     "$NCU" -i "$1" --page details > "$2-details.txt" || true
     "$NCU" -i "$1" --page raw --csv | gzip > "$2-raw.csv.gz" || true
     "$NCU" -i "$1" --page source --csv --print-source sass | gzip > "$2-sass.csv.gz" || true
+}
+loss_run() {  # NAME STEPS OVERRIDE...: lmlab-train of the ~1.4B config on CORPUS (bytes), its validation loss at the end
+    local name=$1 steps=$2
+    shift 2
+    python -m lmlab.cli.train $B14 data=text_files "data.paths=[${CORPUS:-outputs/data/tinyshakespeare.txt}]" \
+        tokenizer=byte data.context_length=1024 data.batch_size=8 trainer.compile=true "$@" \
+        trainer.max_steps=$steps trainer.val_every=$steps trainer.val_batches=20 \
+        trainer.progress_bar=false trainer.checkpoint_every=100000 cache_dir="$D/cache" \
+        hydra.run.dir="$D/$name" 2>&1 | grep -v -i warn | tail -3 | tee "$D/$name.txt"
 }
 for part in $PARTS; do
     echo "== $part -> $D" >&2
@@ -118,12 +132,21 @@ for part in $PARTS; do
             ncu_pages /tmp/ncu-attention.ncu-rep "$D/ncu-attention" ;;
         fp8-loss)
             for recipe in ${FP8_RECIPES:-none tensorwise rowwise}; do
-                python -m lmlab.cli.train $B14 data=text_files "data.paths=[${CORPUS:-outputs/data/tinyshakespeare.txt}]" \
-                    tokenizer=byte data.context_length=1024 data.batch_size=8 trainer.compile=true fp8=$recipe \
-                    trainer.max_steps=${FP8_STEPS:-300} trainer.val_every=${FP8_STEPS:-300} trainer.val_batches=20 \
-                    trainer.progress_bar=false trainer.checkpoint_every=100000 cache_dir="$D/cache" \
-                    hydra.run.dir="$D/fp8-loss-$recipe" 2>&1 | grep -v -i warn | tail -3 | tee "$D/fp8-loss-$recipe.txt"
+                loss_run "fp8-loss-$recipe" ${FP8_STEPS:-300} fp8=$recipe
             done ;;
-        *) echo "unknown part '$part'; parts: tests kernels train graphs graphs14 recompute attention gluon-bwd attention-train ncu fp8 b16 fp8-loss" >&2; exit 2 ;;
+        compute)
+            $LMLAB bench train $M --variants "$BEST,$BEST+compute-bfloat16,${COMPUTE_ATTN:-triton-rms_norm-swiglu+compile}+compute-bfloat16" \
+                --steps 8 --warmup 3 --profile "$D/profiles-compute" --json "$D/train-400m-compute.json" \
+                | tee "$D/train-400m-compute.txt"
+            for f in "$D"/profiles-compute/*+*; do mv "$f" "${f//+/_}"; done
+            for v in "$BEST+compute-bfloat16" "$BEST"; do
+                $LMLAB bench train $B14_BENCH data.batch_size=${B14_BATCH:-16} --variants "$v" --steps 6 --warmup 3 \
+                    --json "$D/train-1.4b-b${B14_BATCH:-16}-${v//+/_}.json" | tee "$D/train-1.4b-b${B14_BATCH:-16}-${v//+/_}.txt"
+            done ;;
+        compute-loss)
+            for dtype in null bfloat16; do
+                loss_run "compute-loss-$dtype" ${COMPUTE_STEPS:-150} trainer.compute_dtype=$dtype
+            done ;;
+        *) echo "unknown part '$part'; parts: tests kernels train graphs graphs14 recompute attention gluon-bwd attention-train ncu fp8 b16 fp8-loss compute compute-loss" >&2; exit 2 ;;
     esac
 done

@@ -8,8 +8,9 @@ model, loss and optimizer on random tokens of the configured batch and context, 
 variant: the reference PyTorch path and `kernels=triton`, each eager and under torch.compile
 (`trainer.compile`'s per-block compile, or with `+graphs` the whole step replayed from CUDA graphs:
 `trainer.cuda_graphs`), optionally with float8 block matmuls (`+fp8-rowwise`, `+fp8-tensorwise`: the
-`fp8` config group) and activation recomputation (`+recompute-selective`, `+recompute-full`: the `recompute`
-group). A step is forward, loss, backward, gradient clipping and
+`fp8` config group), activation recomputation (`+recompute-selective`, `+recompute-full`: the `recompute`
+group) and bf16 copies of the float32 weights (`+compute-bfloat16`: `trainer.compute_dtype`). A step is forward,
+loss, backward, gradient clipping and
 the optimizer step, under bf16 autocast on a GPU as `lmlab-train` runs it. Variants are timed in
 turns (median step after warm-up), from the same initial weights. Reported per variant: step
 time, tokens/s, MFU (the model's training FLOPs per token, 6 N plus attention scores, against the
@@ -38,11 +39,13 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from lmlab.cli.overrides import CONF_DIR, prepare
+from lmlab.errors import ConfigError
 from lmlab.kernels.registry import KERNELS, install_kernels
 from lmlab.optim import OPTIMIZERS
 from lmlab.timing import interleaved_medians, sync
 from lmlab.tokenizers.base import expected_vocab_size
 from lmlab.training.compile import compile_for_training, graphed_model_terms
+from lmlab.training.compute_dtype import DTYPES, CastParameters, check_compute_dtype
 from lmlab.training.fp8 import FP8
 from lmlab.training.hardware import peak_flops
 from lmlab.training.losses import LOSSES
@@ -55,47 +58,56 @@ VARIANTS = ("reference", "triton", "reference+compile", "triton+compile")
 
 @dataclass(frozen=True)
 class Variant:
-    """What one variant runs: a `kernels` config, trainer.compile and trainer.cuda_graphs, an `fp8` entry and a
-    `recompute` entry."""
+    """What one variant runs: a `kernels` config, trainer.compile and trainer.cuda_graphs, an `fp8` entry, a
+    `recompute` entry and trainer.compute_dtype."""
 
     kernels: dict
     compiled: bool
     fp8: str = "none"
     graphs: bool = False
     recompute: str = "none"
+    compute: str | None = None
 
     def overrides(self) -> list[str]:
         """The same settings as lmlab-train overrides."""
         kernels = dict(self.kernels)
         return [f"kernels={kernels.pop('name')}", *(f"kernels.{op}=false" for op in kernels),
                 f"trainer.compile={self.compiled}", f"fp8={self.fp8}", f"trainer.cuda_graphs={self.graphs}",
-                f"recompute={self.recompute}"]
+                f"recompute={self.recompute}", f"trainer.compute_dtype={self.compute or 'null'}"]
 
 
 def parse_variant(variant: str) -> Variant:
-    """`KERNELS[-OP...][+compile[+graphs]][+fp8-RECIPE][+recompute-POLICY]` -> Variant; `-OP` turns one kernel
-    off, e.g. `triton-attention+compile` is kernels=triton kernels.attention=false under torch.compile,
-    `reference+compile+fp8-rowwise` adds fp8=rowwise, `reference+compile+graphs` replays CUDA graphs and
-    `reference+compile+recompute-selective` adds recompute=selective."""
+    """`KERNELS[-OP...][+compile[+graphs]][+fp8-RECIPE][+recompute-POLICY][+compute-DTYPE]` -> Variant; `-OP`
+    turns one kernel off, e.g. `triton-attention+compile` is kernels=triton kernels.attention=false under
+    torch.compile, `reference+compile+fp8-rowwise` adds fp8=rowwise, `reference+compile+graphs` replays CUDA
+    graphs, `reference+compile+recompute-selective` adds recompute=selective and `reference+compile+compute-bfloat16`
+    trainer.compute_dtype=bfloat16."""
     spec, *options = variant.split("+")
     name, *off = spec.split("-")
-    fp8 = [o.removeprefix("fp8-") for o in options if o.startswith("fp8-")]
-    recompute = [o.removeprefix("recompute-") for o in options if o.startswith("recompute-")]
-    unknown = [o for o in options if o not in ("compile", "graphs") and not o.startswith(("fp8-", "recompute-"))]
+    prefixed = {prefix: [o.removeprefix(prefix) for o in options if o.startswith(prefix)]
+                for prefix in ("fp8-", "recompute-", "compute-")}
+    fp8, recompute, compute = prefixed.values()
+    unknown = [o for o in options if o not in ("compile", "graphs") and not o.startswith(tuple(prefixed))]
     if "graphs" in options and "compile" not in options:
         unknown.append("graphs without compile")
-    if (name not in KERNELS or unknown or len(fp8) > 1 or any(f not in FP8 for f in fp8) or len(recompute) > 1
-            or any(r not in RECOMPUTE for r in recompute)):
+    if (name not in KERNELS or unknown or any(len(chosen) > 1 for chosen in prefixed.values())
+            or any(f not in FP8 for f in fp8) or any(r not in RECOMPUTE for r in recompute)
+            or any(d not in DTYPES for d in compute)):
         raise SystemExit(f"lmlab bench train: unknown variant '{variant}'; use "
-                         "KERNELS[-OP...][+compile[+graphs]][+fp8-RECIPE][+recompute-POLICY] with KERNELS in "
-                         f"{', '.join(KERNELS.names())}, RECIPE in {', '.join(FP8.names())} and POLICY in "
-                         f"{', '.join(RECOMPUTE.names())}")
+                         "KERNELS[-OP...][+compile[+graphs]][+fp8-RECIPE][+recompute-POLICY][+compute-DTYPE] with "
+                         f"KERNELS in {', '.join(KERNELS.names())}, RECIPE in {', '.join(FP8.names())}, POLICY in "
+                         f"{', '.join(RECOMPUTE.names())} and DTYPE in {', '.join(DTYPES)}")
     fields = {f.name for f in KERNELS.get(name).fields()}
     if set(off) - fields:
         raise SystemExit(f"lmlab bench train: variant '{variant}': {name} has no kernel "
                          f"{', '.join(sorted(set(off) - fields))}; its fields: {', '.join(sorted(fields))}")
-    return Variant({"name": name, **{op: False for op in off}}, "compile" in options, fp8[0] if fp8 else "none",
-                   "graphs" in options, recompute[0] if recompute else "none")
+    chosen = Variant({"name": name, **{op: False for op in off}}, "compile" in options, fp8[0] if fp8 else "none",
+                     "graphs" in options, recompute[0] if recompute else "none", compute[0] if compute else None)
+    try:
+        check_compute_dtype(chosen.compute, chosen.recompute, "single", shards_parameters=False)
+    except ConfigError as err:
+        raise SystemExit(f"lmlab bench train: variant '{variant}': {err}") from None
+    return chosen
 
 
 class Contender:
@@ -113,12 +125,14 @@ class Contender:
         ops = KERNELS.build(chosen.kernels)
         install_kernels(ops, self.model, self.loss_fn)
         self.graphed = chosen.graphs
+        cast = None if chosen.compute is None else CastParameters(self.model, DTYPES[chosen.compute])
         if chosen.graphs:  # as LanguageModelTask.configure_model chooses
-            self.terms = graphed_model_terms(self.model, self.loss_fn)
+            self.terms = graphed_model_terms(self.model, self.loss_fn, cast)
         else:
             if chosen.compiled:
                 compile_for_training(self.model, self.loss_fn)
-            self.terms = partial(model_terms, self.model, self.loss_fn)
+            terms_of = model_terms if cast is None else partial(cast, model_terms)
+            self.terms = partial(terms_of, self.model, self.loss_fn)
         self.optimizer = OPTIMIZERS.build(cfg.optim, self.model)
         install_kernels(ops, self.optimizer)
         self.grad_clip = cfg.trainer.grad_clip
@@ -226,7 +240,8 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="lmlab bench train", description=__doc__.splitlines()[0])
     parser.add_argument("overrides", nargs="*", help="lmlab-train overrides, e.g. model=llama400m")
     parser.add_argument("--variants", default=",".join(VARIANTS),
-                        help="comma-separated KERNELS[-OP...][+compile[+graphs]][+fp8-RECIPE][+recompute-POLICY], "
+                        help="comma-separated KERNELS[-OP...][+compile[+graphs]][+fp8-RECIPE][+recompute-POLICY]"
+                             "[+compute-DTYPE], "
                              "e.g. triton-attention+compile "
                              f"(default: {','.join(VARIANTS)})")
     parser.add_argument("--steps", type=int, default=10, help="timed steps per variant (default 10)")

@@ -16,11 +16,13 @@ replay would overwrite the activations the layer before it saved for backward.
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 
 import torch
 from torch import nn
 
 from lmlab.nn.transformer import Transformer
+from lmlab.training.compute_dtype import CastParameters
 from lmlab.training.objective import model_terms
 
 TermsFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], dict[str, torch.Tensor]]
@@ -33,14 +35,16 @@ def compile_for_training(model: Transformer, loss_fn: nn.Module) -> None:
     loss_fn.compile()
 
 
-def graphed_model_terms(model: Transformer, loss_fn: nn.Module) -> TermsFn:
-    """`model_terms(model, loss_fn, inputs, targets, positions)` compiled whole and replayed from CUDA graphs.
+def graphed_model_terms(model: Transformer, loss_fn: nn.Module, cast: CastParameters | None = None) -> TermsFn:
+    """`model_terms(model, loss_fn, inputs, targets, positions)` compiled whole and replayed from CUDA graphs
+    (on `cast`'s copies of the parameters, when given: the casts are then in the graph too).
 
     Static shapes only (the same batch every step), and one forward per backward: gradients come out of the
     graph's memory pool, which the next replay reuses, so they must be consumed (the optimizer step) before
     the next forward. On a CPU there is nothing to replay, and this is a whole-model compile.
     """
-    compiled = torch.compile(lambda inputs, targets, positions: model_terms(model, loss_fn, inputs, targets, positions),
+    terms_of = model_terms if cast is None else partial(cast, model_terms)
+    compiled = torch.compile(lambda inputs, targets, positions: terms_of(model, loss_fn, inputs, targets, positions),
                              mode="reduce-overhead")
 
     def terms(inputs: torch.Tensor, targets: torch.Tensor, positions: torch.Tensor | None = None):

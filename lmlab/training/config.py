@@ -16,6 +16,7 @@ from omegaconf import MISSING
 from lmlab.checks import at_least
 from lmlab.errors import ConfigError
 from lmlab.nn.transformer import ModelConfig
+from lmlab.training.compute_dtype import compute_dtype
 
 
 def check_lightning_names(precision: str, accelerator: str) -> None:
@@ -57,6 +58,9 @@ class TrainerConfig:
     # with compile: the whole forward + loss and its backward compiled as one graph each and replayed from CUDA graphs,
     # for launch-bound (small) models; one GPU, static shapes, no gradient accumulation
     cuda_graphs: bool = False
+    # bfloat16/float16: forward and backward on copies of the float32 parameters in this dtype, which keep the
+    # updates; activations are then bf16 throughout (lmlab.training.compute_dtype). None: the parameters as they are
+    compute_dtype: str | None = None
     eval_every: int | None = None  # steps between runs of the `eval` tasks (None: after the last step only)
     # log train/grad_noise_scale, B_simple in tokens (lmlab.training.noise_scale), from a micro-batch's and the
     # step's gradient norms: needs accumulate_grad_batches >= 2
@@ -76,6 +80,7 @@ class TrainerConfig:
                               "holds the last one's gradients, so micro-batches cannot accumulate. Set "
                               "trainer.accumulate_grad_batches=1 or trainer.cuda_graphs=false")
         check_lightning_names(self.precision, self.accelerator)
+        compute_dtype(self.compute_dtype)
         if self.grad_noise_scale and self.accumulate_grad_batches < 2:
             raise ConfigError("trainer.grad_noise_scale compares one micro-batch's gradient with the step's: set "
                               "trainer.accumulate_grad_batches to 2 or more")

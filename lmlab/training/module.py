@@ -28,6 +28,7 @@ from lmlab.parallel.strategies import data_parallel_rank
 from lmlab.tokenizers.base import Tokenizer, pack_tokenizer
 from lmlab.training.checkpoints import CONFIG_KEY, TOKENIZER_KEY
 from lmlab.training.compile import compile_for_training, graphed_model_terms
+from lmlab.training.compute_dtype import CastParameters, compute_dtype
 from lmlab.training.config import TrainerConfig
 from lmlab.training.fp8 import FP8
 from lmlab.training.loggers import final_scalars
@@ -102,6 +103,8 @@ class LanguageModelTask(L.LightningModule):
         self._noise: NoiseScale | None = None  # trainer.grad_noise_scale's estimator, made once the world is known
         self._small_sq_norm = math.nan  # the step's first micro-batch's squared gradient norm
         self._graphed_terms = None  # trainer.cuda_graphs: the step's forward and loss, compiled whole
+        dtype = compute_dtype(self.trainer_cfg.compute_dtype)
+        self._cast = None if dtype is None else CastParameters(self.model, dtype)
         self._configured = False
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -120,6 +123,8 @@ class LanguageModelTask(L.LightningModule):
             terms = pipeline_step(inputs, targets, self.loss_fn)
         elif self._graphed_terms is not None:
             terms = self._graphed_terms(inputs, targets, positions)
+        elif self._cast is not None:
+            terms = self._cast(model_terms, self.model, self.loss_fn, inputs, targets, positions)
         else:
             terms = model_terms(self.model, self.loss_fn, inputs, targets, positions)
         self._micro_terms.append({name: value.detach() for name, value in terms.items()})
@@ -223,7 +228,8 @@ class LanguageModelTask(L.LightningModule):
         if pipeline_eval is not None:  # pipeline parallelism: no rank holds the whole model
             loss = pipeline_eval(inputs, targets)
         else:
-            loss = self.token_cross_entropy(self.model(inputs, positions).flatten(0, 1), targets.flatten())
+            logits = self.model(inputs, positions) if self._cast is None else self._cast(self.model, inputs, positions)
+            loss = self.token_cross_entropy(logits.flatten(0, 1), targets.flatten())
         self.val_loss.update(loss, weight=targets.numel())
 
     def on_validation_epoch_end(self) -> None:
@@ -254,7 +260,7 @@ class LanguageModelTask(L.LightningModule):
         if group is not None:  # tensor parallelism left each rank a slice of the vocabulary's logits
             self._use_vocab_parallel_loss(group)
         if self.trainer_cfg.cuda_graphs:  # validation runs the model eager
-            self._graphed_terms = graphed_model_terms(self.model, self.loss_fn)
+            self._graphed_terms = graphed_model_terms(self.model, self.loss_fn, self._cast)
         elif self.trainer_cfg.compile:
             compile_for_training(self.model, self.loss_fn)
         self._configured = True

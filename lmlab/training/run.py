@@ -26,6 +26,7 @@ from lmlab.parallel.strategies import PARALLEL, Parallel
 from lmlab.tokenizers import TOKENIZERS
 from lmlab.tokenizers.base import expected_vocab_size
 from lmlab.training.checkpoints import CONFIG_KEY, checkpoint_tokenizer, model_weights, read_checkpoint
+from lmlab.training.compute_dtype import check_compute_dtype
 from lmlab.training.evaluation import EvalDuringTraining, eval_tasks
 from lmlab.training.loggers import ValidationStep, build_logger, final_scalars
 from lmlab.training.losses import LOSSES
@@ -133,6 +134,7 @@ def check_parallel(cfg: DictConfig, batch_size: int) -> Parallel:
     if t.compile and not parallel.supports_compile:
         raise ConfigError(f"trainer.compile=true does not work with parallel={cfg.parallel.name}; set "
                           "trainer.compile=false")
+    check_compute_dtype(t.compute_dtype, cfg.recompute.name, cfg.parallel.name, parallel.shards_parameters)
     cuda = uses_cuda(t.accelerator)
     if t.accelerator in ("gpu", "cuda") and not cuda:
         raise ConfigError(f"trainer.accelerator={t.accelerator} needs CUDA GPUs; this machine has none")

@@ -27,6 +27,7 @@ class Task:
     """Base of the entries."""
 
     recomputes = False  # applies the `recompute` group to its model
+    casts_parameters = False  # runs its model on trainer.compute_dtype copies of the parameters
 
     def __init__(self, cfg=None):
         self.cfg = cfg
@@ -45,6 +46,9 @@ def check_applied_groups(task: Task, cfg: DictConfig) -> None:
         raise ConfigError(f"task={cfg.task.name} does not apply recompute={cfg.recompute.name}; activation "
                           "recomputation is for task=pretrain and the post-training stages (sft, dpo, reward_model, "
                           "grpo, ppo): leave recompute=none")
+    if cfg.trainer.compute_dtype is not None and not task.casts_parameters:
+        raise ConfigError(f"task={cfg.task.name} does not apply trainer.compute_dtype={cfg.trainer.compute_dtype}; "
+                          "it is for task=pretrain: leave trainer.compute_dtype=null")
 
 
 def check_single_process(cfg: DictConfig) -> None:
@@ -59,6 +63,7 @@ class Pretrain(Task):
     """Next-token prediction on the `data` corpus, from scratch or from init_from's weights."""
 
     recomputes = True
+    casts_parameters = True
 
     def check_config(self, cfg: DictConfig) -> None:
         if cfg.ckpt_path == AUTO:  # which checkpoint that is, if any, shows only in the job's folder

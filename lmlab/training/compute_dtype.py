@@ -1,0 +1,112 @@
+"""`trainer.compute_dtype`: forward and backward on bf16 (or fp16) copies of the float32 parameters.
+
+Under bf16 autocast (Lightning's bf16-mixed, lmlab-train's default on a GPU) the weights stay float32 and only
+the matmuls run in bf16. The embedding's output is then float32, so the residual stream is too, and each norm's
+float32 gain promotes its bf16 result back to float32 before the next matmul casts it down again. Every
+elementwise kernel between the matmuls (norms, residual adds, their backward) moves float32, twice the bytes.
+
+With `trainer.compute_dtype=bfloat16`, each step casts the parameters to bf16 copies, one multi-tensor launch per
+block, and runs forward and backward on the copies, so activations are bf16 throughout. Megatron-LM does this by
+default (fp32_residual_connection=False), as does torchtitan (FSDP2's param_dtype). The float32 parameters stay
+the master weights: each copy's gradient comes back cast to float32 into its parameter's `.grad`. Accumulation,
+all-reduce, clipping and the optimizer see it there as before, and checkpoints hold float32.
+
+Buffers are not cast. Position tables cast themselves to their input's dtype, and a buffer that a module updates
+(a router's expert bias) must stay the one it updates. Autocast stays on, so the ops it runs in float32 (softmax,
+layer_norm) still do.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.func import functional_call
+
+from lmlab.errors import ConfigError
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def compute_dtype(name: str | None) -> torch.dtype | None:
+    """The dtype `trainer.compute_dtype` names (None: none)."""
+    if name is None:
+        return None
+    if name not in DTYPES:
+        raise ConfigError(f"trainer.compute_dtype must be one of {', '.join(DTYPES)} (or null), got '{name}'")
+    return DTYPES[name]
+
+
+def check_compute_dtype(name: str | None, recompute: str, parallel: str, shards_parameters: bool) -> None:
+    """Refuse what cannot run on cast copies, before any work starts."""
+    if name is None:
+        return
+    compute_dtype(name)
+    if recompute != "none":
+        raise ConfigError(f"trainer.compute_dtype={name} with recompute={recompute}: a recomputed block runs again "
+                          "in the backward, after the step's cast copies are swapped out, and would meet the float32 "
+                          "parameters instead. Set recompute=none or trainer.compute_dtype=null")
+    if shards_parameters:
+        raise ConfigError(f"trainer.compute_dtype={name} casts whole parameters, but parallel={parallel} shards or "
+                          "splits them (zero3 has parallel.compute_dtype for this). Use a data-parallel strategy "
+                          "(ddp, naive_ddp, bucketed_ddp, zero1) or trainer.compute_dtype=null")
+
+
+class _Cast(torch.autograd.Function):
+    """Copies of tensors in another dtype, one multi-tensor launch each way; gradients come back in the originals'
+    dtypes."""
+
+    @staticmethod
+    def forward(ctx, dtype: torch.dtype, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.set_materialize_grads(False)  # an unused copy's gradient stays None, as an unused parameter's would
+        ctx.dtypes = [t.dtype for t in tensors]
+        copies = [torch.empty_like(t, dtype=dtype) for t in tensors]
+        torch._foreach_copy_(copies, tensors)
+        return tuple(copies)
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+        present = [i for i, g in enumerate(grads) if g is not None]
+        upcast = [torch.empty_like(grads[i], dtype=ctx.dtypes[i]) for i in present]
+        if upcast:
+            torch._foreach_copy_(upcast, [grads[i] for i in present])
+        out: list[torch.Tensor | None] = [None] * len(grads)
+        for i, grad in zip(present, upcast):
+            out[i] = grad
+        return (None, *out)
+
+
+class _Call(nn.Module):
+    """Holds the model, so that `functional_call` can swap its parameters around any function of it."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        return fn(*args, **kwargs)
+
+
+class CastParameters:
+    """`cast(fn, *args)` runs `fn(*args)` with `model`'s float32 parameters replaced by `dtype` copies (the
+    gradients flow back to the originals). The blocks' parameters are cast a block at a time, the rest together."""
+
+    def __init__(self, model: nn.Module, dtype: torch.dtype):
+        self.dtype = dtype
+        self.call = _Call(model)
+        names = {id(p): name for name, p in self.call.named_parameters()}  # tied weights once, by their first name
+        seen: set[int] = set()
+        self.units = []
+        for module in [*getattr(model, "blocks", list)(), self.call]:  # the rest last
+            unit = [p for p in module.parameters() if p.dtype == torch.float32 and id(p) not in seen]
+            seen.update(id(p) for p in unit)
+            if unit:
+                self.units.append(([names[id(p)] for p in unit], unit))
+
+    def __call__(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        copies = {}
+        for names, params in self.units:
+            copies.update(zip(names, _Cast.apply(self.dtype, *params)))
+        return functional_call(self.call, copies, (fn, *args), kwargs, tie_weights=True, strict=False)
