@@ -5,8 +5,8 @@ the matmuls run in bf16. The embedding's output is then float32, so the residual
 float32 gain promotes its bf16 result back to float32 before the next matmul casts it down again. Every
 elementwise kernel between the matmuls (norms, residual adds, their backward) moves float32, twice the bytes.
 
-With `trainer.compute_dtype=bfloat16`, each step casts the parameters to bf16 copies, one multi-tensor launch per
-block, and runs forward and backward on the copies, so activations are bf16 throughout. Megatron-LM does this by
+With `trainer.compute_dtype=bfloat16`, each step casts the parameters to bf16 copies (one multi-tensor launch) and
+runs forward and backward on the copies, so activations are bf16 throughout. Megatron-LM does this by
 default (fp32_residual_connection=False), as does torchtitan (FSDP2's param_dtype). The float32 parameters stay
 the master weights: each copy's gradient comes back cast to float32 into its parameter's `.grad`. Accumulation,
 all-reduce, clipping and the optimizer see it there as before, and checkpoints hold float32.
@@ -54,17 +54,15 @@ def check_compute_dtype(name: str | None, recompute: str, parallel: str, shards_
                           "(ddp, naive_ddp, bucketed_ddp, zero1) or trainer.compute_dtype=null")
 
 
-class _Cast(torch.autograd.Function):
-    """Copies of tensors in another dtype, one multi-tensor launch each way; gradients come back in the originals'
-    dtypes."""
+class _Linked(torch.autograd.Function):
+    """`_Linked.apply(n, *originals, *copies)` returns the copies, made outside autograd, as functions of the n
+    originals: their gradients come back in the originals' dtypes, one multi-tensor launch per call."""
 
     @staticmethod
-    def forward(ctx, dtype: torch.dtype, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def forward(ctx, n: int, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
         ctx.set_materialize_grads(False)  # an unused copy's gradient stays None, as an unused parameter's would
-        ctx.dtypes = [t.dtype for t in tensors]
-        copies = [torch.empty_like(t, dtype=dtype) for t in tensors]
-        torch._foreach_copy_(copies, tensors)
-        return tuple(copies)
+        ctx.dtypes = [t.dtype for t in tensors[:n]]
+        return tuple(copy.view_as(copy) for copy in tensors[n:])
 
     @staticmethod
     def backward(ctx, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
@@ -75,7 +73,7 @@ class _Cast(torch.autograd.Function):
         out: list[torch.Tensor | None] = [None] * len(grads)
         for i, grad in zip(present, upcast):
             out[i] = grad
-        return (None, *out)
+        return (None, *out, *[None] * len(grads))
 
 
 class _Call(nn.Module):
@@ -91,22 +89,38 @@ class _Call(nn.Module):
 
 class CastParameters:
     """`cast(fn, *args)` runs `fn(*args)` with `model`'s float32 parameters replaced by `dtype` copies (the
-    gradients flow back to the originals). The blocks' parameters are cast a block at a time, the rest together."""
+    gradients flow back to the originals).
+
+    The copies are made in one multi-tensor launch into one buffer: a step starts after a sync (the step guard's),
+    so each launch before the first block's is time the GPU waits. Their gradients come back a block at a time (the
+    rest together, last), so a data-parallel strategy can reduce a block's while the next computes."""
+
+    ALIGN = 16  # elements: every copy starts on a 32-byte boundary of the buffer, for vectorised loads and stores
 
     def __init__(self, model: nn.Module, dtype: torch.dtype):
         self.dtype = dtype
         self.call = _Call(model)
         names = {id(p): name for name, p in self.call.named_parameters()}  # tied weights once, by their first name
         seen: set[int] = set()
-        self.units = []
+        self.units: list[tuple[list[str], list[nn.Parameter]]] = []
         for module in [*getattr(model, "blocks", list)(), self.call]:  # the rest last
             unit = [p for p in module.parameters() if p.dtype == torch.float32 and id(p) not in seen]
             seen.update(id(p) for p in unit)
             if unit:
                 self.units.append(([names[id(p)] for p in unit], unit))
+        self.params = [p for _, unit in self.units for p in unit]
+        self.starts = [0]
+        for p in self.params:
+            self.starts.append(self.starts[-1] + -(-p.numel() // self.ALIGN) * self.ALIGN)
 
     def __call__(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         copies = {}
-        for names, params in self.units:
-            copies.update(zip(names, _Cast.apply(self.dtype, *params)))
+        if self.params:
+            buffer = torch.empty(self.starts[-1], dtype=self.dtype, device=self.params[0].device)
+            flat = [buffer[start:start + p.numel()].view(p.shape) for start, p in zip(self.starts, self.params)]
+            with torch.no_grad():
+                torch._foreach_copy_(flat, self.params)
+            made = iter(flat)
+            for names, unit in self.units:
+                copies.update(zip(names, _Linked.apply(len(unit), *unit, *(next(made) for _ in unit))))
         return functional_call(self.call, copies, (fn, *args), kwargs, tie_weights=True, strict=False)
