@@ -7,7 +7,6 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from lmlab.errors import ConfigError
 from lmlab.nn.transformer import Transformer
 from lmlab.training import train
-from lmlab.training.bench import parse_variant
 from lmlab.training.compute_dtype import CastParameters, _Linked
 from lmlab.training.losses import LOSSES
 from lmlab.training.objective import model_terms
@@ -112,16 +111,6 @@ def test_a_task_that_would_ignore_compute_dtype_refuses_it(make_cfg, tiny_overri
     with pytest.raises(ConfigError, match="task=contrastive does not apply trainer.compute_dtype=bfloat16"):
         check_job(make_cfg([*tiny_overrides, "task=contrastive", "trainer.compute_dtype=bfloat16"]))
     check_job(make_cfg([*tiny_overrides, "trainer.compute_dtype=bfloat16"]))  # pretrain applies it
-
-
-def test_bench_variant_names_the_compute_dtype():
-    variant = parse_variant("triton+compile+compute-bfloat16")
-    assert variant.compute == "bfloat16" and "trainer.compute_dtype=bfloat16" in variant.overrides()
-    assert "trainer.compute_dtype=null" in parse_variant("triton+compile").overrides()
-    with pytest.raises(SystemExit, match="DTYPE in bfloat16, float16"):
-        parse_variant("triton+compute-int8")
-    with pytest.raises(SystemExit, match="Set recompute=none"):
-        parse_variant("triton+compile+recompute-full+compute-bfloat16")
 
 
 @pytest.mark.slow
