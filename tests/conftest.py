@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 from lmlab.catalog import load_catalog
 from lmlab.cli.compose import compose_config
 
@@ -73,3 +74,16 @@ def run_cli(args: list[str], cwd: Path, env_extra: dict[str, str] | None = None)
     env = {**os.environ, **(env_extra or {})}
     script = Path(sys.executable).parent / args[0]
     return subprocess.run([str(script), *args[1:]], cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
+
+
+class OpCounts(TorchDispatchMode):
+    """How many times each aten op runs while the mode is on."""
+
+    def __init__(self):
+        super().__init__()
+        self.counts: dict[str, int] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        self.counts[name] = self.counts.get(name, 0) + 1
+        return func(*args, **(kwargs or {}))

@@ -8,29 +8,16 @@ import pickle
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from lmlab.errors import ConfigError
 from lmlab.nn.transformer import Transformer
 from lmlab.training.losses import LOSSES
 from lmlab.training.objective import model_terms
 from lmlab.training.recompute import RECOMPUTE
+from tests.conftest import OpCounts
 
 MOE_MTP = ["model/moe=topk", "model.moe.n_experts=4", "model.moe.k=2", "model.mtp.depth=1"]
 POLICIES = [name for name in RECOMPUTE.names() if name != "none"]
-
-
-class OpCounts(TorchDispatchMode):
-    """How many times each aten op runs while the mode is on."""
-
-    def __init__(self):
-        super().__init__()
-        self.counts: dict[str, int] = {}
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = func.overloadpacket.__name__
-        self.counts[name] = self.counts.get(name, 0) + 1
-        return func(*args, **(kwargs or {}))
 
 
 def _model(make_cfg, overrides, policy: str, **fields) -> tuple[Transformer, torch.nn.Module]:
