@@ -11,6 +11,9 @@ default (fp32_residual_connection=False), as does torchtitan (FSDP2's param_dtyp
 the master weights: each copy's gradient comes back cast to float32 into its parameter's `.grad`. Accumulation,
 all-reduce, clipping and the optimizer see it there as before, and checkpoints hold float32.
 
+float16 copies need their gradients scaled against underflow, as `trainer.precision=16-mixed`'s scaler does (it
+unscales the float32 parameters' gradients); bf16 needs none.
+
 Buffers are not cast. Position tables cast themselves to their input's dtype, and a buffer that a module updates
 (a router's expert bias) must stay the one it updates. Autocast stays on, so the ops it runs in float32 (softmax,
 layer_norm) still do.
