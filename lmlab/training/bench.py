@@ -45,7 +45,7 @@ from lmlab.optim import OPTIMIZERS
 from lmlab.timing import interleaved_medians, sync
 from lmlab.tokenizers.base import expected_vocab_size
 from lmlab.training.compile import compile_for_training, graphed_model_terms
-from lmlab.training.compute_dtype import DTYPES, CastParameters, check_compute_dtype
+from lmlab.training.compute_dtype import DTYPES, CastParameters, check_compute_dtype, on_copies
 from lmlab.training.fp8 import FP8
 from lmlab.training.hardware import peak_flops
 from lmlab.training.losses import LOSSES
@@ -131,8 +131,7 @@ class Contender:
         else:
             if chosen.compiled:
                 compile_for_training(self.model, self.loss_fn)
-            terms_of = model_terms if cast is None else partial(cast, model_terms)
-            self.terms = partial(terms_of, self.model, self.loss_fn)
+            self.terms = partial(on_copies(cast, model_terms), self.model, self.loss_fn)
         self.optimizer = OPTIMIZERS.build(cfg.optim, self.model)
         install_kernels(ops, self.optimizer)
         self.grad_clip = cfg.trainer.grad_clip

@@ -16,13 +16,12 @@ replay would overwrite the activations the layer before it saved for backward.
 from __future__ import annotations
 
 from collections.abc import Callable
-from functools import partial
 
 import torch
 from torch import nn
 
 from lmlab.nn.transformer import Transformer
-from lmlab.training.compute_dtype import CastParameters
+from lmlab.training.compute_dtype import CastParameters, on_copies
 from lmlab.training.objective import model_terms
 
 TermsFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], dict[str, torch.Tensor]]
@@ -43,7 +42,7 @@ def graphed_model_terms(model: Transformer, loss_fn: nn.Module, cast: CastParame
     graph's memory pool, which the next replay reuses, so they must be consumed (the optimizer step) before
     the next forward. On a CPU there is nothing to replay, and this is a whole-model compile.
     """
-    terms_of = model_terms if cast is None else partial(cast, model_terms)
+    terms_of = on_copies(cast, model_terms)
     compiled = torch.compile(lambda inputs, targets, positions: terms_of(model, loss_fn, inputs, targets, positions),
                              mode="reduce-overhead")
 

@@ -22,6 +22,7 @@ layer_norm) still do.
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import torch
@@ -42,10 +43,10 @@ def compute_dtype(name: str | None) -> torch.dtype | None:
 
 
 def check_compute_dtype(name: str | None, recompute: str, parallel: str, shards_parameters: bool) -> None:
-    """Refuse what cannot run on cast copies, before any work starts."""
+    """Refuse what cannot run on cast copies, before any work starts (`name` checked already, as TrainerConfig and
+    the bench's variants do)."""
     if name is None:
         return
-    compute_dtype(name)
     if recompute != "none":
         raise ConfigError(f"trainer.compute_dtype={name} with recompute={recompute}: a recomputed block runs again "
                           "in the backward, after the step's cast copies are swapped out, and would meet the float32 "
@@ -125,3 +126,8 @@ class CastParameters:
         finally:
             for module, name, i in self.slots:
                 module._parameters[name] = self.params[i]
+
+
+def on_copies(cast: CastParameters | None, fn: Callable[..., Any]) -> Callable[..., Any]:
+    """`fn`, run on `cast`'s copies of the parameters (as it is without a cast)."""
+    return fn if cast is None else partial(cast, fn)

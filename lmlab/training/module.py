@@ -28,7 +28,7 @@ from lmlab.parallel.strategies import data_parallel_rank
 from lmlab.tokenizers.base import Tokenizer, pack_tokenizer
 from lmlab.training.checkpoints import CONFIG_KEY, TOKENIZER_KEY
 from lmlab.training.compile import compile_for_training, graphed_model_terms
-from lmlab.training.compute_dtype import CastParameters, compute_dtype
+from lmlab.training.compute_dtype import CastParameters, compute_dtype, on_copies
 from lmlab.training.config import TrainerConfig
 from lmlab.training.fp8 import FP8
 from lmlab.training.loggers import final_scalars
@@ -123,10 +123,8 @@ class LanguageModelTask(L.LightningModule):
             terms = pipeline_step(inputs, targets, self.loss_fn)
         elif self._graphed_terms is not None:
             terms = self._graphed_terms(inputs, targets, positions)
-        elif self._cast is not None:
-            terms = self._cast(model_terms, self.model, self.loss_fn, inputs, targets, positions)
         else:
-            terms = model_terms(self.model, self.loss_fn, inputs, targets, positions)
+            terms = on_copies(self._cast, model_terms)(self.model, self.loss_fn, inputs, targets, positions)
         self._micro_terms.append({name: value.detach() for name, value in terms.items()})
         if len(self._micro_terms) == self.trainer_cfg.accumulate_grad_batches:  # the optimizer steps after this one
             self._log_step_terms()
@@ -228,7 +226,7 @@ class LanguageModelTask(L.LightningModule):
         if pipeline_eval is not None:  # pipeline parallelism: no rank holds the whole model
             loss = pipeline_eval(inputs, targets)
         else:
-            logits = self.model(inputs, positions) if self._cast is None else self._cast(self.model, inputs, positions)
+            logits = on_copies(self._cast, self.model)(inputs, positions)
             loss = self.token_cross_entropy(logits.flatten(0, 1), targets.flatten())
         self.val_loss.update(loss, weight=targets.numel())
 
