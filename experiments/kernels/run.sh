@@ -33,9 +33,14 @@
 #           float32 weights under autocast: the ~400M step (BEST, BEST+compute-bfloat16 and COMPUTE_ATTN, lmlab's
 #           attention, +compute-bfloat16; profiles), then the ~1.4B step at B14_BATCH (16) x 2048, each in its own process
 #   compute-loss  as fp8-loss, for trainer.compute_dtype=null and bfloat16, COMPUTE_STEPS (150) steps
+#   bf16-true  trainer.precision=bf16-true (bf16 weights, gradients and Adam moments, rounded stochastically) against
+#           the float32 weights under autocast and trainer.compute_dtype=bfloat16: the ~400M step (BEST and both; profiles),
+#           then the ~1.4B step at B14_BATCH (16) x 2048, each variant in its own process
+#   bf16-loss  as fp8-loss for each of BF16_RECIPES: mixed (trainer.precision=bf16-mixed, float32 weights), true
+#           (bf16-true) and nearest (bf16-true rounding to nearest: optim.stochastic_rounding=false), BF16_STEPS (300) steps
 # fp8 needs torchao: carry its wheel. Env: B14_BATCH, CORPUS (outputs/data/tinyshakespeare.txt), FP8_STEPS (300), FP8_RECIPES, B16_FP8,
-# COMPUTE_ATTN, COMPUTE_STEPS.
-# Usage: experiments/kernels/run.sh OUT_DIR [tests|kernels|train|graphs|graphs14|recompute|attention|gluon-bwd|attention-train|ncu|fp8|b16|fp8-loss|compute|compute-loss ...]   (tests kernels train by default)
+# COMPUTE_ATTN, COMPUTE_STEPS, BF16_RECIPES, BF16_STEPS.
+# Usage: experiments/kernels/run.sh OUT_DIR [tests|kernels|train|graphs|graphs14|recompute|attention|gluon-bwd|attention-train|ncu|fp8|b16|fp8-loss|compute|compute-loss|bf16-true|bf16-loss ...]   (tests kernels train by default)
 set -euo pipefail
 D=${1:?usage: run.sh OUT_DIR [tests|kernels|train ...]}
 shift
@@ -147,6 +152,20 @@ for part in $PARTS; do
             for dtype in null bfloat16; do
                 loss_run "compute-loss-$dtype" ${COMPUTE_STEPS:-150} trainer.compute_dtype=$dtype
             done ;;
-        *) echo "unknown part '$part'; parts: tests kernels train graphs graphs14 recompute attention gluon-bwd attention-train ncu fp8 b16 fp8-loss compute compute-loss" >&2; exit 2 ;;
+        bf16-true)
+            $LMLAB bench train $M --variants "$BEST,$BEST+compute-bfloat16,$BEST+bf16-true" --steps 8 --warmup 3 \
+                --profile "$D/profiles-bf16-true" --json "$D/train-400m-bf16-true.json" | tee "$D/train-400m-bf16-true.txt"
+            for f in "$D"/profiles-bf16-true/*+*; do mv "$f" "${f//+/_}"; done
+            for v in "$BEST+bf16-true" "$BEST+compute-bfloat16" "$BEST"; do
+                $LMLAB bench train $B14_BENCH data.batch_size=${B14_BATCH:-16} --variants "$v" --steps 6 --warmup 3 \
+                    --json "$D/train-1.4b-b${B14_BATCH:-16}-${v//+/_}.json" | tee "$D/train-1.4b-b${B14_BATCH:-16}-${v//+/_}.txt"
+            done ;;
+        bf16-loss)
+            declare -A recipes=([mixed]="trainer.precision=bf16-mixed" [true]="trainer.precision=bf16-true"
+                                [nearest]="trainer.precision=bf16-true optim.stochastic_rounding=false")
+            for recipe in ${BF16_RECIPES:-mixed true nearest}; do
+                loss_run "bf16-loss-$recipe" ${BF16_STEPS:-300} ${recipes[$recipe]}
+            done ;;
+        *) echo "unknown part '$part'; parts: tests kernels train graphs graphs14 recompute attention gluon-bwd attention-train ncu fp8 b16 fp8-loss compute compute-loss bf16-true bf16-loss" >&2; exit 2 ;;
     esac
 done

@@ -1,4 +1,8 @@
-"""Adam (Kingma & Ba) and AdamW (Loshchilov & Hutter), written out so every step of the update is visible."""
+"""Adam (Kingma & Ba) and AdamW (Loshchilov & Hutter), written out so every step of the update is visible.
+
+bf16 weights and moments (`trainer.precision=bf16-true`) are updated in float32 and written back with stochastic
+rounding by default (lmlab.optim.stochastic_rounding), which keeps the updates that round-to-nearest would lose.
+"""
 
 from __future__ import annotations
 
@@ -9,10 +13,13 @@ import torch
 
 from lmlab.optim.base import evaluate_closure
 from lmlab.optim.checks import check_betas, check_lr, check_non_negative
+from lmlab.optim.stochastic_rounding import FIRST_MOMENT, PARAM, SECOND_MOMENT, round_key, stochastic_round_
 
 
 class Adam(torch.optim.Optimizer):
-    """Adam with an L2 penalty added to the gradient; same arguments and numerics as `torch.optim.Adam`."""
+    """Adam with an L2 penalty added to the gradient; same arguments and numerics as `torch.optim.Adam` for float32
+    tensors. bf16 parameters and moments are written with stochastic rounding unless `stochastic_rounding=False`
+    (then they round to nearest, computed as torch.optim.Adam computes them)."""
 
     # AdamW's one change: decay shrinks the weight directly instead of passing through the
     # moments, where Adam's normalisation would shrink it for parameters with large gradients.
@@ -25,12 +32,18 @@ class Adam(torch.optim.Optimizer):
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
         weight_decay: float = 0.0,
+        stochastic_rounding: bool = True,
     ):
         name = type(self).__name__
         check_lr(name, lr)
         check_betas(name, betas)
         check_non_negative(name, eps=eps, weight_decay=weight_decay)
-        super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
+        super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
+                                      stochastic_rounding=stochastic_rounding))
+        # The rounding noise's seed: the run's (seed_everything's), read without drawing from the generator, so
+        # float32 runs draw the same random numbers as before. Every data-parallel rank has the same one, so
+        # replicas that reduce the same gradients also round them alike and stay equal.
+        self.seed = torch.initial_seed()
         # `kernels=` may swap in a fused update with the same signature. It takes a whole group at
         # once, so a multi-tensor kernel can update every parameter in one launch.
         self.kernel = adam_update
@@ -42,10 +55,11 @@ class Adam(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
         loss = evaluate_closure(closure)
-        for group in self.param_groups:
-            params = [p for p in group["params"] if p.grad is not None]
-            if not params:
+        for g, group in enumerate(self.param_groups):
+            present = [(i, p) for i, p in enumerate(group["params"]) if p.grad is not None]
+            if not present:
                 continue
+            params = [p for _, p in present]
             states = [self.state[p] for p in params]
             for p, state in zip(params, states):
                 if not state:
@@ -53,18 +67,35 @@ class Adam(torch.optim.Optimizer):
                     state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                     state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                 state["step"] += 1
-            self.kernel(params, [p.grad for p in params], [s["exp_avg"] for s in states],
-                        [s["exp_avg_sq"] for s in states], [s["step"] for s in states], group["lr"],
-                        group["betas"], group["eps"], group["weight_decay"], self.decoupled_weight_decay)
+            moments = [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states]
+            keys = None
+            if group.get("stochastic_rounding", True) and any(
+                    t.dtype == torch.bfloat16 for column in (params, *moments) for t in column):
+                keys = [round_key(self.seed, (g << 24) + i, s["step"]) for (i, _), s in zip(present, states)]
+            self.kernel(params, [p.grad for p in params], *moments, [s["step"] for s in states], group["lr"],
+                        group["betas"], group["eps"], group["weight_decay"], self.decoupled_weight_decay,
+                        round_keys=keys)
         return loss
 
 
 def adam_update(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[torch.Tensor],
                 exp_avg_sqs: list[torch.Tensor], steps: list[int], lr: float, betas: tuple[float, float],
-                eps: float, wd: float, decoupled: bool) -> None:
-    """One Adam step of each parameter in place, and of its moments, at its step count (1-based)."""
-    for p, grad, m, v, t in zip(params, grads, exp_avgs, exp_avg_sqs, steps):
-        adam_update_tensor(p, grad, m, v, t, lr, betas, eps, wd, decoupled)
+                eps: float, wd: float, decoupled: bool, round_keys: list[int] | None = None) -> None:
+    """One Adam step of each parameter in place, and of its moments, at its step count (1-based). With
+    `round_keys` (one per parameter), bf16 tensors are updated in float32 and rounded stochastically with that
+    key's noise."""
+    keys = round_keys if round_keys is not None else [None] * len(params)
+    for p, grad, m, v, t, key in zip(params, grads, exp_avgs, exp_avg_sqs, steps, keys):
+        if key is None or all(x.dtype != torch.bfloat16 for x in (p, m, v)):
+            adam_update_tensor(p, grad, m, v, t, lr, betas, eps, wd, decoupled)
+            continue
+        wide = [x.float() for x in (p, m, v)]  # a float32 tensor is itself, updated in place
+        adam_update_tensor(*wide[:1], grad.float(), *wide[1:], t, lr, betas, eps, wd, decoupled)
+        for x, x32, stream in zip((p, m, v), wide, (PARAM, FIRST_MOMENT, SECOND_MOMENT)):
+            if x.dtype == torch.bfloat16:
+                stochastic_round_(x, x32, key, stream)
+            elif x is not x32:
+                x.copy_(x32)
 
 
 def adam_update_tensor(p: torch.Tensor, grad: torch.Tensor, m: torch.Tensor, v: torch.Tensor, t: int, lr: float,
@@ -96,5 +127,6 @@ class AdamW(Adam):
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
         weight_decay: float = 1e-2,
+        stochastic_rounding: bool = True,
     ):
-        super().__init__(params, lr, betas, eps, weight_decay)
+        super().__init__(params, lr, betas, eps, weight_decay, stochastic_rounding)

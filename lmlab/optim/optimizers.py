@@ -30,13 +30,16 @@ class AdamWConfig:
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
     eps: float = 1e-8
     weight_decay: float = 0.1
+    # bf16 weights and moments (trainer.precision=bf16-true) written with stochastic rounding, which keeps the
+    # updates that round-to-nearest loses (lmlab.optim.stochastic_rounding); float32 ones are unaffected
+    stochastic_rounding: bool = True
     groups: list[GroupRule] = field(default_factory=decay_matrices)
 
 
 @OPTIMIZERS.register("adamw", config=AdamWConfig)
 def adamw(model: nn.Module, cfg: AdamWConfig) -> torch.optim.Optimizer:
     """AdamW (lmlab's own, matches torch.optim.AdamW); decay on matrices only."""
-    make = partial(AdamW, betas=tuple(cfg.betas), eps=cfg.eps)
+    make = partial(AdamW, betas=tuple(cfg.betas), eps=cfg.eps, stochastic_rounding=cfg.stochastic_rounding)
     return build_optimizer(model, cfg.groups, cfg.weight_decay, {"adamw": Part(cfg.lr, make)})
 
 
@@ -46,13 +49,14 @@ class AdamConfig:
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
     eps: float = 1e-8
     weight_decay: float = 0.0  # an L2 penalty in the gradient (coupled), unlike adamw's
+    stochastic_rounding: bool = True  # as adamw's
     groups: list[GroupRule] = field(default_factory=decay_matrices)
 
 
 @OPTIMIZERS.register("adam", config=AdamConfig)
 def adam(model: nn.Module, cfg: AdamConfig) -> torch.optim.Optimizer:
     """Adam with L2 penalty (matches torch.optim.Adam)."""
-    make = partial(Adam, betas=tuple(cfg.betas), eps=cfg.eps)
+    make = partial(Adam, betas=tuple(cfg.betas), eps=cfg.eps, stochastic_rounding=cfg.stochastic_rounding)
     return build_optimizer(model, cfg.groups, cfg.weight_decay, {"adam": Part(cfg.lr, make)})
 
 

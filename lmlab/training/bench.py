@@ -9,9 +9,10 @@ variant: the reference PyTorch path and `kernels=triton`, each eager and under t
 (`trainer.compile`'s per-block compile, or with `+graphs` the whole step replayed from CUDA graphs:
 `trainer.cuda_graphs`), optionally with float8 block matmuls (`+fp8-rowwise`, `+fp8-tensorwise`: the
 `fp8` config group), activation recomputation (`+recompute-selective`, `+recompute-full`: the `recompute`
-group) and bf16 copies of the float32 weights (`+compute-bfloat16`: `trainer.compute_dtype`). A step is forward,
-loss, backward, gradient clipping and
-the optimizer step, under bf16 autocast on a GPU as `lmlab-train` runs it. Variants are timed in
+group), bf16 copies of the float32 weights (`+compute-bfloat16`: `trainer.compute_dtype`) and bf16 weights with
+no float32 copy (`+bf16-true`: `trainer.precision=bf16-true`, Adam rounding them stochastically). A step is forward,
+loss, backward, gradient clipping and the optimizer step, under bf16 autocast on a GPU (or in bf16 throughout with
+`+bf16-true`) as `lmlab-train` runs it, through Lightning's own precision plugin. Variants are timed in
 turns (median step after warm-up), from the same initial weights. Reported per variant: step
 time, tokens/s, MFU (the model's training FLOPs per token, 6 N plus attention scores, against the
 GPU's dense bf16 peak) and the step's peak memory above the resident weights and optimizer state
@@ -29,7 +30,6 @@ import json
 import logging
 import sys
 import tempfile
-from contextlib import nullcontext
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -52,6 +52,7 @@ from lmlab.training.losses import LOSSES
 from lmlab.training.objective import model_terms
 from lmlab.training.recompute import RECOMPUTE
 from lmlab.training.profile import profiler_for
+from lmlab.training.precision import HALF_WEIGHTS, precision_plugin, resolve_precision
 
 VARIANTS = ("reference", "triton", "reference+compile", "triton+compile")
 
@@ -59,7 +60,7 @@ VARIANTS = ("reference", "triton", "reference+compile", "triton+compile")
 @dataclass(frozen=True)
 class Variant:
     """What one variant runs: a `kernels` config, trainer.compile and trainer.cuda_graphs, an `fp8` entry, a
-    `recompute` entry and trainer.compute_dtype."""
+    `recompute` entry, trainer.compute_dtype and trainer.precision (None: lmlab-train's default)."""
 
     kernels: dict
     compiled: bool
@@ -67,44 +68,51 @@ class Variant:
     graphs: bool = False
     recompute: str = "none"
     compute: str | None = None
+    precision: str | None = None
 
     def overrides(self) -> list[str]:
         """The same settings as lmlab-train overrides."""
         kernels = dict(self.kernels)
         return [f"kernels={kernels.pop('name')}", *(f"kernels.{op}=false" for op in kernels),
                 f"trainer.compile={self.compiled}", f"fp8={self.fp8}", f"trainer.cuda_graphs={self.graphs}",
-                f"recompute={self.recompute}", f"trainer.compute_dtype={self.compute or 'null'}"]
+                f"recompute={self.recompute}", f"trainer.compute_dtype={self.compute or 'null'}",
+                f"trainer.precision={self.precision or 'auto'}"]
 
 
 def parse_variant(variant: str) -> Variant:
-    """`KERNELS[-OP...][+compile[+graphs]][+fp8-RECIPE][+recompute-POLICY][+compute-DTYPE]` -> Variant; `-OP`
-    turns one kernel off, e.g. `triton-attention+compile` is kernels=triton kernels.attention=false under
-    torch.compile, `reference+compile+fp8-rowwise` adds fp8=rowwise, `reference+compile+graphs` replays CUDA
-    graphs, `reference+compile+recompute-selective` adds recompute=selective and `reference+compile+compute-bfloat16`
-    trainer.compute_dtype=bfloat16."""
+    """`KERNELS[-OP...][+compile[+graphs]][+fp8-RECIPE][+recompute-POLICY][+compute-DTYPE][+PRECISION]` ->
+    Variant; `-OP` turns one kernel off, e.g. `triton-attention+compile` is kernels=triton kernels.attention=false
+    under torch.compile, `reference+compile+fp8-rowwise` adds fp8=rowwise, `reference+compile+graphs` replays CUDA
+    graphs, `reference+compile+recompute-selective` adds recompute=selective, `reference+compile+compute-bfloat16`
+    trainer.compute_dtype=bfloat16 and `reference+compile+bf16-true` trainer.precision=bf16-true."""
     spec, *options = variant.split("+")
     name, *off = spec.split("-")
     prefixed = {prefix: [o.removeprefix(prefix) for o in options if o.startswith(prefix)]
                 for prefix in ("fp8-", "recompute-", "compute-")}
     fp8, recompute, compute = prefixed.values()
-    unknown = [o for o in options if o not in ("compile", "graphs") and not o.startswith(tuple(prefixed))]
+    precision = [o for o in options if o in HALF_WEIGHTS]
+    unknown = [o for o in options if o not in ("compile", "graphs", *HALF_WEIGHTS)
+               and not o.startswith(tuple(prefixed))]
     if "graphs" in options and "compile" not in options:
         unknown.append("graphs without compile")
-    if (name not in KERNELS or unknown or any(len(chosen) > 1 for chosen in prefixed.values())
+    if (name not in KERNELS or unknown or any(len(chosen) > 1 for chosen in (*prefixed.values(), precision))
             or any(f not in FP8 for f in fp8) or any(r not in RECOMPUTE for r in recompute)
             or any(d not in DTYPES for d in compute)):
         raise SystemExit(f"lmlab bench train: unknown variant '{variant}'; use "
-                         "KERNELS[-OP...][+compile[+graphs]][+fp8-RECIPE][+recompute-POLICY][+compute-DTYPE] with "
-                         f"KERNELS in {', '.join(KERNELS.names())}, RECIPE in {', '.join(FP8.names())}, POLICY in "
-                         f"{', '.join(RECOMPUTE.names())} and DTYPE in {', '.join(DTYPES)}")
+                         "KERNELS[-OP...][+compile[+graphs]][+fp8-RECIPE][+recompute-POLICY][+compute-DTYPE]"
+                         f"[+PRECISION] with KERNELS in {', '.join(KERNELS.names())}, RECIPE in "
+                         f"{', '.join(FP8.names())}, POLICY in {', '.join(RECOMPUTE.names())}, DTYPE in "
+                         f"{', '.join(DTYPES)} and PRECISION in {', '.join(HALF_WEIGHTS)}")
     fields = {f.name for f in KERNELS.get(name).fields()}
     if set(off) - fields:
         raise SystemExit(f"lmlab bench train: variant '{variant}': {name} has no kernel "
                          f"{', '.join(sorted(set(off) - fields))}; its fields: {', '.join(sorted(fields))}")
     chosen = Variant({"name": name, **{op: False for op in off}}, "compile" in options, fp8[0] if fp8 else "none",
-                     "graphs" in options, recompute[0] if recompute else "none", compute[0] if compute else None)
+                     "graphs" in options, recompute[0] if recompute else "none", compute[0] if compute else None,
+                     precision[0] if precision else None)
     try:
-        check_compute_dtype(chosen.compute, chosen.recompute, "single", shards_parameters=False)
+        check_compute_dtype(chosen.compute, chosen.recompute, "single", shards_parameters=False,
+                            precision=chosen.precision or "auto")
     except ConfigError as err:
         raise SystemExit(f"lmlab bench train: variant '{variant}': {err}") from None
     return chosen
@@ -124,6 +132,11 @@ class Contender:
         self.loss_fn = LOSSES.build(cfg.loss)
         ops = KERNELS.build(chosen.kernels)
         install_kernels(ops, self.model, self.loss_fn)
+        # Lightning's plugin for the run's precision: it converts the model (bf16-true), as lmlab-train's strategy
+        # does before compiling, and gives the forward's context (autocast, or bf16 as the default dtype).
+        plugin = precision_plugin(resolve_precision(chosen.precision or "auto"), device)
+        self.model = plugin.convert_module(self.model)
+        self.forward_context = plugin.forward_context
         self.graphed = chosen.graphs
         cast = None if chosen.compute is None else CastParameters(self.model, DTYPES[chosen.compute])
         if chosen.graphs:  # as LanguageModelTask.configure_model chooses
@@ -135,10 +148,9 @@ class Contender:
         self.optimizer = OPTIMIZERS.build(cfg.optim, self.model)
         install_kernels(ops, self.optimizer)
         self.grad_clip = cfg.trainer.grad_clip
-        self.autocast = torch.autocast("cuda", torch.bfloat16) if device.type == "cuda" else nullcontext()
 
     def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> None:
-        with self.autocast:
+        with self.forward_context():
             terms = self.terms(inputs, targets)
         terms["loss"].backward()
         if self.grad_clip:
@@ -240,7 +252,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("overrides", nargs="*", help="lmlab-train overrides, e.g. model=llama400m")
     parser.add_argument("--variants", default=",".join(VARIANTS),
                         help="comma-separated KERNELS[-OP...][+compile[+graphs]][+fp8-RECIPE][+recompute-POLICY]"
-                             "[+compute-DTYPE], "
+                             "[+compute-DTYPE][+PRECISION], "
                              "e.g. triton-attention+compile "
                              f"(default: {','.join(VARIANTS)})")
     parser.add_argument("--steps", type=int, default=10, help="timed steps per variant (default 10)")

@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from lmlab.errors import ConfigError
+from lmlab.training.precision import HALF_WEIGHTS
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -42,11 +43,16 @@ def compute_dtype(name: str | None) -> torch.dtype | None:
     return DTYPES[name]
 
 
-def check_compute_dtype(name: str | None, recompute: str, parallel: str, shards_parameters: bool) -> None:
+def check_compute_dtype(name: str | None, recompute: str, parallel: str, shards_parameters: bool,
+                        precision: str) -> None:
     """Refuse what cannot run on cast copies, before any work starts (`name` checked already, as TrainerConfig and
     the bench's variants do)."""
     if name is None:
         return
+    if precision in HALF_WEIGHTS:
+        raise ConfigError(f"trainer.compute_dtype={name} casts float32 weights for the forward, but "
+                          f"trainer.precision={precision} stores them in 16 bits already. Set "
+                          "trainer.compute_dtype=null, or trainer.precision=bf16-mixed to keep float32 weights")
     if recompute != "none":
         raise ConfigError(f"trainer.compute_dtype={name} with recompute={recompute}: a recomputed block runs again "
                           "in the backward, after the step's cast copies are swapped out, and would meet the float32 "

@@ -24,6 +24,7 @@ from lmlab.nn.moe.routers import sum_router_load_over
 from lmlab.nn.transformer import Transformer
 from lmlab.optim import OPTIMIZERS, SCHEDULERS, describe_groups
 from lmlab.optim.schedules import warmup_steps
+from lmlab.optim.stochastic_rounding import nearest_rounded_parameters
 from lmlab.parallel.strategies import data_parallel_rank
 from lmlab.tokenizers.base import Tokenizer, pack_tokenizer
 from lmlab.training.checkpoints import CONFIG_KEY, TOKENIZER_KEY
@@ -59,6 +60,10 @@ def optimizer_and_schedule(module: L.LightningModule, cfg: DictConfig, model: to
     optimizer = build(cfg.optim, model)
     if kernel_ops is not None:
         install_kernels(kernel_ops, optimizer)
+    if n := nearest_rounded_parameters(optimizer):  # trainer.precision=bf16-true or 16-true
+        log.warning("optim=%s writes %.3gM 16-bit weights rounded to nearest: an update under half a step of the "
+                    "weight's precision (2^-9 to 2^-8 of it in bf16) is lost, every step. adam and adamw round bf16 "
+                    "weights stochastically (optim.stochastic_rounding=true)", cfg.optim.name, n / 1e6)
     max_lr = cfg.optim.lr
     lr_at = SCHEDULERS.build(cfg.sched, max_lr, cfg.trainer.max_steps)
     scheduler = LambdaLR(optimizer, lambda step: lr_at(step) / max_lr)

@@ -31,6 +31,7 @@ from lmlab.training.evaluation import EvalDuringTraining, eval_tasks
 from lmlab.training.loggers import ValidationStep, build_logger, final_scalars
 from lmlab.training.losses import LOSSES
 from lmlab.training.module import LanguageModelTask, step_guard_for
+from lmlab.training.precision import Float32Metrics, resolve_precision
 from lmlab.training.interrupt import GracefulStop
 from lmlab.training.profile import StepProfiler
 from lmlab.training.progress import StepProgress, quiet_library_noise
@@ -38,12 +39,6 @@ from lmlab.training.resume import ScheduleFromResumedStep, finished_run, resolve
 from lmlab.training.throughput import Throughput
 
 log = logging.getLogger(__name__)
-
-
-def resolve_precision(precision: str) -> str:
-    if precision != "auto":
-        return precision
-    return "bf16-mixed" if torch.cuda.is_available() else "32-true"
 
 
 def check_checkpoint(cfg: DictConfig, key: str) -> None:
@@ -134,7 +129,8 @@ def check_parallel(cfg: DictConfig, batch_size: int) -> Parallel:
     if t.compile and not parallel.supports_compile:
         raise ConfigError(f"trainer.compile=true does not work with parallel={cfg.parallel.name}; set "
                           "trainer.compile=false")
-    check_compute_dtype(t.compute_dtype, cfg.recompute.name, cfg.parallel.name, parallel.shards_parameters)
+    check_compute_dtype(t.compute_dtype, cfg.recompute.name, cfg.parallel.name, parallel.shards_parameters,
+                        t.precision)
     cuda = uses_cuda(t.accelerator)
     if t.accelerator in ("gpu", "cuda") and not cuda:
         raise ConfigError(f"trainer.accelerator={t.accelerator} needs CUDA GPUs; this machine has none")
@@ -282,6 +278,7 @@ def build_trainer(cfg: DictConfig, output_dir: Path, logger, strategy, before: l
             GracefulStop(output_dir / "checkpoints" / "last.ckpt", t.max_steps),
             StopAtLastStep(t.max_steps),
             ScheduleFromResumedStep(),
+            Float32Metrics(),
             ValidationStep(),
             *after,
         ],

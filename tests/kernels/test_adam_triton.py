@@ -10,7 +10,7 @@ pytest.importorskip("triton")
 
 from lmlab.kernels.adam_triton import adam_update_triton  # noqa: E402
 from lmlab.kernels.registry import KernelOps, install_kernels  # noqa: E402
-from lmlab.optim.adam import Adam, AdamW, adam_update_tensor  # noqa: E402
+from lmlab.optim.adam import Adam, AdamW, adam_update, adam_update_tensor  # noqa: E402
 from lmlab.optim.composite import CompositeOptimizer  # noqa: E402
 
 
@@ -66,3 +66,27 @@ def test_kernels_reach_the_adam_inside_a_composite_optimizer():
     composite = CompositeOptimizer({"adamw": inner, "adam": Adam([b])})
     install_kernels(KernelOps(adam=adam_update_triton), composite)
     assert inner.kernel is adam_update_triton and composite.parts["adam"].kernel is adam_update_triton
+
+
+def test_stochastic_rounding_draws_the_references_bits():
+    """bf16 tensors rounded stochastically take the reference's very bits (the same hash of position and key); a
+    float32 tensor beside them is updated as without rounding keys."""
+    torch.manual_seed(0)
+    sizes = [5000, 2 * 4096 + 7, 33]
+    params = [torch.randn(n, device="cuda", dtype=torch.bfloat16) for n in sizes] + [torch.randn(777, device="cuda")]
+    grads = [torch.randn_like(p) for p in params]
+    moments = [[torch.rand_like(p) for p in params] for _ in range(2)]
+    steps, keys = [3, 1, 10, 4], [12345, 99, 2**31 + 5, 7]
+    expected = [[t.clone() for t in column] for column in (params, *moments)]
+    adam_update(*expected[:1], grads, *expected[1:], steps, 0.01, (0.9, 0.95), 1e-8, 0.1, True, round_keys=keys)
+    unkeyed = [[t[-1].clone()] for t in (params, *moments)]
+    adam_update_triton(*unkeyed[:1], grads[-1:], *unkeyed[1:], steps[-1:], 0.01, (0.9, 0.95), 1e-8, 0.1, True)
+    adam_update_triton(params, grads, *moments, steps, 0.01, (0.9, 0.95), 1e-8, 0.1, True, round_keys=keys)
+    for got, want, alone in zip((params, *moments), expected, unkeyed):
+        for a, b in zip(got[:-1], want[:-1]):
+            # The float32 value before rounding may differ in its last bit (FMA contraction), which moves the
+            # rounding only where the noise lands on that bit: a handful of elements, by one bf16 step.
+            ulp = b.float().abs().clamp_min(1e-30) * 2.0**-7
+            assert ((a.float() - b.float()).abs() <= ulp).all()
+            assert (a != b).float().mean() < 1e-3
+        assert torch.equal(got[-1], alone[0])

@@ -74,19 +74,23 @@ def test_no_roofline_without_a_known_gpu():
     assert peak_bandwidth(torch.device("cpu")) is None and peak_flops(torch.device("cpu")) is None
 
 
-def test_bench_train_variants_name_kernels_compile_fp8_and_compute_dtype():
+def test_bench_train_variants_name_kernels_compile_fp8_compute_dtype_and_precision():
     variant = train_bench.parse_variant("triton-attention+compile+fp8-rowwise")
     assert variant == train_bench.Variant({"name": "triton", "attention": False}, True, "rowwise")
     assert variant.overrides() == ["kernels=triton", "kernels.attention=false", "trainer.compile=True", "fp8=rowwise",
-                                   "trainer.cuda_graphs=False", "recompute=none", "trainer.compute_dtype=null"]
+                                   "trainer.cuda_graphs=False", "recompute=none", "trainer.compute_dtype=null",
+                                   "trainer.precision=auto"]
     assert train_bench.parse_variant("reference+compile+recompute-selective").recompute == "selective"
     assert train_bench.parse_variant("reference") == train_bench.Variant({"name": "reference"}, False, "none")
     graphed = train_bench.parse_variant("reference+compile+graphs")
     assert graphed.graphs and graphed.compiled and "trainer.cuda_graphs=True" in graphed.overrides()
     cast = train_bench.parse_variant("triton+compile+compute-bfloat16")
     assert cast.compute == "bfloat16" and "trainer.compute_dtype=bfloat16" in cast.overrides()
+    half = train_bench.parse_variant("triton+compile+bf16-true")
+    assert half.precision == "bf16-true" and "trainer.precision=bf16-true" in half.overrides()
     for bad in ("reference+fast", "reference+fp8-fancy", "triton-nothing", "cuda", "reference+graphs",
-                "reference+recompute-most", "triton+compute-int8", "triton+compile+recompute-full+compute-bfloat16"):
+                "reference+recompute-most", "triton+compute-int8", "triton+compile+recompute-full+compute-bfloat16",
+                "triton+bf16-true+compute-bfloat16", "triton+bf16-mixed", "triton+bf16-true+16-true"):
         try:
             train_bench.parse_variant(bad)
         except SystemExit as exit:

@@ -85,6 +85,7 @@ def test_lmlab_train_with_bf16_compute_trains_float32_weights(make_cfg, tiny_ove
     (["trainer.compute_dtype=int8"], "trainer.compute_dtype must be one of bfloat16, float16"),
     (["trainer.compute_dtype=bfloat16", "recompute=full"], "Set recompute=none or trainer.compute_dtype=null"),
     (["trainer.compute_dtype=bfloat16", "parallel=zero3"], "parallel=zero3 shards or splits them"),
+    (["trainer.compute_dtype=bfloat16", "trainer.precision=bf16-true"], "stores them in 16 bits already"),
 ])
 def test_what_cannot_run_on_cast_copies_fails_before_training(make_cfg, tiny_overrides, tmp_path, extra, match):
     with pytest.raises(ConfigError, match=match):

@@ -1,0 +1,109 @@
+"""Stochastic rounding to bf16 and Adam's bf16 updates: unbiased, keyed, reproducible, and what nearest loses."""
+
+import pytest
+import torch
+
+from lmlab.optim import SGD, Adam, AdamW
+from lmlab.optim.composite import CompositeOptimizer
+from lmlab.optim.stochastic_rounding import (_mix32_tensor, mix32, nearest_rounded_parameters, round_key,
+                                             stochastic_round_)
+
+
+def test_the_tensor_hash_is_the_scalar_hash():
+    values = [0, 1, 2**16 - 1, 2**31, 2**32 - 1, 123456789, 3999999999]
+    assert _mix32_tensor(torch.tensor(values)).tolist() == [mix32(v) for v in values]
+
+
+def test_each_value_goes_to_a_bf16_neighbour_and_the_mean_is_kept():
+    torch.manual_seed(0)
+    x = torch.randn(4000) * torch.logspace(-3, 3, 4000)
+    below = x.bfloat16()  # round to nearest, then the neighbour on the other side of x
+    below = torch.where(below.float() > x, torch.nextafter(below, torch.tensor(-float("inf"), dtype=below.dtype)),
+                        below)
+    above = torch.nextafter(below, torch.tensor(float("inf"), dtype=below.dtype))
+    out = torch.empty(x.shape, dtype=torch.bfloat16)
+    total = torch.zeros_like(x, dtype=torch.float64)
+    draws = 400
+    for key in range(draws):
+        stochastic_round_(out, x, round_key(0, 0, key), 0)
+        assert ((out == below) | (out == above)).all()
+        total += out.double()
+    # Each mean is x up to the spread of `draws` coin flips: a sigma of at most 0.5 / sqrt(400) = 0.025 of a step.
+    # Rounding to nearest errs by 0.25 of a step on average, and always in the same direction.
+    error = (total / draws - x.double()).abs() / (above.double() - below.double())
+    assert error.max() < 5 * 0.025 and error.mean() < 0.03
+
+
+def test_bf16_values_stay_and_the_noise_depends_on_key_and_stream():
+    exact = torch.randn(1000).bfloat16().float()
+    out = torch.empty(1000, dtype=torch.bfloat16)
+    assert torch.equal(stochastic_round_(out, exact, 7, 0).float(), exact)
+    x = torch.rand(10000) + 1  # in [1, 2): a step of 2^-7
+    draws = {(key, stream): stochastic_round_(out.new_empty(10000), x, key, stream)
+             for key, stream in ((1, 0), (1, 1), (2, 0))}
+    assert torch.equal(draws[1, 0], stochastic_round_(out.new_empty(10000), x, 1, 0))  # reproducible
+    assert not torch.equal(draws[1, 0], draws[1, 1]) and not torch.equal(draws[1, 0], draws[2, 0])
+    with pytest.raises(ValueError, match="float32 to bfloat16"):
+        stochastic_round_(torch.empty(3, dtype=torch.float16), torch.ones(3), 0, 0)
+
+
+def _small_steps(rounding: bool, steps: int = 50) -> torch.Tensor:
+    """bf16 weights at 1 after `steps` Adam steps of 1e-4 each, far under half of bf16's step of 2^-7 there."""
+    torch.manual_seed(0)
+    p = torch.nn.Parameter(torch.ones(20000, dtype=torch.bfloat16))
+    opt = Adam([p], lr=1e-4, betas=(0.9, 0.999), stochastic_rounding=rounding)
+    for _ in range(steps):
+        p.grad = torch.ones_like(p)  # Adam's normalised step is then lr, every step
+        opt.step()
+    return p.detach().double()
+
+
+def test_adam_keeps_updates_that_round_to_nearest_loses():
+    assert (_small_steps(rounding=False) == 1).all()  # every step rounded back
+    drift = 1 - _small_steps(rounding=True).mean()
+    assert drift == pytest.approx(50 * 1e-4, rel=0.05)
+
+
+def test_rounding_keys_replay_after_a_resume():
+    def run(resume_at: int | None) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        params = [torch.nn.Parameter(torch.randn(300, dtype=torch.bfloat16)) for _ in range(2)]
+        opt = AdamW(params, lr=1e-3)
+        for step in range(6):
+            if step == resume_at:
+                saved = opt.state_dict()
+                opt = AdamW(params, lr=1e-3)
+                opt.load_state_dict(saved)
+            for i, p in enumerate(params):
+                p.grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(10 * step + i)).bfloat16()
+            opt.step()
+        return [p.detach().clone() for p in params] + [s["exp_avg_sq"] for s in opt.state.values()]
+
+    straight = run(None)
+    assert all(torch.equal(a, b) for a, b in zip(straight, run(resume_at=3)))
+    assert all(t.dtype == torch.bfloat16 for t in straight)
+
+
+def test_float32_updates_ignore_the_setting():
+    torch.manual_seed(0)
+    base = [torch.randn(5, 4), torch.randn(7)]
+    results = []
+    for rounding in (True, False):
+        params = [torch.nn.Parameter(b.clone()) for b in base]
+        opt = AdamW(params, lr=1e-2, stochastic_rounding=rounding)
+        for step in range(5):
+            for p in params:
+                p.grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(step))
+            opt.step()
+        results.append(params)
+    assert all(torch.equal(a, b) for a, b in zip(*results))
+
+
+def test_nearest_rounded_parameters_counts_what_no_part_rounds_stochastically():
+    bf16 = [torch.nn.Parameter(torch.zeros(n, dtype=torch.bfloat16)) for n in (10, 20, 40)]
+    half = torch.nn.Parameter(torch.zeros(5, dtype=torch.float16))
+    wide = torch.nn.Parameter(torch.zeros(1000))
+    composite = CompositeOptimizer({"adamw": AdamW([bf16[0], half, wide]), "sgd": SGD([bf16[1]], lr=0.1),
+                                    "adam": Adam([bf16[2]], stochastic_rounding=False)})
+    assert nearest_rounded_parameters(composite) == 5 + 20 + 40
+    assert nearest_rounded_parameters(AdamW([bf16[0], wide])) == 0
