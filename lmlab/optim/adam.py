@@ -19,7 +19,8 @@ from lmlab.optim.stochastic_rounding import FIRST_MOMENT, PARAM, SECOND_MOMENT, 
 class Adam(torch.optim.Optimizer):
     """Adam with an L2 penalty added to the gradient; same arguments and numerics as `torch.optim.Adam` for float32
     tensors. bf16 parameters and moments are written with stochastic rounding unless `stochastic_rounding=False`
-    (then they round to nearest, computed as torch.optim.Adam computes them)."""
+    (then they round to nearest). `state_dtype` (e.g. float32 under bf16 weights) sets the moments' dtype; None: the
+    parameter's, as torch.optim.Adam has it."""
 
     # AdamW's one change: decay shrinks the weight directly instead of passing through the
     # moments, where Adam's normalisation would shrink it for parameters with large gradients.
@@ -33,8 +34,12 @@ class Adam(torch.optim.Optimizer):
         eps: float = 1e-8,
         weight_decay: float = 0.0,
         stochastic_rounding: bool = True,
+        state_dtype: torch.dtype | None = None,
     ):
         name = type(self).__name__
+        if state_dtype not in (None, torch.float32, torch.bfloat16):
+            raise ValueError(f"{name}: state_dtype must be float32, bfloat16 or None (the parameter's), got "
+                             f"{state_dtype}")
         check_lr(name, lr)
         check_betas(name, betas)
         check_non_negative(name, eps=eps, weight_decay=weight_decay)
@@ -44,6 +49,7 @@ class Adam(torch.optim.Optimizer):
         # float32 runs draw the same random numbers as before. Every data-parallel rank has the same one, so
         # replicas that reduce the same gradients also round them alike and stay equal.
         self.seed = torch.initial_seed()
+        self.state_dtype = state_dtype
         # `kernels=` may swap in a fused update with the same signature. It takes a whole group at
         # once, so a multi-tensor kernel can update every parameter in one launch.
         self.kernel = adam_update
@@ -64,8 +70,9 @@ class Adam(torch.optim.Optimizer):
             for p, state in zip(params, states):
                 if not state:
                     state["step"] = 0
-                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    state["exp_avg"] = torch.zeros_like(p, dtype=self.state_dtype, memory_format=torch.preserve_format)
+                    state["exp_avg_sq"] = torch.zeros_like(p, dtype=self.state_dtype,
+                                                           memory_format=torch.preserve_format)
                 state["step"] += 1
             moments = [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states]
             keys = None
@@ -83,16 +90,17 @@ def adam_update(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs:
                 eps: float, wd: float, decoupled: bool, round_keys: list[int] | None = None) -> None:
     """One Adam step of each parameter in place, and of its moments, at its step count (1-based). With
     `round_keys` (one per parameter), bf16 tensors are updated in float32 and rounded stochastically with that
-    key's noise."""
+    key's noise; moments of another dtype than their parameter's are updated in float32 and rounded to theirs."""
     keys = round_keys if round_keys is not None else [None] * len(params)
     for p, grad, m, v, t, key in zip(params, grads, exp_avgs, exp_avg_sqs, steps, keys):
-        if key is None or all(x.dtype != torch.bfloat16 for x in (p, m, v)):
+        rounds = key is not None and torch.bfloat16 in (p.dtype, m.dtype, v.dtype)
+        if not rounds and p.dtype == m.dtype == v.dtype:
             adam_update_tensor(p, grad, m, v, t, lr, betas, eps, wd, decoupled)
             continue
         wide = [x.float() for x in (p, m, v)]  # a float32 tensor is itself, updated in place
         adam_update_tensor(*wide[:1], grad.float(), *wide[1:], t, lr, betas, eps, wd, decoupled)
         for x, x32, stream in zip((p, m, v), wide, (PARAM, FIRST_MOMENT, SECOND_MOMENT)):
-            if x.dtype == torch.bfloat16:
+            if rounds and x.dtype == torch.bfloat16:
                 stochastic_round_(x, x32, key, stream)
             elif x is not x32:
                 x.copy_(x32)
@@ -128,5 +136,6 @@ class AdamW(Adam):
         eps: float = 1e-8,
         weight_decay: float = 1e-2,
         stochastic_rounding: bool = True,
+        state_dtype: torch.dtype | None = None,
     ):
-        super().__init__(params, lr, betas, eps, weight_decay, stochastic_rounding)
+        super().__init__(params, lr, betas, eps, weight_decay, stochastic_rounding, state_dtype)

@@ -29,7 +29,8 @@ def test_a_misspelt_field_gets_the_closest_field_and_the_entrys_fields():
     with pytest.raises(ConfigError) as err:
         compose_config(["optim.lrr=1e-3"])
     assert str(err.value) == ("unknown key 'optim.lrr'. Did you mean 'optim.lr'? "
-                              "(optim=adamw has: lr, betas, eps, weight_decay, stochastic_rounding, groups)")
+                              "(optim=adamw has: lr, betas, eps, weight_decay, stochastic_rounding, state_dtype, "
+                              "groups)")
     with pytest.raises(ConfigError, match=r"^unknown key 'model.mtp.dept'. Did you mean 'model.mtp.depth'\?"):
         compose_config(["model.mtp.dept=1"])
     with pytest.raises(ConfigError, match=r"'model.moe' has no typed fields; choose an entry first with model/moe="):

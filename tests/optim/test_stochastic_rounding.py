@@ -107,3 +107,32 @@ def test_nearest_rounded_parameters_counts_what_no_part_rounds_stochastically():
                                     "adam": Adam([bf16[2]], stochastic_rounding=False)})
     assert nearest_rounded_parameters(composite) == 5 + 20 + 40
     assert nearest_rounded_parameters(AdamW([bf16[0], wide])) == 0
+
+
+@pytest.mark.parametrize("rounding", [True, False])
+def test_float32_moments_under_bf16_weights(rounding):
+    """state_dtype=float32 keeps the moments in float32 beside bf16 weights, with or without stochastic rounding of
+    the weights, and equals the float32 update rounded once."""
+    torch.manual_seed(0)
+    p = torch.nn.Parameter(torch.randn(1000).bfloat16())
+    wide = torch.nn.Parameter(p.detach().float())
+    opt = AdamW([p], lr=1e-2, stochastic_rounding=rounding, state_dtype=torch.float32)
+    reference = AdamW([wide], lr=1e-2)
+    grad = torch.randn(1000).bfloat16()
+    p.grad, wide.grad = grad, grad.float()
+    opt.step(), reference.step()
+    state = opt.state[p]
+    assert state["exp_avg"].dtype == state["exp_avg_sq"].dtype == torch.float32 and p.dtype == torch.bfloat16
+    torch.testing.assert_close(state["exp_avg_sq"], reference.state[wide]["exp_avg_sq"])
+    step = p.detach().float().abs() * 2.0**-7  # one bf16 step: nearest is within half, stochastic within one
+    assert ((p.detach().float() - wide.detach()).abs() <= step).all()
+    with pytest.raises(ValueError, match="state_dtype must be"):
+        AdamW([p], state_dtype=torch.float16)
+
+
+def test_an_unknown_state_dtype_is_a_config_error(make_cfg):
+    from lmlab.errors import ConfigError
+    from lmlab.training.run import preflight
+
+    with pytest.raises(ConfigError, match="optim.state_dtype must be float32 or bfloat16"):
+        preflight(make_cfg(["optim.state_dtype=float8"]))

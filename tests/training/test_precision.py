@@ -10,17 +10,18 @@ from lmlab.training import train
 from lmlab.training.precision import Float32Metrics, precision_plugin
 
 
-def test_lmlab_train_in_bf16_trains_bf16_weights_and_moments(make_cfg, tiny_overrides, tmp_path, caplog):
+@pytest.mark.parametrize("extra,moments", [([], torch.bfloat16), (["optim.state_dtype=float32"], torch.float32)])
+def test_lmlab_train_in_bf16_trains_bf16_weights(make_cfg, tiny_overrides, tmp_path, caplog, extra, moments):
     with caplog.at_level(logging.WARNING, logger="lmlab.training.module"):
         results = train(make_cfg([*tiny_overrides, "trainer.max_steps=15", "trainer.val_every=15",
-                                  "trainer.precision=bf16-true"]), tmp_path / "run")
+                                  "trainer.precision=bf16-true", *extra]), tmp_path / "run")
     assert results["val_loss"] < results["initial_val_loss"] - 1.0
     assert "rounded to nearest" not in caplog.text  # adamw rounds its bf16 writes stochastically
     saved = torch.load(tmp_path / "run" / "checkpoints" / "last.ckpt", weights_only=False)
     assert {w.dtype for w in saved["state_dict"].values() if w.is_floating_point()} == {torch.bfloat16}
-    moments = [t for state in saved["optimizer_states"][0]["state"].values() for t in state.values()
-               if isinstance(t, torch.Tensor) and t.is_floating_point()]
-    assert moments and {t.dtype for t in moments} == {torch.bfloat16}
+    states = [t for state in saved["optimizer_states"][0]["state"].values() for t in state.values()
+              if isinstance(t, torch.Tensor) and t.is_floating_point()]
+    assert states and {t.dtype for t in states} == {moments}
 
 
 def test_an_optimizer_that_rounds_bf16_to_nearest_is_warned_about(make_cfg, tiny_overrides, tmp_path, caplog):
