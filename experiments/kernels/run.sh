@@ -37,7 +37,9 @@
 #           the float32 weights under autocast and trainer.compute_dtype=bfloat16: the ~400M step (BEST and both; profiles),
 #           then the ~1.4B step at B14_BATCH (16) x 2048, each variant in its own process
 #   bf16-loss  as fp8-loss for each of BF16_RECIPES: mixed (trainer.precision=bf16-mixed, float32 weights), true
-#           (bf16-true) and nearest (bf16-true rounding to nearest: optim.stochastic_rounding=false), BF16_STEPS (300) steps
+#           (bf16-true), nearest (bf16-true rounding to nearest: optim.stochastic_rounding=false) and moments (bf16-true,
+#           Adam's moments in float32: optim.state_dtype=float32), BF16_STEPS (300) steps; BF16_RECIPES defaults to the
+#           first three
 # fp8 needs torchao: carry its wheel. Env: B14_BATCH, CORPUS (outputs/data/tinyshakespeare.txt), FP8_STEPS (300), FP8_RECIPES, B16_FP8,
 # COMPUTE_ATTN, COMPUTE_STEPS, BF16_RECIPES, BF16_STEPS.
 # Usage: experiments/kernels/run.sh OUT_DIR [tests|kernels|train|graphs|graphs14|recompute|attention|gluon-bwd|attention-train|ncu|fp8|b16|fp8-loss|compute|compute-loss|bf16-true|bf16-loss ...]   (tests kernels train by default)
@@ -162,7 +164,8 @@ for part in $PARTS; do
             done ;;
         bf16-loss)
             declare -A recipes=([mixed]="trainer.precision=bf16-mixed" [true]="trainer.precision=bf16-true"
-                                [nearest]="trainer.precision=bf16-true optim.stochastic_rounding=false")
+                                [nearest]="trainer.precision=bf16-true optim.stochastic_rounding=false"
+                                [moments]="trainer.precision=bf16-true optim.state_dtype=float32")
             for recipe in ${BF16_RECIPES:-mixed true nearest}; do
                 loss_run "bf16-loss-$recipe" ${BF16_STEPS:-300} ${recipes[$recipe]}
             done ;;
