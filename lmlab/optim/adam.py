@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterable
 
 import torch
 
-from lmlab.optim.base import evaluate_closure
+from lmlab.optim.base import evaluate_closure, keep_state_dtypes
 from lmlab.optim.checks import check_betas, check_lr, check_non_negative
 from lmlab.optim.stochastic_rounding import FIRST_MOMENT, PARAM, SECOND_MOMENT, round_key, stochastic_round_
 
@@ -50,6 +50,7 @@ class Adam(torch.optim.Optimizer):
         # replicas that reduce the same gradients also round them alike and stay equal.
         self.seed = torch.initial_seed()
         self.state_dtype = state_dtype
+        keep_state_dtypes(self)  # a resume must not round float32 moments of bf16 weights
         # `kernels=` may swap in a fused update with the same signature. It takes a whole group at
         # once, so a multi-tensor kernel can update every parameter in one launch.
         self.kernel = adam_update

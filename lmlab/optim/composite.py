@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 import torch
 
-from lmlab.optim.base import evaluate_closure
+from lmlab.optim.base import evaluate_closure, keep_state_dtypes
 
 
 class CompositeOptimizer(torch.optim.Optimizer):
@@ -25,6 +25,7 @@ class CompositeOptimizer(torch.optim.Optimizer):
                 group["optimizer"] = name
         super().__init__([group for part in parts.values() for group in part.param_groups], defaults={})
         self._share_with_parts()
+        keep_state_dtypes(self)  # its load, not the parts', restores their state
 
     def _share_with_parts(self) -> None:
         # load_state_dict replaces `state` and the group dicts; the parts must follow.

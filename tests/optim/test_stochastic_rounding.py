@@ -1,5 +1,7 @@
 """Stochastic rounding to bf16 and Adam's bf16 updates: unbiased, keyed, reproducible, and what nearest loses."""
 
+import copy
+
 import pytest
 import torch
 
@@ -64,24 +66,31 @@ def test_adam_keeps_updates_that_round_to_nearest_loses():
     assert drift == pytest.approx(50 * 1e-4, rel=0.05)
 
 
-def test_rounding_keys_replay_after_a_resume():
+@pytest.mark.parametrize("state_dtype,composite", [(None, False), (torch.float32, False), (torch.float32, True)])
+def test_rounding_keys_replay_after_a_resume(state_dtype, composite):
+    """The same bits after a save and load mid-run, float32 moments of bf16 weights included (which torch's load
+    would cast to bf16), alone or inside a composite optimizer."""
+    def make(params):
+        opt = AdamW(params, lr=1e-3, state_dtype=state_dtype)
+        return CompositeOptimizer({"adamw": opt}) if composite else opt
+
     def run(resume_at: int | None) -> list[torch.Tensor]:
         torch.manual_seed(0)
         params = [torch.nn.Parameter(torch.randn(300, dtype=torch.bfloat16)) for _ in range(2)]
-        opt = AdamW(params, lr=1e-3)
+        opt = make(params)
         for step in range(6):
             if step == resume_at:
-                saved = opt.state_dict()
-                opt = AdamW(params, lr=1e-3)
+                saved = copy.deepcopy(opt.state_dict())
+                opt = make(params)
                 opt.load_state_dict(saved)
             for i, p in enumerate(params):
                 p.grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(10 * step + i)).bfloat16()
             opt.step()
         return [p.detach().clone() for p in params] + [s["exp_avg_sq"] for s in opt.state.values()]
 
-    straight = run(None)
-    assert all(torch.equal(a, b) for a, b in zip(straight, run(resume_at=3)))
-    assert all(t.dtype == torch.bfloat16 for t in straight)
+    straight, resumed = run(None), run(resume_at=3)
+    assert all(a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(straight, resumed))
+    assert [t.dtype for t in straight] == [torch.bfloat16] * 2 + [state_dtype or torch.bfloat16] * 2
 
 
 def test_float32_updates_ignore_the_setting():
