@@ -40,9 +40,12 @@
 #           (bf16-true), nearest (bf16-true rounding to nearest: optim.stochastic_rounding=false) and moments (bf16-true,
 #           Adam's moments in float32: optim.state_dtype=float32), BF16_STEPS (300) steps; BF16_RECIPES defaults to the
 #           first three
+#   bf16-best  bf16-true with the other step-time levers on the ~400M step: BEST and ATTN_VARIANT (lmlab's attention),
+#           BEST+graphs (the whole step from CUDA graphs, in its own process) and BEST with optim.state_dtype=float32
+#   bf16-best14  the same on the ~1.4B step at B14_BATCH (16) x 2048: BEST and ATTN_VARIANT, each in its own process
 # fp8 needs torchao: carry its wheel. Env: B14_BATCH, CORPUS (outputs/data/tinyshakespeare.txt), FP8_STEPS (300), FP8_RECIPES, B16_FP8,
-# COMPUTE_ATTN, COMPUTE_STEPS, BF16_RECIPES, BF16_STEPS.
-# Usage: experiments/kernels/run.sh OUT_DIR [tests|kernels|train|graphs|graphs14|recompute|attention|gluon-bwd|attention-train|ncu|fp8|b16|fp8-loss|compute|compute-loss|bf16-true|bf16-loss ...]   (tests kernels train by default)
+# COMPUTE_ATTN, COMPUTE_STEPS, BF16_RECIPES, BF16_STEPS, LOSS_MODEL (the loss parts' model overrides; the ~1.4B config).
+# Usage: experiments/kernels/run.sh OUT_DIR [tests|kernels|train|graphs|graphs14|recompute|attention|gluon-bwd|attention-train|ncu|fp8|b16|fp8-loss|compute|compute-loss|bf16-true|bf16-loss|bf16-best|bf16-best14 ...]   (tests kernels train by default)
 set -euo pipefail
 D=${1:?usage: run.sh OUT_DIR [tests|kernels|train ...]}
 shift
@@ -62,10 +65,10 @@ ncu_pages() {  # REPORT PREFIX: PREFIX-details.txt, PREFIX-raw.csv.gz, PREFIX-sa
     "$NCU" -i "$1" --page raw --csv | gzip > "$2-raw.csv.gz" || true
     "$NCU" -i "$1" --page source --csv --print-source sass | gzip > "$2-sass.csv.gz" || true
 }
-loss_run() {  # NAME STEPS OVERRIDE...: lmlab-train of the ~1.4B config on CORPUS (bytes), its validation loss at the end
+loss_run() {  # NAME STEPS OVERRIDE...: lmlab-train of LOSS_MODEL (the ~1.4B config) on CORPUS (bytes), its validation loss at the end
     local name=$1 steps=$2
     shift 2
-    python -m lmlab.cli.train $B14 data=text_files "data.paths=[${CORPUS:-outputs/data/tinyshakespeare.txt}]" \
+    python -m lmlab.cli.train ${LOSS_MODEL:-$B14} data=text_files "data.paths=[${CORPUS:-outputs/data/tinyshakespeare.txt}]" \
         tokenizer=byte data.context_length=1024 data.batch_size=8 trainer.compile=true "$@" \
         trainer.max_steps=$steps trainer.val_every=$steps trainer.val_batches=20 \
         trainer.progress_bar=false trainer.checkpoint_every=100000 cache_dir="$D/cache" \
@@ -169,6 +172,23 @@ for part in $PARTS; do
             for recipe in ${BF16_RECIPES:-mixed true nearest}; do
                 loss_run "bf16-loss-$recipe" ${BF16_STEPS:-300} ${recipes[$recipe]}
             done ;;
-        *) echo "unknown part '$part'; parts: tests kernels train graphs graphs14 recompute attention gluon-bwd attention-train ncu fp8 b16 fp8-loss compute compute-loss bf16-true bf16-loss" >&2; exit 2 ;;
+        bf16-best)
+            A=${ATTN_VARIANT:-triton-rms_norm-swiglu+compile}
+            bench400() {  # NAME VARIANTS [OVERRIDE...]
+                local name=$1 variants=$2
+                shift 2
+                $LMLAB bench train $M "$@" --variants "$variants" --steps 8 --warmup 3 \
+                    --json "$D/train-400m-$name.json" | tee "$D/train-400m-$name.txt"
+            }
+            bench400 bf16-attention "$BEST+bf16-true,$A+bf16-true"
+            bench400 bf16-graphs "$BEST+bf16-true+graphs"
+            bench400 bf16-moments "$BEST+bf16-true" optim.state_dtype=float32 ;;
+        bf16-best14)
+            A=${ATTN_VARIANT:-triton-rms_norm-swiglu+compile}
+            for v in "$BEST+bf16-true" "$A+bf16-true"; do
+                $LMLAB bench train $B14_BENCH data.batch_size=${B14_BATCH:-16} --variants "$v" --steps 6 --warmup 3 \
+                    --json "$D/train-1.4b-b${B14_BATCH:-16}-${v//+/_}.json" | tee "$D/train-1.4b-b${B14_BATCH:-16}-${v//+/_}.txt"
+            done ;;
+        *) echo "unknown part '$part'; parts: tests kernels train graphs graphs14 recompute attention gluon-bwd attention-train ncu fp8 b16 fp8-loss compute compute-loss bf16-true bf16-loss bf16-best bf16-best14" >&2; exit 2 ;;
     esac
 done
