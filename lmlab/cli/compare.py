@@ -5,7 +5,8 @@ A run is any folder with Hydra's `.hydra/overrides.yaml` and the scalars a logge
 or an `error.txt` (a failed job of a sweep). The table shows the overrides that differ between
 runs, the final train/val loss, val bpb, the median tokens/s and a failed run's error; the plot
 of validation loss is written next to the runs, and for MoE runs a grid of each layer's expert
-loads over training (`expert_load.png`).
+loads over training (`expert_load.png`). `--over seed` averages over seeds instead: one row and one
+mean curve per group of runs that differ only in the seed (`compare_over`).
 """
 
 from __future__ import annotations
@@ -136,6 +137,10 @@ def table(runs: list[Run], root: Path) -> str:
              *(_fmt(r.final(tag), 4) for tag in evals),
              _fmt(r.median("perf/tokens_per_s"), 0), *([(r.error or "").replace("|", "\\|")] if failed else [])]
             for r in runs]
+    return markdown_table(header, rows)
+
+
+def markdown_table(header: list[str], rows: list[list[str]]) -> str:
     widths = [max(len(str(c)) for c in col) for col in zip(header, *rows)]
     line = lambda cells: "| " + " | ".join(str(c).ljust(w) for c, w in zip(cells, widths)) + " |"
     return "\n".join([line(header), "|" + "|".join("-" * (w + 2) for w in widths) + "|", *map(line, rows)])
@@ -203,6 +208,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="lmlab-compare", description=__doc__.splitlines()[0])
     parser.add_argument("root", type=Path, help="a multirun folder such as outputs/multirun/2026-11-29/10-00-00")
     parser.add_argument("--metric", default="val/loss", help="scalar to plot (default val/loss)")
+    parser.add_argument("--over", nargs="+", default=[], metavar="KEY",
+                        help="overrides to average over (e.g. seed): one row and one mean curve per group of runs "
+                             "that differ only in these")
     args = parser.parse_args(argv)
     if not args.root.is_dir():
         print(f"lmlab-compare: error: {args.root} is not a folder", file=sys.stderr)
@@ -217,10 +225,21 @@ def main(argv: list[str] | None = None) -> int:
         print(f"lmlab-compare: error: no run logged --metric {args.metric}; did you mean {closest(args.metric, tags)}?",
               file=sys.stderr)
         return 2
-    text = table(runs, args.root)
+    swept = {k for run in runs for k in run.overrides}
+    if missing := [k for k in args.over if k not in swept]:
+        print(f"lmlab-compare: error: --over {' '.join(missing)}: no run sets it; the runs' overrides: "
+              f"{', '.join(sorted(swept)) or 'none'}", file=sys.stderr)
+        return 2
+    plot_path = args.root / f"{args.metric.replace('/', '_')}.png"
+    if args.over:
+        from lmlab.cli.compare_over import group_runs, group_table, plot_groups
+
+        groups = group_runs(runs, args.over)
+        text, curves = group_table(groups), plot_groups(groups, plot_path, args.metric)
+    else:
+        text, curves = table(runs, args.root), plot(runs, plot_path, args.metric)
     print(text)
-    written = [atomic_write_text(args.root / "comparison.md", text + "\n"),
-               plot(runs, args.root / f"{args.metric.replace('/', '_')}.png", args.metric),
+    written = [atomic_write_text(args.root / "comparison.md", text + "\n"), curves,
                plot_expert_load(runs, args.root / "expert_load.png")]
     print(f"\nwrote {', '.join(str(path) for path in written if path)}")
     return 0

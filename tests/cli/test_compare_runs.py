@@ -58,3 +58,24 @@ def test_only_failed_jobs_are_listed_with_exit_status_0_and_no_plot(tmp_path, ca
         ["run", "model/position", "train/loss", "val/loss", "val/bpb", "tokens/s", "failed"],
         ["0", "alibi", "-", "-", "-", "-", "alibi cannot be used here"]]
     assert not (tmp_path / "val_loss.png").exists()
+
+
+def test_over_seed_makes_one_row_and_one_mean_curve_per_setting(tmp_path, capsys):
+    finals = {("bf16-mixed", "0"): 2.0, ("bf16-mixed", "1"): 2.2, ("bf16-true", "0"): 3.0, ("bf16-true", "1"): 3.4}
+    for i, ((precision, seed), loss) in enumerate(finals.items()):
+        run = _job(tmp_path / str(i), [f"trainer.precision={precision}", f"seed={seed}"])
+        with SummaryWriter(run / "tb") as events:
+            for step, value in [(5, loss + 1), (10, loss)]:
+                events.add_scalar("val/loss", value, step)
+    (_job(tmp_path / "4", ["trainer.precision=bf16-true", "seed=2"]) / "error.txt").write_text("out of memory\n")
+
+    assert main([str(tmp_path), "--over", "seed"]) == 0
+    header, *cells = _cells(capsys.readouterr().out.split("\n\n")[0])
+    assert header == ["trainer.precision", "runs", "train/loss", "val/loss", "val/bpb", "tokens/s", "failed"]
+    # mean ± sample standard deviation of the final values; the failed run counts, but has no value
+    assert cells == [["bf16-mixed", "2", "-", "2.1000 ± 0.1414", "-", "-", "0"],
+                     ["bf16-true", "3", "-", "3.2000 ± 0.2828", "-", "-", "1"]]
+    assert (tmp_path / "val_loss.png").stat().st_size > 10_000
+
+    assert main([str(tmp_path), "--over", "model.d_model"]) == 2
+    assert "--over model.d_model: no run sets it; the runs' overrides: seed, trainer.precision" in capsys.readouterr().err

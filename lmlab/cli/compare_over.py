@@ -1,0 +1,89 @@
+"""`lmlab-compare DIR --over seed`: runs that differ only in the named overrides (seeds, say) as one row each.
+
+A comparison of two settings from one seed each cannot tell a difference from run-to-run noise. Swept over seeds
+(`lmlab-train -m seed=0,1,2 ...`), each setting's runs make a group: its table row gives the number of runs and the
+mean and sample standard deviation of each final value, and its plot line is the mean over the group's runs with
+their minimum-maximum band.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+
+from lmlab.atomic import atomic_write
+from lmlab.cli.compare import Run, differing_keys, markdown_table
+
+FINAL_TAGS = ("train/loss", "val/loss", "val/bpb")
+
+
+@dataclass
+class Group:
+    overrides: dict[str, str]  # the overrides its runs share, among those that differ between groups
+    runs: list[Run]
+
+    def finals(self, tag: str) -> list[float]:
+        return [value for run in self.runs if (value := run.final(tag)) is not None]
+
+    def failed(self) -> int:
+        return sum(run.error is not None for run in self.runs)
+
+
+def group_runs(runs: list[Run], over: list[str]) -> list[Group]:
+    """Runs that agree on every differing override but those in `over`, in the order of their first run."""
+    keys = [k for k in differing_keys(runs) if k not in over]
+    groups: dict[tuple[str, ...], Group] = {}
+    for run in runs:
+        values = tuple(run.overrides.get(k, "") for k in keys)
+        groups.setdefault(values, Group(dict(zip(keys, values)), [])).runs.append(run)
+    return list(groups.values())
+
+
+def _mean_sd(values: list[float]) -> str:
+    if not values:
+        return "-"
+    if len(values) == 1:
+        return f"{values[0]:.4f}"
+    return f"{statistics.mean(values):.4f} ± {statistics.stdev(values):.4f}"
+
+
+def group_table(groups: list[Group]) -> str:
+    keys = list(groups[0].overrides)
+    evals = sorted({tag for g in groups for r in g.runs for tag in r.scalars if tag.startswith("eval/")})
+    failed = any(g.failed() for g in groups)
+    header = [*keys, "runs", *FINAL_TAGS, *evals, "tokens/s", *(["failed"] if failed else [])]
+    rows = []
+    for g in groups:
+        speeds = [s for run in g.runs if (s := run.median("perf/tokens_per_s")) is not None]
+        rows.append([*g.overrides.values(), str(len(g.runs)), *(_mean_sd(g.finals(tag)) for tag in (*FINAL_TAGS, *evals)),
+                     f"{statistics.median(speeds):,.0f}" if speeds else "-", *([str(g.failed())] if failed else [])])
+    return markdown_table(header, rows)
+
+
+def plot_groups(groups: list[Group], path: Path, tag: str = "val/loss") -> Path | None:
+    """Each group's mean curve of `tag` over the steps all its runs logged, with the runs' min-max band."""
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(8, 5))
+    ax = fig.subplots()
+    drawn = 0
+    for i, group in enumerate(groups):
+        curves = [dict(run.scalars[tag]) for run in group.runs if run.scalars.get(tag)]
+        steps = sorted(set.intersection(*(set(c) for c in curves))) if curves else []
+        if not steps:
+            continue
+        per_step = [[c[s] for c in curves] for s in steps]
+        label = ", ".join(f"{k}={v}" for k, v in group.overrides.items()) or "all runs"
+        line, = ax.plot(steps, [statistics.mean(v) for v in per_step], marker="o", markersize=3,
+                        label=f"{label} ({len(curves)} runs)", linestyle=("-", "--", ":", "-.")[i // 10 % 4])
+        ax.fill_between(steps, [min(v) for v in per_step], [max(v) for v in per_step], color=line.get_color(),
+                        alpha=0.2, linewidth=0)
+        drawn += 1
+    if not drawn:
+        return None
+    ax.set(xlabel="step", ylabel=tag, title=f"{tag}, mean and min-max over runs: {path.parent.name}")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    return atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=120, format="png"))
