@@ -3,7 +3,7 @@
 A comparison of two settings from one seed each cannot tell a difference from run-to-run noise. Swept over seeds
 (`lmlab-train -m seed=0,1,2 ...`), each setting's runs make a group: its table row gives the number of runs and the
 mean and sample standard deviation of each final value, and its plot line is the mean over the group's runs with
-their minimum-maximum band.
+their minimum-maximum band, over a panel of each run less the first group's run of the same seed.
 """
 
 from __future__ import annotations
@@ -61,29 +61,48 @@ def group_table(groups: list[Group]) -> str:
     return markdown_table(header, rows)
 
 
-def plot_groups(groups: list[Group], path: Path, tag: str = "val/loss") -> Path | None:
-    """Each group's mean curve of `tag` over the steps all its runs logged, with the runs' min-max band."""
+def _label(group: Group) -> str:
+    return ", ".join(f"{k}={v}" for k, v in group.overrides.items() if v) or "defaults"
+
+
+def plot_groups(groups: list[Group], path: Path, over: list[str], tag: str = "val/loss") -> Path | None:
+    """Each group's mean curve of `tag` over the steps all its runs logged, with the runs' min-max band; below, each
+    run less the first group's run of the same seed (the same values of `over`), where settings a percent apart,
+    which look alike above, separate: the mean of those differences and their min-max band."""
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=(8, 5))
-    ax = fig.subplots()
-    drawn = 0
-    for i, group in enumerate(groups):
-        curves = [dict(run.scalars[tag]) for run in group.runs if run.scalars.get(tag)]
-        steps = sorted(set.intersection(*(set(c) for c in curves))) if curves else []
-        if not steps:
-            continue
-        per_step = [[c[s] for c in curves] for s in steps]
-        label = ", ".join(f"{k}={v}" for k, v in group.overrides.items()) or "all runs"
-        line, = ax.plot(steps, [statistics.mean(v) for v in per_step], marker="o", markersize=3,
-                        label=f"{label} ({len(curves)} runs)", linestyle=("-", "--", ":", "-.")[i // 10 % 4])
-        ax.fill_between(steps, [min(v) for v in per_step], [max(v) for v in per_step], color=line.get_color(),
-                        alpha=0.2, linewidth=0)
-        drawn += 1
-    if not drawn:
+    curves = {}  # label -> (steps, {values of `over`: that run's value at each step})
+    for group in groups:
+        runs = {tuple(run.overrides.get(k) for k in over): dict(run.scalars[tag])
+                for run in group.runs if run.scalars.get(tag)}
+        steps = sorted(set.intersection(*(set(c) for c in runs.values()))) if runs else []
+        if steps:
+            curves[_label(group)] = (steps, {key: [c[s] for s in steps] for key, c in runs.items()})
+    if not curves:
         return None
-    ax.set(xlabel="step", ylabel=tag, title=f"{tag}, mean and min-max over runs: {path.parent.name}")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    fig = Figure(figsize=(8, 8))
+    top, bottom = fig.subplots(2, 1, sharex=True)
+    first, (ref_steps, ref_runs) = next(iter(curves.items()))
+    for i, (label, (steps, runs)) in enumerate(curves.items()):
+        style = dict(linestyle=("-", "--", ":", "-.")[i // 10 % 4], marker="o", markersize=3)
+        values = list(zip(*runs.values()))  # per step, every run's value
+        line, = top.plot(steps, [statistics.mean(v) for v in values], label=f"{label} ({len(runs)} runs)", **style)
+        top.fill_between(steps, [min(v) for v in values], [max(v) for v in values], color=line.get_color(), alpha=0.2,
+                         linewidth=0)
+        paired = [key for key in runs if key in ref_runs]
+        shared = [(j, ref_steps.index(s), s) for j, s in enumerate(steps) if s in ref_steps]
+        if not paired or not shared:
+            continue
+        diffs = [[runs[key][j] - ref_runs[key][r] for key in paired] for j, r, _ in shared]
+        xs = [s for *_, s in shared]
+        bottom.plot(xs, [statistics.mean(d) for d in diffs], color=line.get_color(), **style)
+        bottom.fill_between(xs, [min(d) for d in diffs], [max(d) for d in diffs], color=line.get_color(), alpha=0.2,
+                            linewidth=0)
+    top.set(ylabel=tag, title=f"{tag}, mean and min-max over runs: {path.parent.name}")
+    bottom.set(xlabel="step", ylabel=f"{tag}, less the same {'/'.join(over)}'s run of the first")
+    bottom.set_title(f"less the first: {first}", fontsize=9)
+    for ax in (top, bottom):
+        ax.grid(alpha=0.3)
+    top.legend(fontsize=8)
     fig.tight_layout()
     return atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=120, format="png"))
