@@ -65,42 +65,67 @@ def _label(group: Group) -> str:
     return ", ".join(f"{k}={v}" for k, v in group.overrides.items() if v) or "defaults"
 
 
-def plot_groups(groups: list[Group], path: Path, over: list[str], tag: str = "val/loss") -> Path | None:
-    """Each group's mean curve of `tag` over the steps all its runs logged, with the runs' min-max band; below, each
-    run less the first group's run of the same seed (the same values of `over`), where settings a percent apart,
-    which look alike above, separate: the mean of those differences and their min-max band."""
-    from matplotlib.figure import Figure
+@dataclass
+class Curves:
+    """One group's runs of a scalar over the steps that all of them logged, each run keyed by its values of `over`."""
 
-    curves = {}  # label -> (steps, {values of `over`: that run's value at each step})
+    steps: list[int]
+    runs: dict[tuple, list[float]]
+
+    def per_step(self) -> list[tuple[float, ...]]:
+        return list(zip(*self.runs.values()))
+
+    def less(self, first: Curves) -> tuple[list[int], list[list[float]]]:
+        """Each run less `first`'s run with the same values of `over`, at the steps both logged: (steps, per step
+        the differences); runs without a partner in `first` are left out."""
+        paired = [key for key in self.runs if key in first.runs]
+        shared = [(j, first.steps.index(s), s) for j, s in enumerate(self.steps) if s in first.steps]
+        if not paired:
+            return [], []
+        return ([s for *_, s in shared],
+                [[self.runs[key][j] - first.runs[key][i] for key in paired] for j, i, _ in shared])
+
+
+def group_curves(groups: list[Group], over: list[str], tag: str) -> dict[str, Curves]:
+    """Each group that logged `tag`, by its label."""
+    curves = {}
     for group in groups:
         runs = {tuple(run.overrides.get(k) for k in over): dict(run.scalars[tag])
                 for run in group.runs if run.scalars.get(tag)}
         steps = sorted(set.intersection(*(set(c) for c in runs.values()))) if runs else []
         if steps:
-            curves[_label(group)] = (steps, {key: [c[s] for s in steps] for key, c in runs.items()})
+            curves[_label(group)] = Curves(steps, {key: [c[s] for s in steps] for key, c in runs.items()})
+    return curves
+
+
+def plot_groups(groups: list[Group], path: Path, over: list[str], tag: str = "val/loss") -> Path | None:
+    """Each group's mean curve of `tag` with its runs' min-max band; below, each run less the first group's run of
+    the same seed (the same values of `over`), where settings a percent apart, which look alike above, separate:
+    the mean of those differences and their min-max band."""
+    from matplotlib.figure import Figure
+
+    curves = group_curves(groups, over, tag)
     if not curves:
         return None
     fig = Figure(figsize=(8, 8))
     top, bottom = fig.subplots(2, 1, sharex=True)
-    first, (ref_steps, ref_runs) = next(iter(curves.items()))
-    for i, (label, (steps, runs)) in enumerate(curves.items()):
+    first_label, first = next(iter(curves.items()))
+
+    def band(ax, xs, per_step, **style):
+        line, = ax.plot(xs, [statistics.mean(v) for v in per_step], **style)
+        ax.fill_between(xs, [min(v) for v in per_step], [max(v) for v in per_step], color=line.get_color(),
+                        alpha=0.2, linewidth=0)
+        return line.get_color()
+
+    for i, (label, curve) in enumerate(curves.items()):
         style = dict(linestyle=("-", "--", ":", "-.")[i // 10 % 4], marker="o", markersize=3)
-        values = list(zip(*runs.values()))  # per step, every run's value
-        line, = top.plot(steps, [statistics.mean(v) for v in values], label=f"{label} ({len(runs)} runs)", **style)
-        top.fill_between(steps, [min(v) for v in values], [max(v) for v in values], color=line.get_color(), alpha=0.2,
-                         linewidth=0)
-        paired = [key for key in runs if key in ref_runs]
-        shared = [(j, ref_steps.index(s), s) for j, s in enumerate(steps) if s in ref_steps]
-        if not paired or not shared:
-            continue
-        diffs = [[runs[key][j] - ref_runs[key][r] for key in paired] for j, r, _ in shared]
-        xs = [s for *_, s in shared]
-        bottom.plot(xs, [statistics.mean(d) for d in diffs], color=line.get_color(), **style)
-        bottom.fill_between(xs, [min(d) for d in diffs], [max(d) for d in diffs], color=line.get_color(), alpha=0.2,
-                            linewidth=0)
+        color = band(top, curve.steps, curve.per_step(), label=f"{label} ({len(curve.runs)} runs)", **style)
+        xs, differences = curve.less(first)
+        if xs:
+            band(bottom, xs, differences, color=color, **style)
     top.set(ylabel=tag, title=f"{tag}, mean and min-max over runs: {path.parent.name}")
     bottom.set(xlabel="step", ylabel=f"{tag}, less the same {'/'.join(over)}'s run of the first")
-    bottom.set_title(f"less the first: {first}", fontsize=9)
+    bottom.set_title(f"less the first: {first_label}", fontsize=9)
     for ax in (top, bottom):
         ax.grid(alpha=0.3)
     top.legend(fontsize=8)

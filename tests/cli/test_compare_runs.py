@@ -7,6 +7,7 @@ from omegaconf import OmegaConf
 from torch.utils.tensorboard import SummaryWriter
 
 from lmlab.cli.compare import find_runs, main
+from lmlab.cli.compare_over import group_curves, group_runs
 from lmlab.training import train
 
 
@@ -76,6 +77,11 @@ def test_over_seed_makes_one_row_and_one_mean_curve_per_setting(tmp_path, capsys
     assert cells == [["bf16-mixed", "2", "-", "2.1000 ± 0.1414", "-", "-", "0"],
                      ["bf16-true", "3", "-", "3.2000 ± 0.2828", "-", "-", "1"]]
     assert (tmp_path / "val_loss.png").stat().st_size > 10_000
+    # the plot's lower panel: each run less the first setting's run of the same seed
+    curves = group_curves(group_runs(find_runs(tmp_path), ["seed"]), ["seed"], "val/loss")
+    mixed, true = curves["trainer.precision=bf16-mixed"], curves["trainer.precision=bf16-true"]
+    steps, differences = true.less(mixed)
+    assert steps == [5, 10] and [[round(d, 4) for d in ds] for ds in differences] == [[1.0, 1.2], [1.0, 1.2]]
 
     assert main([str(tmp_path), "--over", "model.d_model"]) == 2
     assert "--over model.d_model: no run sets it; the runs' overrides: seed, trainer.precision" in capsys.readouterr().err
