@@ -41,7 +41,7 @@
 #           Adam's moments in float32: optim.state_dtype=float32), BF16_STEPS (300) steps; BF16_RECIPES defaults to the
 #           first three
 #   bf16-best  bf16-true with the other step-time levers on the ~400M step: BEST and ATTN_VARIANT (lmlab's attention),
-#           BEST+graphs (the whole step from CUDA graphs, in its own process) and BEST with optim.state_dtype=float32
+#           then BEST+graphs (the whole step from CUDA graphs) in its own process
 #   bf16-best14  the same on the ~1.4B step at B14_BATCH (16) x 2048: BEST and ATTN_VARIANT, each in its own process
 # fp8 needs torchao: carry its wheel. Env: B14_BATCH, CORPUS (outputs/data/tinyshakespeare.txt), FP8_STEPS (300), FP8_RECIPES, B16_FP8,
 # COMPUTE_ATTN, COMPUTE_STEPS, BF16_RECIPES, BF16_STEPS, LOSS_MODEL (the loss parts' model overrides; the ~1.4B config).
@@ -181,8 +181,7 @@ for part in $PARTS; do
                     --json "$D/train-400m-$name.json" | tee "$D/train-400m-$name.txt"
             }
             bench400 bf16-attention "$BEST+bf16-true,$A+bf16-true"
-            bench400 bf16-graphs "$BEST+bf16-true+graphs"
-            bench400 bf16-moments "$BEST+bf16-true" optim.state_dtype=float32 ;;
+            bench400 bf16-graphs "$BEST+bf16-true+graphs" ;;
         bf16-best14)
             A=${ATTN_VARIANT:-triton-rms_norm-swiglu+compile}
             for v in "$BEST+bf16-true" "$A+bf16-true"; do
