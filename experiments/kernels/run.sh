@@ -174,14 +174,10 @@ for part in $PARTS; do
             done ;;
         bf16-best)
             A=${ATTN_VARIANT:-triton-rms_norm-swiglu+compile}
-            bench400() {  # NAME VARIANTS [OVERRIDE...]
-                local name=$1 variants=$2
-                shift 2
-                $LMLAB bench train $M "$@" --variants "$variants" --steps 8 --warmup 3 \
-                    --json "$D/train-400m-$name.json" | tee "$D/train-400m-$name.txt"
-            }
-            bench400 bf16-attention "$BEST+bf16-true,$A+bf16-true"
-            bench400 bf16-graphs "$BEST+bf16-true+graphs" ;;
+            $LMLAB bench train $M --variants "$BEST+bf16-true,$A+bf16-true" --steps 8 --warmup 3 \
+                --json "$D/train-400m-bf16-attention.json" | tee "$D/train-400m-bf16-attention.txt"
+            $LMLAB bench train $M --variants "$BEST+bf16-true+graphs" --steps 8 --warmup 3 \
+                --json "$D/train-400m-bf16-graphs.json" | tee "$D/train-400m-bf16-graphs.txt" ;;
         bf16-best14)
             A=${ATTN_VARIANT:-triton-rms_norm-swiglu+compile}
             for v in "$BEST+bf16-true" "$A+bf16-true"; do
