@@ -235,7 +235,8 @@ def main(argv: list[str] | None = None) -> int:
         from lmlab.cli.compare_over import group_runs, group_table, plot_groups
 
         groups = group_runs(runs, args.over)
-        text, curves = group_table(groups), plot_groups(groups, plot_path, args.over, args.metric)
+        text = group_table(groups, args.over, args.metric)
+        curves = plot_groups(groups, plot_path, args.over, args.metric)
     else:
         text, curves = table(runs, args.root), plot(runs, plot_path, args.metric)
     print(text)

@@ -40,23 +40,36 @@ def group_runs(runs: list[Run], over: list[str]) -> list[Group]:
     return list(groups.values())
 
 
-def _mean_sd(values: list[float]) -> str:
+def _mean_sd(values: list[float], sign: str = "") -> str:
+    """'mean ± sd' to four decimals (`sign="+"` writes a difference's sign); '-' for no values."""
     if not values:
         return "-"
-    if len(values) == 1:
-        return f"{values[0]:.4f}"
-    return f"{statistics.mean(values):.4f} ± {statistics.stdev(values):.4f}"
+    mean = format(statistics.mean(values), f"{sign}.4f")
+    return mean if len(values) == 1 else f"{mean} ± {statistics.stdev(values):.4f}"
 
 
-def group_table(groups: list[Group]) -> str:
+def _paired(group: Group, first: Group, over: list[str], tag: str) -> list[float]:
+    """`tag`'s final value of each run less that of `first`'s run with the same values of `over` (the same seed)."""
+    key = lambda run: tuple(run.overrides.get(k) for k in over)
+    reference = {key(run): value for run in first.runs if (value := run.final(tag)) is not None}
+    return [value - reference[key(run)] for run in group.runs
+            if (value := run.final(tag)) is not None and key(run) in reference]
+
+
+def group_table(groups: list[Group], over: list[str], metric: str = "val/loss") -> str:
+    """One row per group; each final value as mean ± sample standard deviation, and `metric` also paired with the
+    first group's run of the same seed: a difference that the seeds' spread would hide can show there."""
     keys = list(groups[0].overrides)
     evals = sorted({tag for g in groups for r in g.runs for tag in r.scalars if tag.startswith("eval/")})
     failed = any(g.failed() for g in groups)
-    header = [*keys, "runs", *FINAL_TAGS, *evals, "tokens/s", *(["failed"] if failed else [])]
+    header = [*keys, "runs", *FINAL_TAGS, *evals, f"{metric} less the first's, same {'/'.join(over)}", "tokens/s",
+              *(["failed"] if failed else [])]
     rows = []
     for g in groups:
         speeds = [s for run in g.runs if (s := run.median("perf/tokens_per_s")) is not None]
-        rows.append([*g.overrides.values(), str(len(g.runs)), *(_mean_sd(g.finals(tag)) for tag in (*FINAL_TAGS, *evals)),
+        finals = [_mean_sd(g.finals(tag)) for tag in (*FINAL_TAGS, *evals)]
+        paired = _mean_sd(_paired(g, groups[0], over, metric), "+")
+        rows.append([*g.overrides.values(), str(len(g.runs)), *finals, paired,
                      f"{statistics.median(speeds):,.0f}" if speeds else "-", *([str(g.failed())] if failed else [])])
     return markdown_table(header, rows)
 

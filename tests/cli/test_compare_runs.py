@@ -72,10 +72,12 @@ def test_over_seed_makes_one_row_and_one_mean_curve_per_setting(tmp_path, capsys
 
     assert main([str(tmp_path), "--over", "seed"]) == 0
     header, *cells = _cells(capsys.readouterr().out.split("\n\n")[0])
-    assert header == ["trainer.precision", "runs", "train/loss", "val/loss", "val/bpb", "tokens/s", "failed"]
-    # mean ± sample standard deviation of the final values; the failed run counts, but has no value
-    assert cells == [["bf16-mixed", "2", "-", "2.1000 ± 0.1414", "-", "-", "0"],
-                     ["bf16-true", "3", "-", "3.2000 ± 0.2828", "-", "-", "1"]]
+    assert header == ["trainer.precision", "runs", "train/loss", "val/loss", "val/bpb",
+                      "val/loss less the first's, same seed", "tokens/s", "failed"]
+    # mean ± sample standard deviation of the final values; the failed run counts, but has no value; paired by
+    # seed, bf16-true's runs are 1.0 and 1.2 above bf16-mixed's
+    assert cells == [["bf16-mixed", "2", "-", "2.1000 ± 0.1414", "-", "+0.0000 ± 0.0000", "-", "0"],
+                     ["bf16-true", "3", "-", "3.2000 ± 0.2828", "-", "+1.1000 ± 0.1414", "-", "1"]]
     assert (tmp_path / "val_loss.png").stat().st_size > 10_000
     # the plot's lower panel: each run less the first setting's run of the same seed
     curves = group_curves(group_runs(find_runs(tmp_path), ["seed"]), ["seed"], "val/loss")
@@ -84,4 +86,5 @@ def test_over_seed_makes_one_row_and_one_mean_curve_per_setting(tmp_path, capsys
     assert steps == [5, 10] and [[round(d, 4) for d in ds] for ds in differences] == [[1.0, 1.2], [1.0, 1.2]]
 
     assert main([str(tmp_path), "--over", "model.d_model"]) == 2
-    assert "--over model.d_model: no run sets it; the runs' overrides: seed, trainer.precision" in capsys.readouterr().err
+    error = capsys.readouterr().err
+    assert "--over model.d_model: no run sets it; the runs' overrides: seed, trainer.precision" in error
