@@ -7,8 +7,9 @@ import torch
 
 from lmlab.optim import SGD, Adam, AdamW
 from lmlab.optim.composite import CompositeOptimizer
+from lmlab.optim import stochastic_rounding
 from lmlab.optim.stochastic_rounding import (_mix32_tensor, mix32, nearest_rounded_parameters, round_key,
-                                             stochastic_round_)
+                                             rounded_bits, stochastic_round_)
 
 
 def test_the_tensor_hash_is_the_scalar_hash():
@@ -47,6 +48,22 @@ def test_bf16_values_stay_and_the_noise_depends_on_key_and_stream():
     assert not torch.equal(draws[1, 0], draws[1, 1]) and not torch.equal(draws[1, 0], draws[2, 0])
     with pytest.raises(ValueError, match="float32 to bfloat16"):
         stochastic_round_(torch.empty(3, dtype=torch.float16), torch.ones(3), 0, 0)
+
+
+def test_the_compiled_rounding_draws_the_eager_bits_and_falls_back_to_them(monkeypatch):
+    x = torch.cat([torch.randn(5000) * torch.logspace(-30, 30, 5000), torch.tensor([0.0, -0.0, 3.3895e38, -1e-40])])
+    offset = round_key(3, 5, 7) + 1
+    eager = rounded_bits(x, offset)
+    out = torch.empty(x.shape, dtype=torch.bfloat16)
+    assert torch.equal(stochastic_round_(out, x, offset - 1, 1).view(torch.int16), (eager >> 16).to(torch.int16))
+
+    def broken(flat, offset):
+        raise RuntimeError("no C++ compiler")
+
+    monkeypatch.setattr(stochastic_rounding._round, "fn", broken)
+    with pytest.warns(UserWarning, match="runs eagerly .* no C\\+\\+ compiler"):
+        assert torch.equal(stochastic_round_(torch.empty_like(out), x, offset - 1, 1), out)
+    assert stochastic_rounding._round.fn is rounded_bits  # once: later calls round eagerly without a warning
 
 
 def _small_steps(rounding: bool, steps: int = 50) -> torch.Tensor:
