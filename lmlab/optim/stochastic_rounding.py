@@ -73,9 +73,11 @@ class _Compiled:
     torch.compile cannot build it (no compiler, say), it warns once and rounds eagerly."""
 
     def __init__(self):
-        self.fn = torch.compile(rounded_bits, dynamic=True)
+        self.fn = None  # compiled at the first call: importing torch's compiler takes seconds
 
     def __call__(self, flat: torch.Tensor, offset: int) -> torch.Tensor:
+        if self.fn is None:
+            self.fn = torch.compile(rounded_bits, dynamic=True)
         try:
             return self.fn(flat, offset)
         except Exception as err:  # noqa: BLE001 - any compile failure; the eager call below re-raises a real one
