@@ -14,7 +14,7 @@ import torchmetrics
 from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
 
 # Lightning's precisions that store the weights themselves in 16 bits
-HALF_WEIGHTS = {"bf16-true": torch.bfloat16, "16-true": torch.float16}
+HALF_WEIGHTS = ("bf16-true", "16-true")
 
 
 def resolve_precision(precision: str) -> str:
