@@ -57,10 +57,6 @@ GEMV_CHUNK, GEMV_CHUNK_MIN_ROWS = 256, 4
 # Programs ask L2 for their later gate/up and down items as they arrive at the stage's barrier (bulk prefetches):
 # the swept setting
 GEMV_PREFETCH_LATER = True
-# gate/up's and down's items (and o_proj's, after a barrier) claimed from a counter, so that programs ahead take the
-# last ones, instead of every program taking every n-th: a probe of the weight stream alone found that under its load
-# a grid barrier's cost is mostly the wait for the slowest program (experiments/inference/h100-2026-12-06d/)
-GEMV_CLAIM = False
 # o_proj's float32 sums start at a multiple of this many int32s into the counters' buffer: at 4, 16-byte aligned, so
 # that Triton (which specializes each pointer on its alignment) loads them 16 bytes at a time. Every program reads the
 # whole row of sums, so unaligned the same few L2 lines take four times the requests (likely why it mattered): at 1
@@ -238,13 +234,11 @@ def launch_plan(x, qkv, o, gate_up, down, scales, norm_attn, norm_ffn, k_cache, 
     act = torch.empty(batch, d_ff, dtype=dtype, device=x.device)
     split_o = gemv and GEMV_O_PROJ_ON_COUNTERS and not group_size  # int4's o_proj: whole rows, after a barrier
     # Zeroed in one fill: the counters (the grid barrier's, each kv head's finished q/k/v items, each (sequence, kv
-    # head)'s finished attention splits, with GEMV_CLAIM each layer's o_proj, gate/up and down claims) and, on the
-    # matrix-vector path, each layer's o_proj sums (float32 zeros)
-    claim = gemv and GEMV_CLAIM
-    counters = 1 + n_kv_heads + batch * n_kv_heads + (3 * n_layers if claim else 0)
+    # head)'s finished attention splits) and, on the matrix-vector path, each layer's o_proj sums (float32 zeros)
+    counters = 1 + n_kv_heads + batch * n_kv_heads
     sums = -(-counters // O_ACC_ALIGN) * O_ACC_ALIGN
     sync = torch.zeros(sums + (n_layers * d_model if gemv else 0), dtype=torch.int32, device=x.device)
-    arrived, o_acc = sync[1 + n_kv_heads:1 + n_kv_heads + batch * n_kv_heads], sync[sums:].view(torch.float32)
+    arrived, o_acc = sync[1 + n_kv_heads:counters], sync[sums:].view(torch.float32)
     args = (x, out, qkv, o, gate_up, down, norm_attn if scales is None else scales, norm_attn, norm_ffn, k_cache,
             v_cache, q, part_out, part_lse, attn, arrived, act, cos, sin, slots, start, sync, o_acc, sync)  # no Times
     tiles = dict(T_QKV=_tile_rows(kp_model, GEMV_TILE_ELEMS, head_dim // 2) if gemv else 16,
@@ -263,7 +257,7 @@ def launch_plan(x, qkv, o, gate_up, down, scales, norm_attn, norm_ffn, k_cache, 
                 **tiles, SPLIT_O=split_o,
                 PREFETCH=gemv and GEMV_PREFETCH_LATER and _bulk_prefetch(x.device),
                 ARRIVE_FIRST=gemv and GEMV_ARRIVE_BEFORE_LOADS, GATE_UP_EARLY=gemv and GEMV_GATE_UP_EARLY,
-                TIMELINE=False, INT8=int8, GROUP4=group_size, CLAIM=claim)
+                TIMELINE=False, INT8=int8, GROUP4=group_size)
     shape = (batch, d_model, d_ff, n_heads, n_kv_heads, split, eps, scale * LOG2E,
              k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), k_cache.stride(3))
     return LaunchPlan(args, shape, meta, GEMV_PROGRAMS_PER_SM if gemv else PROGRAMS_PER_SM)

@@ -357,53 +357,20 @@ def _gate_up_tiles(W, S, item, d_model, d_ff, TILE: tl.constexpr, KP: tl.constex
 
 
 @triton.jit
-def _claim(Claim):
-    """The next unclaimed item of a stage whose items are claimed (CLAIM): programs that run ahead take more."""
-    return tl.atomic_add(Claim, 1, sem="relaxed", scope="gpu")
-
-
-@triton.jit
-def _first_item(Claim, pid, CLAIM: tl.constexpr):
-    """A program's first item of a stage: claimed (CLAIM), else its own by stride."""
-    if CLAIM:
-        return _claim(Claim)
-    else:
-        return pid
-
-
-@triton.jit
-def _gate_up_item(Act, item, x, inv_rms, gate_w, up_w, gate_s, up_s, d_ff, TILE: tl.constexpr, INT8: tl.constexpr,
-                  GROUP4: tl.constexpr):
-    dt: tl.constexpr = Act.dtype.element_ty
-    cols = item * TILE + tl.arange(0, TILE)
-    tl.store(Act + cols, _swiglu(normed_gemv(gate_w, gate_s, x, inv_rms, dt, INT8, GROUP4),
-                                 normed_gemv(up_w, up_s, x, inv_rms, dt, INT8, GROUP4), dt), mask=cols < d_ff)
-
-
-@triton.jit
-def _gate_up_gemv(X, OAcc, NormW, W, S, Act, Claim, first, pid, n_programs, eps, d_model, d_ff, gate_w, up_w, gate_s,
-                  up_s, TILE: tl.constexpr, KP: tl.constexpr, KC: tl.constexpr, INT8: tl.constexpr,
-                  GROUP4: tl.constexpr, CLAIM: tl.constexpr):
+def _gate_up_gemv(X, OAcc, NormW, W, S, Act, pid, n_programs, eps, d_model, d_ff, gate_w, up_w, gate_s, up_s,
+                  TILE: tl.constexpr, KP: tl.constexpr, KC: tl.constexpr, INT8: tl.constexpr, GROUP4: tl.constexpr):
     """_gate_up_stage for one sequence, whose residual is X + OAcc (o_proj's sums); gate_w, up_w: the first item's
-    (`first`) tiles, already loading (gate_s, up_s their scales). CLAIM: the items after it are claimed at Claim."""
-    x, inv_rms = normed_input_row(input_row(X, d_model, KP, KC, GROUP4) + input_row(OAcc, d_model, KP, KC, GROUP4),
-                                  NormW, d_model, eps, KP, KC, GROUP4)
-    n_items = tl.cdiv(d_ff, TILE)
-    if CLAIM:
-        item = first
-        while item < n_items:
-            claimed = _claim(Claim)  # its tiles load while this item's reduce
-            next_gate, next_up, next_gate_s, next_up_s = _gate_up_tiles(W, S, claimed, d_model, d_ff, TILE, KP, KC,
-                                                                        INT8, GROUP4)
-            _gate_up_item(Act, item, x, inv_rms, gate_w, up_w, gate_s, up_s, d_ff, TILE, INT8, GROUP4)
-            gate_w, up_w, gate_s, up_s = next_gate, next_up, next_gate_s, next_up_s
-            item = claimed
-    else:
-        for item in range(pid, n_items, n_programs):
-            next_gate, next_up, next_gate_s, next_up_s = _gate_up_tiles(W, S, item + n_programs, d_model, d_ff, TILE,
-                                                                        KP, KC, INT8, GROUP4)
-            _gate_up_item(Act, item, x, inv_rms, gate_w, up_w, gate_s, up_s, d_ff, TILE, INT8, GROUP4)
-            gate_w, up_w, gate_s, up_s = next_gate, next_up, next_gate_s, next_up_s
+    tiles, already loading (gate_s, up_s their scales)."""
+    dt: tl.constexpr = Act.dtype.element_ty
+    x, inv_rms = normed_input_row(input_row(X, d_model, KP, KC, GROUP4) + input_row(OAcc, d_model, KP, KC, GROUP4), NormW, d_model,
+                             eps, KP, KC, GROUP4)
+    for item in range(pid, tl.cdiv(d_ff, TILE), n_programs):
+        next_gate, next_up, next_gate_s, next_up_s = _gate_up_tiles(W, S, item + n_programs, d_model, d_ff, TILE, KP,
+                                                                    KC, INT8, GROUP4)
+        cols = item * TILE + tl.arange(0, TILE)
+        tl.store(Act + cols, _swiglu(normed_gemv(gate_w, gate_s, x, inv_rms, dt, INT8, GROUP4),
+                                     normed_gemv(up_w, up_s, x, inv_rms, dt, INT8, GROUP4), dt), mask=cols < d_ff)
+        gate_w, up_w, gate_s, up_s = next_gate, next_up, next_gate_s, next_up_s
 
 
 @triton.jit
@@ -417,45 +384,29 @@ def _add_tile(W, S, item, d_model, width, TILE: tl.constexpr, KP: tl.constexpr, 
 
 
 @triton.jit
-def _add_item(X, Out, last, OAcc, item, w, s, a, d_model, TILE: tl.constexpr, INT8: tl.constexpr,
-              GROUP4: tl.constexpr):
-    cols = item * TILE + tl.arange(0, TILE)
-    ok = cols < d_model
-    residual = tl.load(X + cols, mask=ok, other=0.0, cache_modifier=".cg")
-    residual += tl.load(OAcc + cols, mask=ok, other=0.0, cache_modifier=".cg")
-    residual += tile_product(w, s, a, INT8, GROUP4)
-    tl.store(X + cols, residual, mask=ok)
-    tl.store(Out + cols, residual.to(Out.dtype.element_ty), mask=ok & last)
-
-
-@triton.jit
-def _add_gemv(X, Out, last, OAcc, W, S, In, Claim, first, pid, n_programs, d_model, width, w, s, TILE: tl.constexpr,
-              KP: tl.constexpr, KC: tl.constexpr, INT8: tl.constexpr, GROUP4: tl.constexpr, CLAIM: tl.constexpr):
-    """_matmul_add_stage for one sequence, also folding o_proj's sums (OAcc) into X; w: the first item's (`first`)
-    tile, already loading (s its scales). CLAIM: the items after it are claimed at Claim."""
+def _add_gemv(X, Out, last, OAcc, W, S, In, pid, n_programs, d_model, width, w, s, TILE: tl.constexpr,
+              KP: tl.constexpr, KC: tl.constexpr, INT8: tl.constexpr, GROUP4: tl.constexpr):
+    """_matmul_add_stage for one sequence, also folding o_proj's sums (OAcc) into X; w: the first item's tile,
+    already loading (s its scales)."""
     a = input_row(In, width, KP, KC, GROUP4)
-    n_items = tl.cdiv(d_model, TILE)
-    if CLAIM:
-        item = first
-        while item < n_items:
-            claimed = _claim(Claim)  # its tile loads while this item's reduces
-            next_w, next_s = _add_tile(W, S, claimed, d_model, width, TILE, KP, KC, INT8, GROUP4)
-            _add_item(X, Out, last, OAcc, item, w, s, a, d_model, TILE, INT8, GROUP4)
-            w, s = next_w, next_s
-            item = claimed
-    else:
-        for item in range(pid, n_items, n_programs):
-            next_w, next_s = _add_tile(W, S, item + n_programs, d_model, width, TILE, KP, KC, INT8, GROUP4)
-            _add_item(X, Out, last, OAcc, item, w, s, a, d_model, TILE, INT8, GROUP4)
-            w, s = next_w, next_s
+    for item in range(pid, tl.cdiv(d_model, TILE), n_programs):
+        next_w, next_s = _add_tile(W, S, item + n_programs, d_model, width, TILE, KP, KC, INT8, GROUP4)
+        cols = item * TILE + tl.arange(0, TILE)
+        ok = cols < d_model
+        residual = tl.load(X + cols, mask=ok, other=0.0, cache_modifier=".cg")
+        residual += tl.load(OAcc + cols, mask=ok, other=0.0, cache_modifier=".cg")
+        residual += tile_product(w, s, a, INT8, GROUP4)
+        tl.store(X + cols, residual, mask=ok)
+        tl.store(Out + cols, residual.to(Out.dtype.element_ty), mask=ok & last)
+        w, s = next_w, next_s
 
 
 @triton.jit
-def _residual_matmul(X, Out, last, OAcc, W, S, In, Sync, target, Claim, rows, row_ok, pid, n_programs, d_model,
-                     width, Stamp, BARRIER: tl.constexpr, GEMV: tl.constexpr, TILE: tl.constexpr, KP: tl.constexpr,
+def _residual_matmul(X, Out, last, OAcc, W, S, In, Sync, target, rows, row_ok, pid, n_programs, d_model, width,
+                     Stamp, BARRIER: tl.constexpr, GEMV: tl.constexpr, TILE: tl.constexpr, KP: tl.constexpr,
                      KC: tl.constexpr, BB: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr,
                      ARRIVE_FIRST: tl.constexpr, PREFETCH: tl.constexpr, TIMELINE: tl.constexpr,
-                     INT8: tl.constexpr, GROUP4: tl.constexpr, CLAIM: tl.constexpr):
+                     INT8: tl.constexpr, GROUP4: tl.constexpr):
     """X += In @ W.T (down; o_proj where its items do not wait on counters), the matrix-vector path also folding in
     OAcc, and where `last` also written to Out; opened by a grid barrier (Sync[0] reaching `target`) when BARRIER, and
     stamped at Stamp once open; the first matrix-vector tile's loads are issued before the wait (and, with ARRIVE_FIRST,
@@ -463,16 +414,14 @@ def _residual_matmul(X, Out, last, OAcc, W, S, In, Sync, target, Claim, rows, ro
     if BARRIER and ARRIVE_FIRST:
         barrier_arrive(Sync)
     if GEMV:
-        first = _first_item(Claim, pid, CLAIM)
-        w, s = _add_tile(W, S, first, d_model, width, TILE, KP, KC, INT8, GROUP4)
+        w, s = _add_tile(W, S, pid, d_model, width, TILE, KP, KC, INT8, GROUP4)
     if PREFETCH and BARRIER:
         prefetch_rows(W, 0, d_model, width // (2 if GROUP4 else 1), pid, n_programs, TILE)
     if BARRIER:
         grid_barrier(Sync, target, ARRIVE_FIRST)
     stamp(Stamp, TIMELINE)
     if GEMV:
-        _add_gemv(X, Out, last, OAcc, W, S, In, Claim, first, pid, n_programs, d_model, width, w, s, TILE, KP, KC,
-                  INT8, GROUP4, CLAIM)
+        _add_gemv(X, Out, last, OAcc, W, S, In, pid, n_programs, d_model, width, w, s, TILE, KP, KC, INT8, GROUP4)
     else:
         _matmul_add_stage(X, Out, last, W, S, In, rows, row_ok, pid, n_programs, d_model, width, BB, BLOCK_K, PREC,
                           INT8)
@@ -489,7 +438,7 @@ def layers_kernel(X, Out, Wqkv, Wo, Wgu, Wd, Scales, Norm1, Norm2, Kc, Vc, Q, Pa
                   C_FF: tl.constexpr, PREFETCH: tl.constexpr, T_QKV: tl.constexpr, T_O: tl.constexpr,
                   T_GU: tl.constexpr, T_D: tl.constexpr, SPLIT_O: tl.constexpr, ARRIVE_FIRST: tl.constexpr,
                   GATE_UP_EARLY: tl.constexpr, TIMELINE: tl.constexpr, INT8: tl.constexpr,
-                  GROUP4: tl.constexpr, CLAIM: tl.constexpr):
+                  GROUP4: tl.constexpr):
     """X: the float32 residual stream, updated in place; the launch's last layer also writes it to Out in Out's dtype.
     INT8: the four weights hold int8 codes, and Scales (layer, rows of q/k/v, o, gate/up, down) their rows' scales.
     GROUP4 (> 0, GEMV without SPLIT_O): they hold int4 codes two a byte, and Scales per layer each projection's
@@ -502,11 +451,7 @@ def layers_kernel(X, Out, Wqkv, Wo, Wgu, Wd, Scales, Norm1, Norm2, Kc, Vc, Q, Pa
     attention); o_proj adds into OAcc[layer], not X. PREFETCH (with GEMV and barriers):
     the programs also ask L2 for the later items of gate/up and down as they arrive. TIMELINE: each
     program stamps eight moments a layer into Times (layer - layer_lo, moment, program), int64 ns: qkv open, qkv
-    done, attention done, o_proj done, gate/up open, gate/up done, down open, down done. CLAIM (GEMV): the items of
-    gate/up, down and a barrier's o_proj are claimed from a counter per (layer, stage) after the kernel's other
-    counters in Sync, each program's first before the stage's barrier, so programs that run ahead take the last
-    ones (else a program takes every n_programs-th); the first claims are items 0 to n_programs - 1, so PREFETCH's
-    later items by stride still cover the rest."""
+    done, attention done, o_proj done, gate/up open, gate/up done, down open, down done."""
     pid = tl.program_id(0)
     n_programs = tl.num_programs(0)
     rows = tl.arange(0, BB)
@@ -517,7 +462,6 @@ def layers_kernel(X, Out, Wqkv, Wo, Wgu, Wd, Scales, Norm1, Norm2, Kc, Vc, Q, Pa
     BARRIERS: tl.constexpr = 3 if SPLIT_O else 4  # per layer
     PACK: tl.constexpr = 2 if GROUP4 else 1  # codes per weight element
     EARLY_GU: tl.constexpr = GATE_UP_EARLY and GEMV and STAGE < 0
-    claims = Sync + 1 + n_kv_heads + batch * n_kv_heads  # 3 a layer: o_proj's, gate/up's and down's
     if GEMV:  # the same every layer: the position, and the RoPE tables of the program's first q/k/v item
         slot = tl.load(Slots)
         pos = tl.maximum(slot - tl.load(Start + rows), 0)
@@ -539,7 +483,6 @@ def layers_kernel(X, Out, Wqkv, Wo, Wgu, Wd, Scales, Norm1, Norm2, Kc, Vc, Q, Pa
         sgu = so + d_model * per_attn
         sd = sgu + 2 * d_ff * per_model
         stamps = Times + (layer - layer_lo) * 8 * n_programs + pid
-        o_claim, gu_claim, d_claim = claims + 3 * at, claims + 3 * at + 1, claims + 3 * at + 2
         if STAGE < 0 or STAGE == 0:
             if ARRIVE_FIRST and STAGE < 0 and layer > layer_lo:
                 barrier_arrive(Sync)
@@ -565,24 +508,22 @@ def layers_kernel(X, Out, Wqkv, Wo, Wgu, Wd, Scales, Norm1, Norm2, Kc, Vc, Q, Pa
             stamp(stamps + 2 * n_programs, TIMELINE)
         if STAGE < 0 or STAGE == 2:
             if EARLY_GU:  # while o_proj's items wait on attention
-                gu_first = _first_item(gu_claim, pid, CLAIM)
-                gate_w, up_w, gate_s, up_s = _gate_up_tiles(wgu, sgu, gu_first, d_model, d_ff, T_GU, KP_MODEL,
-                                                            C_MODEL, INT8, GROUP4)
+                gate_w, up_w, gate_s, up_s = _gate_up_tiles(wgu, sgu, pid, d_model, d_ff, T_GU, KP_MODEL, C_MODEL,
+                                                            INT8, GROUP4)
             if SPLIT_O:
                 _o_proj_gemv(wo, so, PartO, PartL, Arrived, o_acc, layer, pid, n_programs, d_model, n_heads, n_split,
                              GROUP, HEAD_DIM, BLOCK_SPLIT, T_O, Norm1.dtype.element_ty, INT8)
             else:
-                _residual_matmul(X, Out, False, o_acc, wo, so, Attn, Sync, arrivals + n_programs, o_claim, rows,
-                                 row_ok, pid, n_programs, d_model, width, Times, STAGE < 0, GEMV, T_O, KP_ATTN, C_ATTN,
-                                 BB, BLOCK_K, PREC, ARRIVE_FIRST, False, False, INT8, GROUP4, CLAIM)
+                _residual_matmul(X, Out, False, o_acc, wo, so, Attn, Sync, arrivals + n_programs, rows, row_ok, pid,
+                                 n_programs, d_model, width, Times, STAGE < 0, GEMV, T_O, KP_ATTN, C_ATTN, BB, BLOCK_K,
+                                 PREC, ARRIVE_FIRST, False, False, INT8, GROUP4)
             stamp(stamps + 3 * n_programs, TIMELINE)
         if STAGE < 0 or STAGE == 3:
             if ARRIVE_FIRST and STAGE < 0:
                 barrier_arrive(Sync)
             if GEMV:
                 if not EARLY_GU:
-                    gu_first = _first_item(gu_claim, pid, CLAIM)
-                    gate_w, up_w, gate_s, up_s = _gate_up_tiles(wgu, sgu, gu_first, d_model, d_ff, T_GU, KP_MODEL,
+                    gate_w, up_w, gate_s, up_s = _gate_up_tiles(wgu, sgu, pid, d_model, d_ff, T_GU, KP_MODEL,
                                                                 C_MODEL, INT8, GROUP4)
                 if PREFETCH and STAGE < 0:
                     prefetch_rows(wgu, 0, d_ff, d_model // PACK, pid, n_programs, T_GU)
@@ -591,15 +532,15 @@ def layers_kernel(X, Out, Wqkv, Wo, Wgu, Wd, Scales, Norm1, Norm2, Kc, Vc, Q, Pa
                 grid_barrier(Sync, arrivals + (BARRIERS - 2) * n_programs, ARRIVE_FIRST)
             stamp(stamps + 4 * n_programs, TIMELINE)
             if GEMV:
-                _gate_up_gemv(X, o_acc, Norm2 + at * d_model, wgu, sgu, Act, gu_claim, gu_first, pid, n_programs, eps,
-                              d_model, d_ff, gate_w, up_w, gate_s, up_s, T_GU, KP_MODEL, C_MODEL, INT8, GROUP4, CLAIM)
+                _gate_up_gemv(X, o_acc, Norm2 + at * d_model, wgu, sgu, Act, pid, n_programs, eps, d_model, d_ff,
+                              gate_w, up_w, gate_s, up_s, T_GU, KP_MODEL, C_MODEL, INT8, GROUP4)
             else:
                 _gate_up_stage(X, Norm2 + at * d_model, wgu, sgu, Act, rows, row_ok, pid, n_programs, eps, d_model,
                                d_ff, BB, BLOCK_K, PREC, INT8)
             stamp(stamps + 5 * n_programs, TIMELINE)
         if STAGE < 0 or STAGE == 4:
             _residual_matmul(X, Out, layer == layer_hi - 1, o_acc, wd, sd, Act, Sync,
-                             arrivals + (BARRIERS - 1) * n_programs, d_claim, rows, row_ok, pid, n_programs, d_model,
-                             d_ff, stamps + 6 * n_programs, STAGE < 0, GEMV, T_D, KP_FF, C_FF, BB, BLOCK_K, PREC,
-                             ARRIVE_FIRST, PREFETCH and GEMV, TIMELINE, INT8, GROUP4, CLAIM)
+                             arrivals + (BARRIERS - 1) * n_programs, rows, row_ok, pid, n_programs, d_model, d_ff,
+                             stamps + 6 * n_programs, STAGE < 0, GEMV, T_D, KP_FF, C_FF, BB, BLOCK_K, PREC,
+                             ARRIVE_FIRST, PREFETCH and GEMV, TIMELINE, INT8, GROUP4)
             stamp(stamps + 7 * n_programs, TIMELINE)

@@ -163,27 +163,6 @@ def test_matches_the_layer_by_layer_step_fp32(attention, layout, batch, quant, p
 
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.parametrize("quant", [None, "int8", INT4])
-def test_claimed_items_match_the_layer_by_layer_step_fp32(quant, monkeypatch):
-    """Batch 1 with gate/up's, down's and (int4) o_proj's items claimed by the programs as they run: 6 programs and
-    small tiles, so that each claims many."""
-    from lmlab.kernels import decode_layers as dl
-
-    monkeypatch.setattr(dl, "GEMV_CLAIM", True)
-    monkeypatch.setattr(dl, "sm_count", lambda device: 3)
-    for name, elems in (("GEMV_TILE_ELEMS", 256), ("GEMV_GATE_UP_TILE_ELEMS", 256),
-                        ("GEMV_QUANT_GATE_UP_TILE_ELEMS", 512)):
-        monkeypatch.setattr(dl, name, elems)
-    torch.backends.cuda.matmul.allow_tf32 = False
-    model = _model("cuda", attention={"name": "mha", "n_heads": 4, "n_kv_heads": 2})
-    if quant:
-        quantize(model, quant)
-    reference, fused = _decode_both(model, 1, True)
-    torch.testing.assert_close(fused, reference, atol=1e-4, rtol=1e-4)
-
-
-@pytest.mark.gpu
-@needs_cuda
 @pytest.mark.parametrize("compile", [False, True])
 @pytest.mark.parametrize("batch, quant", [(1, None), (4, None), (1, "int8"), (4, "int8"), (1, INT4)])
 def test_bf16_generation_follows_the_layer_by_layer_step(compile, batch, quant):
@@ -211,28 +190,24 @@ def test_generate_with_the_megakernel_equals_generate_without_it_fp32():
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" or importlib.util.find_spec("triton") is None,
                     reason="runs under Triton's CPU interpreter (TRITON_INTERPRET=1 with Triton installed)")
-@pytest.mark.parametrize("batch, attention, layout, o_proj_on_counters, quant, claim", [
-    (1, {"name": "mha", "n_heads": 4}, "half", True, None, False),  # the matrix-vector path
-    (1, {"name": "mha", "n_heads": 4}, "half", False, None, False),
-    (1, {"name": "mha", "n_heads": 4}, "half", False, None, True),  # its items claimed, o_proj's too
-    (1, {"name": "mha", "n_heads": 4, "n_kv_heads": 1}, "interleaved", True, None, False),
-    (2, {"name": "mha", "n_heads": 4, "n_kv_heads": 2}, "half", False, None, False),  # the tensor-core path
-    (1, {"name": "mha", "n_heads": 4, "n_kv_heads": 2}, "half", True, "int8", False),  # int8 weights on both paths
-    (1, {"name": "mha", "n_heads": 4, "n_kv_heads": 2}, "half", False, "int8", False),
-    (2, {"name": "mha", "n_heads": 4, "n_kv_heads": 2}, "interleaved", False, "int8", False),
-    (1, {"name": "mha", "n_heads": 4, "n_kv_heads": 2}, "interleaved", True, INT4, False),  # int4: batch 1
-    (1, {"name": "mha", "n_heads": 4, "n_kv_heads": 2}, "interleaved", True, INT4, True),
+@pytest.mark.parametrize("batch, attention, layout, o_proj_on_counters, quant", [
+    (1, {"name": "mha", "n_heads": 4}, "half", True, None),  # the matrix-vector path
+    (1, {"name": "mha", "n_heads": 4}, "half", False, None),
+    (1, {"name": "mha", "n_heads": 4, "n_kv_heads": 1}, "interleaved", True, None),
+    (2, {"name": "mha", "n_heads": 4, "n_kv_heads": 2}, "half", False, None),  # the tensor-core path
+    (1, {"name": "mha", "n_heads": 4, "n_kv_heads": 2}, "half", True, "int8"),  # int8 weights on both paths
+    (1, {"name": "mha", "n_heads": 4, "n_kv_heads": 2}, "half", False, "int8"),
+    (2, {"name": "mha", "n_heads": 4, "n_kv_heads": 2}, "interleaved", False, "int8"),
+    (1, {"name": "mha", "n_heads": 4, "n_kv_heads": 2}, "interleaved", True, INT4),  # int4: batch 1
 ])
 def test_matches_the_layer_by_layer_step_under_the_interpreter(batch, attention, layout, o_proj_on_counters, quant,
-                                                               claim, monkeypatch):
+                                                               monkeypatch):
     """Stage by stage (the interpreter runs programs in turn), with 3 programs and small tiles, so a program takes
-    several work items and prefetches across them; at batch 1 with o_proj's items on counters or after a barrier,
-    and with the items claimed (the first program, run first, then claims every item); with int8 and
-    int4 weights against the layer-by-layer step of the same quantized model."""
+    several work items and prefetches across them; at batch 1 with o_proj's items on counters or after a barrier;
+    with int8 and int4 weights against the layer-by-layer step of the same quantized model."""
     from lmlab.kernels import decode_layers as dl
 
     monkeypatch.setattr(dl, "sm_count", lambda device: 3)
-    monkeypatch.setattr(dl, "GEMV_CLAIM", claim)
     monkeypatch.setattr(dl, "GEMV_TILE_ELEMS", 256)
     monkeypatch.setattr(dl, "GEMV_GATE_UP_TILE_ELEMS", 256)
     monkeypatch.setattr(dl, "GEMV_QUANT_GATE_UP_TILE_ELEMS", 512)
