@@ -150,6 +150,17 @@ def _label(run: Run, keys: list[str]) -> str:
     return ", ".join(f"{k}={run.overrides.get(k, '')}" for k in keys) or run.path.name
 
 
+def line_style(i: int) -> dict:
+    """The i-th curve's style: the colour cycle has 10 colours, so a new line style tells the next ten apart."""
+    return dict(linestyle=("-", "--", ":", "-.")[i // 10 % 4], marker="o", markersize=3)
+
+
+def save_png(fig, path: Path, dpi: int = 120) -> Path:
+    """Lay the figure out and write it to `path` whole (a reader never sees half a PNG)."""
+    fig.tight_layout()
+    return atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=dpi, format="png"))
+
+
 def plot(runs: list[Run], path: Path, tag: str = "val/loss") -> Path | None:
     """The curves of `tag`, one per run that logged it; None when none did (e.g. every job failed)."""
     from matplotlib.figure import Figure  # renders with Agg, no display needed
@@ -162,15 +173,11 @@ def plot(runs: list[Run], path: Path, tag: str = "val/loss") -> Path | None:
     ax = fig.subplots()
     for i, run in enumerate(logged):
         points = run.scalars[tag]
-        label = _label(run, keys)
-        # The colour cycle has 10 colours; a new line style tells the next ten apart.
-        ax.plot([s for s, _ in points], [v for _, v in points], marker="o", markersize=3, label=label,
-                linestyle=("-", "--", ":", "-.")[i // 10 % 4])
+        ax.plot([s for s, _ in points], [v for _, v in points], label=_label(run, keys), **line_style(i))
     ax.set(xlabel="step", ylabel=tag, title=f"{tag}: {path.parent.name}")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    return atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=120, format="png"))
+    return save_png(fig, path)
 
 
 def plot_expert_load(runs: list[Run], path: Path) -> Path | None:
@@ -200,8 +207,7 @@ def plot_expert_load(runs: list[Run], path: Path) -> Path | None:
         axes[row][0].set_ylabel(textwrap.fill(_label(run, keys), 28), fontsize=7)
     fig.suptitle(f"expert load (fraction of routed tokens per expert): {path.parent.name}", fontsize=10)
     fig.supxlabel("step", fontsize=9)
-    fig.tight_layout()
-    return atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=110, format="png"))
+    return save_png(fig, path, dpi=110)
 
 
 def main(argv: list[str] | None = None) -> int:

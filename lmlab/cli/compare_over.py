@@ -12,8 +12,7 @@ import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
-from lmlab.atomic import atomic_write
-from lmlab.cli.compare import Run, differing_keys, markdown_table
+from lmlab.cli.compare import Run, differing_keys, line_style, markdown_table, save_png
 
 FINAL_TAGS = ("train/loss", "val/loss", "val/bpb")
 
@@ -131,7 +130,7 @@ def plot_groups(groups: list[Group], path: Path, over: list[str], tag: str = "va
         return line.get_color()
 
     for i, (label, curve) in enumerate(curves.items()):
-        style = dict(linestyle=("-", "--", ":", "-.")[i // 10 % 4], marker="o", markersize=3)
+        style = line_style(i)
         color = band(top, curve.steps, curve.per_step(), label=f"{label} ({len(curve.runs)} runs)", **style)
         xs, differences = curve.less(first)
         if xs:
@@ -142,5 +141,4 @@ def plot_groups(groups: list[Group], path: Path, over: list[str], tag: str = "va
     for ax in (top, bottom):
         ax.grid(alpha=0.3)
     top.legend(fontsize=8)
-    fig.tight_layout()
-    return atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=120, format="png"))
+    return save_png(fig, path)
