@@ -67,38 +67,55 @@ def rounded_bits(flat: torch.Tensor, offset: int) -> torch.Tensor:
 
 
 class _Compiled:
-    """`rounded_bits` compiled into one kernel. Eager, its ~20 int64 operations move ~350 bytes an element: on a GPU
-    that made a ~400M model's steps with bf16 weights ~4x slower than with float32 weights when the reference Adam
-    ran (lmlab-train without `kernels=triton`); compiled, it reads 4 bytes and writes 4, with the same bits. Where
-    torch.compile cannot build it (no compiler, say), it warns once and rounds eagerly."""
+    """`fn` compiled by torch.compile (dynamic shapes) at its first call, not at import (importing torch's compiler
+    takes seconds). Where torch.compile cannot build it (no compiler, say), it warns once and runs `fn` eagerly."""
 
-    def __init__(self):
-        self.fn = None  # compiled at the first call: importing torch's compiler takes seconds
+    def __init__(self, fn):
+        self.eager, self.fn = fn, None
 
-    def __call__(self, flat: torch.Tensor, offset: int) -> torch.Tensor:
+    def __call__(self, *args):
         if self.fn is None:
-            self.fn = torch.compile(rounded_bits, dynamic=True)
+            self.fn = torch.compile(self.eager, dynamic=True)
         try:
-            return self.fn(flat, offset)
+            return self.fn(*args)
         except Exception as err:  # noqa: BLE001 - any compile failure; the eager call below re-raises a real one
-            if self.fn is rounded_bits:
+            if self.fn is self.eager:
                 raise
-            warnings.warn(f"stochastic rounding runs eagerly (much slower): torch.compile failed: {err}", stacklevel=2)
-            self.fn = rounded_bits
-            return rounded_bits(flat, offset)
+            warnings.warn(f"{self.eager.__name__} runs eagerly (much slower): torch.compile failed: {err}",
+                          stacklevel=2)
+            self.fn = self.eager
+            return self.eager(*args)
 
 
-_round = _Compiled()
+def rounded_bits_each(flats: tuple[torch.Tensor, ...], offsets: tuple[int, ...]) -> tuple[torch.Tensor, ...]:
+    """`rounded_bits` of each 1-D float32 tensor with its offset."""
+    return tuple(rounded_bits(flat, offset) for flat, offset in zip(flats, offsets))
+
+
+# `rounded_bits_each` in one call. Eager, rounded_bits' ~20 int64 operations move ~350 bytes an element: on a GPU
+# that made a ~400M model's steps with bf16 weights ~4x slower than with float32 weights when the reference Adam ran
+# (lmlab-train without `kernels=triton`); compiled, it reads 4 bytes and writes 4, with the same bits. A compiled
+# call costs the host ~100 us, so an Adam step rounds a tensor's weights and moments in one
+# (experiments/kernels/README.md).
+_round = _Compiled(rounded_bits_each)
 
 
 def stochastic_round_(dst: torch.Tensor, src: torch.Tensor, key: int, stream: int) -> torch.Tensor:
     """Write float32 `src` into bfloat16 `dst` (same shape), each element rounded up or down at random with the
     probabilities that make the rounding unbiased; `key` and `stream` choose the noise (see the module's doc)."""
-    if dst.dtype != torch.bfloat16 or src.dtype != torch.float32:
-        raise ValueError(f"stochastic_round_ rounds float32 to bfloat16, got {src.dtype} -> {dst.dtype}")
+    stochastic_round_each_([dst], [src], key, [stream])
+    return dst
+
+
+def stochastic_round_each_(dsts: list[torch.Tensor], srcs: list[torch.Tensor], key: int, streams: list[int]) -> None:
+    """`stochastic_round_` of each (dst, src, stream), in one compiled call."""
+    for dst, src in zip(dsts, srcs):
+        if dst.dtype != torch.bfloat16 or src.dtype != torch.float32:
+            raise ValueError(f"stochastic_round_ rounds float32 to bfloat16, got {src.dtype} -> {dst.dtype}")
     # one int for key and stream: torch.compile specializes ints that are 0 or 1, as a stream often is
-    rounded = _round(src.detach().reshape(-1), stream + key).view(torch.float32)
-    return dst.copy_(rounded.view(src.shape))  # exact: the low 16 bits are zero
+    rounded = _round(tuple(src.detach().reshape(-1) for src in srcs), tuple(stream + key for stream in streams))
+    for dst, bits in zip(dsts, rounded):
+        dst.copy_(bits.view(torch.float32).view(dst.shape))  # exact: the low 16 bits are zero
 
 
 def nearest_rounded_parameters(optimizer: torch.optim.Optimizer) -> int:

@@ -9,7 +9,8 @@ from lmlab.optim import SGD, Adam, AdamW
 from lmlab.optim.composite import CompositeOptimizer
 from lmlab.optim import stochastic_rounding
 from lmlab.optim.stochastic_rounding import (_mix32_tensor, mix32, nearest_rounded_parameters, round_key,
-                                             rounded_bits, stochastic_round_)
+                                             rounded_bits, rounded_bits_each, stochastic_round_,
+                                             stochastic_round_each_)
 
 
 def test_the_tensor_hash_is_the_scalar_hash():
@@ -57,14 +58,26 @@ def test_the_compiled_rounding_draws_the_eager_bits_and_falls_back_to_them(monke
     out = torch.empty(x.shape, dtype=torch.bfloat16)
     assert torch.equal(stochastic_round_(out, x, offset - 1, 1).view(torch.int16), (eager >> 16).to(torch.int16))
 
-    def broken(flat, offset):
+    def broken(flats, offsets):
         raise RuntimeError("no C++ compiler")
 
     monkeypatch.setattr(stochastic_rounding._round, "fn", broken)
     with pytest.warns(UserWarning, match="runs eagerly .* no C\\+\\+ compiler"):
         assert torch.equal(stochastic_round_(torch.empty_like(out), x, offset - 1, 1), out)
-    assert stochastic_rounding._round.fn is rounded_bits  # once: later calls round eagerly without a warning
+    assert stochastic_rounding._round.fn is rounded_bits_each  # once: later calls round eagerly without a warning
 
+
+
+def test_rounding_several_at_once_draws_what_each_draws_alone():
+    srcs = [torch.randn(3, 7), torch.randn(50), torch.randn(2, 2, 5)]
+    dsts = [torch.empty(x.shape, dtype=torch.bfloat16) for x in srcs]
+    stochastic_round_each_(dsts, srcs, 1234, [0, 1, 2])
+    for dst, src, stream in zip(dsts, srcs, [0, 1, 2]):
+        assert torch.equal(dst, stochastic_round_(torch.empty_like(dst), src, 1234, stream))
+    kept = [d.clone() for d in dsts]
+    with pytest.raises(ValueError, match="float32 to bfloat16"):  # before any is written
+        stochastic_round_each_(dsts + [torch.empty(3, dtype=torch.float16)], srcs + [torch.ones(3)], 9, [0, 1, 2, 0])
+    assert all(torch.equal(d, k) for d, k in zip(dsts, kept))
 
 def _small_steps(rounding: bool, steps: int = 50) -> torch.Tensor:
     """bf16 weights at 1 after `steps` Adam steps of 1e-4 each, far under half of bf16's step of 2^-7 there."""
