@@ -91,9 +91,10 @@ class Curves:
         """Each run less `first`'s run with the same values of `over`, at the steps both logged: (steps, per step
         the differences); runs without a partner in `first` are left out."""
         paired = [key for key in self.runs if key in first.runs]
-        shared = [(j, first.steps.index(s), s) for j, s in enumerate(self.steps) if s in first.steps]
         if not paired:
             return [], []
+        at = {s: i for i, s in enumerate(first.steps)}
+        shared = [(j, at[s], s) for j, s in enumerate(self.steps) if s in at]
         return ([s for *_, s in shared],
                 [[self.runs[key][j] - first.runs[key][i] for key in paired] for j, i, _ in shared])
 

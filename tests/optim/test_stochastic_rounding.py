@@ -67,7 +67,6 @@ def test_the_compiled_rounding_draws_the_eager_bits_and_falls_back_to_them(monke
     assert stochastic_rounding._round.fn is rounded_bits_each  # once: later calls round eagerly without a warning
 
 
-
 def test_rounding_several_at_once_draws_what_each_draws_alone():
     srcs = [torch.randn(3, 7), torch.randn(50), torch.randn(2, 2, 5)]
     dsts = [torch.empty(x.shape, dtype=torch.bfloat16) for x in srcs]
@@ -78,6 +77,7 @@ def test_rounding_several_at_once_draws_what_each_draws_alone():
     with pytest.raises(ValueError, match="float32 to bfloat16"):  # before any is written
         stochastic_round_each_(dsts + [torch.empty(3, dtype=torch.float16)], srcs + [torch.ones(3)], 9, [0, 1, 2, 0])
     assert all(torch.equal(d, k) for d, k in zip(dsts, kept))
+
 
 def _small_steps(rounding: bool, steps: int = 50) -> torch.Tensor:
     """bf16 weights at 1 after `steps` Adam steps of 1e-4 each, far under half of bf16's step of 2^-7 there."""
