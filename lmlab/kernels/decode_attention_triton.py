@@ -246,8 +246,16 @@ def _decode_kernel(Q, K, V, Slots, Start, Out, PartOut, PartLse, KNew, VNew, Cos
                                          HAS_WINDOW, PREC)
             tl.store(k_base + t_slot[:, None] * sk_l + dims[None, :], k, mask=t_ok[:, None])
             tl.store(v_base + t_slot[:, None] * sv_l + dims[None, :], v, mask=t_ok[:, None])
-    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     row = (b * n_heads + head) * S + tok  # row of the (batch, heads, S) output
+    store_output(m_i, l_i, acc, row, row_ok, dims, split, n_split, Out, PartOut, PartLse, HEAD_DIM, SPLIT)
+
+
+@triton.jit
+def store_output(m_i, l_i, acc, row, row_ok, dims, split, n_split, Out, PartOut, PartLse, HEAD_DIM: tl.constexpr,
+                 SPLIT: tl.constexpr):
+    """The online softmax's end for output rows `row`: normalized, to Out in its dtype; or with SPLIT, in float32
+    with the rows' log-sum-exp (base 2) as key split `split` of n_split, for `combined_output` to weigh."""
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     if SPLIT:
         lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.math.log2(l_i))
         tl.store(PartLse + row * n_split + split, lse, mask=row_ok)

@@ -27,9 +27,10 @@ import torch
 import triton
 import triton.language as tl
 
-# the slot-addressed kernel's split rule (n_splits, over the table's capacity) and its combine kernel
+# the slot-addressed kernel's split rule (n_splits, over the table's capacity), its epilogue and its combine kernel
 from lmlab.kernels.decode_attention_triton import (INTERPRET, LOG2E, SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS,
-                                                   attend_block, combine_splits, empty_state, n_splits)
+                                                   attend_block, combine_splits, empty_state, n_splits,
+                                                   store_output)
 
 MAX_GROUP = 64  # query heads per kv head, one tile of rows
 # Keys per loop step (whole blocks, or part of one large block), warps and pipeline stages: the fastest of
@@ -83,14 +84,8 @@ def _paged_decode_kernel(Q, K, V, Tables, Lens, Out, PartOut, PartLse,
         # every key in [lo, hi) is at or before the query (hi - 1): `seen` is the whole mask
         m_i, l_i, acc = attend_block(q, k, v, keys, seen, q_pos, lo, qk_scale, 0, m_i, l_i, acc, False, PREC)
 
-    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     row = b * n_heads + head  # row of the (batch, heads) output
-    if SPLIT:
-        lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.math.log2(l_i))
-        tl.store(PartLse + row * n_split + split, lse, mask=row_ok)
-        tl.store(PartOut + (row * n_split + split)[:, None] * HEAD_DIM + dims[None, :], out, mask=row_ok[:, None])
-    else:
-        tl.store(Out + row[:, None] * HEAD_DIM + dims[None, :], out.to(Out.dtype.element_ty), mask=row_ok[:, None])
+    store_output(m_i, l_i, acc, row, row_ok, dims, split, n_split, Out, PartOut, PartLse, HEAD_DIM, SPLIT)
 
 
 def _elements(pool: torch.Tensor) -> int:
