@@ -13,7 +13,7 @@ import torch
 
 from lmlab.optim.base import evaluate_closure, keep_state_dtypes
 from lmlab.optim.checks import check_betas, check_lr, check_non_negative
-from lmlab.optim.stochastic_rounding import FIRST_MOMENT, PARAM, SECOND_MOMENT, round_key, stochastic_round_each_
+from lmlab.optim.stochastic_rounding import FIRST_MOMENT, PARAM, SECOND_MOMENT, Float32Pack, round_key
 
 
 class Adam(torch.optim.Optimizer):
@@ -91,40 +91,85 @@ def adam_update(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs:
                 eps: float, wd: float, decoupled: bool, round_keys: list[int] | None = None) -> None:
     """One Adam step of each parameter in place, and of its moments, at its step count (1-based). With
     `round_keys` (one per parameter), bf16 tensors are updated in float32 and rounded stochastically with that
-    key's noise; moments of another dtype than their parameter's are updated in float32 and rounded to theirs."""
+    key's noise; moments of another dtype than their parameter's are updated in float32 and rounded to theirs.
+    Each operation is one multi-tensor call over a run of parameters (`adam_update_foreach`), so the host's time
+    does not grow with each tensor's operations (the GPU waited on it: experiments/kernels/README.md)."""
     keys = round_keys if round_keys is not None else [None] * len(params)
-    for p, grad, m, v, t, key in zip(params, grads, exp_avgs, exp_avg_sqs, steps, keys):
-        rounds = key is not None and torch.bfloat16 in (p.dtype, m.dtype, v.dtype)
-        if not rounds and p.dtype == m.dtype == v.dtype:
-            adam_update_tensor(p, grad, m, v, t, lr, betas, eps, wd, decoupled)
-            continue
-        tensors, streams = (p, m, v), (PARAM, FIRST_MOMENT, SECOND_MOMENT)
-        wide = [x.float() for x in tensors]  # a float32 tensor is itself, updated in place
-        adam_update_tensor(*wide[:1], grad.float(), *wide[1:], t, lr, betas, eps, wd, decoupled)
-        rounded = [i for i, x in enumerate(tensors) if rounds and x.dtype == torch.bfloat16]
-        if rounded:  # in one call: a compiled call costs the host ~100 us, as much as 25 eager operations
-            stochastic_round_each_([tensors[i] for i in rounded], [wide[i] for i in rounded], key,
-                                   [streams[i] for i in rounded])
-        for i, (x, x32) in enumerate(zip(tensors, wide)):
-            if i not in rounded and x is not x32:
-                x.copy_(x32)
+    direct, widened = [], []
+    for column in zip(params, grads, exp_avgs, exp_avg_sqs, steps, keys):
+        p, _, m, v, _, key = column
+        stochastic = key is not None and torch.bfloat16 in (p.dtype, m.dtype, v.dtype)
+        if stochastic or not p.dtype == m.dtype == v.dtype:
+            widened.append((*column, stochastic))
+        else:
+            direct.append(column)
+    for chunk in _chunks(direct):
+        p, g, m, v, t, _ = map(list, zip(*chunk))
+        adam_update_foreach(p, g, m, v, t, lr, betas, eps, wd, decoupled)
+    for chunk in _chunks(widened):
+        _update_in_float32(chunk, lr, betas, eps, wd, decoupled)
 
 
-def adam_update_tensor(p: torch.Tensor, grad: torch.Tensor, m: torch.Tensor, v: torch.Tensor, t: int, lr: float,
-                       betas: tuple[float, float], eps: float, wd: float, decoupled: bool) -> None:
-    """One Adam step of `p` in place, and of its moments `m`, `v`, at step `t` (1-based)."""
+# Parameter elements updated at once: the multi-tensor operations' temporaries (and, for bf16 tensors, their float32
+# copies, ~22 bytes an element) then stay under ~1.5 GB however large the group; a larger tensor goes alone.
+CHUNK_ELEMENTS = 1 << 26
+
+
+def _chunks(columns: list[tuple]) -> list[list[tuple]]:
+    """Consecutive runs of `columns` (each a parameter first) of at most CHUNK_ELEMENTS parameter elements."""
+    chunks, size = [], CHUNK_ELEMENTS
+    for column in columns:
+        if size + column[0].numel() > CHUNK_ELEMENTS:
+            chunks.append([])
+            size = 0
+        chunks[-1].append(column)
+        size += column[0].numel()
+    return chunks
+
+
+def _update_in_float32(columns: list[tuple], lr: float, betas: tuple[float, float], eps: float, wd: float,
+                       decoupled: bool) -> None:
+    """`adam_update` of (param, grad, m, v, step, key, stochastic) columns whose tensors are not all float32: the
+    tensors that are not float32 are packed into one float32 buffer, updated there, and written back, rounded
+    stochastically where `stochastic`, in one compiled call (a compiled call costs the host ~100 us, as much as 25
+    eager operations), and to nearest elsewhere."""
+    rounded, offsets, kept = [], [], []
+    for p, _, m, v, _, key, stochastic in columns:
+        for x, stream in ((p, PARAM), (m, FIRST_MOMENT), (v, SECOND_MOMENT)):
+            if stochastic and x.dtype == torch.bfloat16:
+                rounded.append(x)
+                offsets.append(stream + key)
+            elif x.dtype != torch.float32:
+                kept.append(x)
+    packed = rounded + kept + [g for _, g, *_ in columns if g.dtype != torch.float32]
+    pack = Float32Pack(packed)
+    wide = dict(zip(map(id, packed), pack.views))
+    p, g, m, v = ([wide.get(id(x), x) for x in column] for column in list(zip(*columns))[:4])
+    adam_update_foreach(p, g, m, v, [column[4] for column in columns], lr, betas, eps, wd, decoupled)
+    if rounded:
+        pack.stochastic_round_(rounded, offsets)
+    if kept:
+        torch._foreach_copy_(kept, pack.views[len(rounded):len(rounded) + len(kept)])
+
+
+def adam_update_foreach(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[torch.Tensor],
+                        exp_avg_sqs: list[torch.Tensor], steps: list[int], lr: float, betas: tuple[float, float],
+                        eps: float, wd: float, decoupled: bool) -> None:
+    """One Adam step of each parameter in place, and of its moments, at its step count (1-based): every operation
+    one multi-tensor call over the lists, as torch.optim's foreach implementation makes it."""
     beta1, beta2 = betas
-    g = grad
     if decoupled:
-        p.mul_(1 - lr * wd)
+        torch._foreach_mul_(params, 1 - lr * wd)
     elif wd:
-        g = g.add(p, alpha=wd)  # gradient of the penalty wd/2 |p|^2
-    m.lerp_(g, 1 - beta1)  # m = beta1 m + (1 - beta1) g
-    v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+        grads = torch._foreach_add(grads, params, alpha=wd)  # gradient of the penalty wd/2 |p|^2
+    torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)  # m = beta1 m + (1 - beta1) g
+    torch._foreach_mul_(exp_avg_sqs, beta2)
+    torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1 - beta2)
     # Bias corrections for the zero-initialised moments, folded into step size and denominator.
-    step_size = lr / (1 - beta1**t)
-    denom = (v.sqrt() / math.sqrt(1 - beta2**t)).add_(eps)
-    p.addcdiv_(m, denom, value=-step_size)
+    denom = torch._foreach_sqrt(exp_avg_sqs)
+    torch._foreach_div_(denom, [math.sqrt(1 - beta2**t) for t in steps])
+    torch._foreach_add_(denom, eps)
+    torch._foreach_addcdiv_(params, exp_avgs, denom, [-lr / (1 - beta1**t) for t in steps])
 
 
 class AdamW(Adam):

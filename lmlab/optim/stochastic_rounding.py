@@ -18,6 +18,7 @@ and a resumed run draws what the uninterrupted run would have.
 
 from __future__ import annotations
 
+import functools
 import warnings
 
 import torch
@@ -56,14 +57,30 @@ def _mix32_tensor(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
-def rounded_bits(flat: torch.Tensor, offset: int) -> torch.Tensor:
-    """The float32 bits of 1-D float32 `flat` rounded stochastically to bf16 (low 16 bits zero), as int32; element i
-    draws hash(3 i + offset), offset = stream + key."""
-    position = torch.arange(flat.numel(), device=flat.device, dtype=torch.int64)
-    noise = _mix32_tensor((position * 3 + offset) & MASK32) >> 16
+def _rounded_bits(flat: torch.Tensor, index: torch.Tensor, offset: torch.Tensor | int) -> torch.Tensor:
+    """The float32 bits of float32 `flat` rounded stochastically to bf16 (low 16 bits zero), as int32; an element at
+    `index` within its tensor draws hash(3 index + offset)."""
+    noise = _mix32_tensor((index * 3 + offset) & MASK32) >> 16
     bits = flat.view(torch.int32).to(torch.int64) & MASK32
     bits = (bits + noise) & 0xFFFF0000
     return torch.where(bits >= 2**31, bits - 2**32, bits).to(torch.int32)
+
+
+def rounded_bits(flat: torch.Tensor, offset: int) -> torch.Tensor:
+    """`_rounded_bits` of one 1-D float32 tensor: element i draws hash(3 i + offset), offset = stream + key."""
+    return _rounded_bits(flat, torch.arange(flat.numel(), device=flat.device, dtype=torch.int64), offset)
+
+
+PACK_ALIGN = 1024  # elements: tensors in a Float32Pack start at multiples of it, so each such block holds one tensor
+
+
+def packed_rounded(flat: torch.Tensor, tensor_of_block: torch.Tensor, starts: torch.Tensor,
+                   offsets: torch.Tensor) -> torch.Tensor:
+    """bf16 of a Float32Pack's buffer, each tensor t in it (from starts[t]) rounded as `rounded_bits` rounds it alone
+    with offsets[t]."""
+    position = torch.arange(flat.numel(), device=flat.device, dtype=torch.int64)
+    tensor = tensor_of_block[position // PACK_ALIGN]
+    return _rounded_bits(flat, position - starts[tensor], offsets[tensor]).view(torch.float32).to(torch.bfloat16)
 
 
 class _Compiled:
@@ -87,35 +104,76 @@ class _Compiled:
             return self.eager(*args)
 
 
-def rounded_bits_each(flats: tuple[torch.Tensor, ...], offsets: tuple[int, ...]) -> tuple[torch.Tensor, ...]:
-    """`rounded_bits` of each 1-D float32 tensor with its offset."""
-    return tuple(rounded_bits(flat, offset) for flat, offset in zip(flats, offsets))
+# `packed_rounded` in one call. Eager, its ~20 int64 operations move ~350 bytes an element: on a GPU that made a
+# ~400M model's steps with bf16 weights ~4x slower than with float32 weights when the reference Adam ran (lmlab-train
+# without `kernels=triton`); compiled, it reads 4 bytes and writes 2, with the same bits. A compiled call costs the
+# host ~100 us, so Adam rounds a whole group's tensors, packed, in one (experiments/kernels/README.md).
+_round = _Compiled(packed_rounded)
 
 
-# `rounded_bits_each` in one call. Eager, rounded_bits' ~20 int64 operations move ~350 bytes an element: on a GPU
-# that made a ~400M model's steps with bf16 weights ~4x slower than with float32 weights when the reference Adam ran
-# (lmlab-train without `kernels=triton`); compiled, it reads 4 bytes and writes 4, with the same bits. A compiled
-# call costs the host ~100 us, so an Adam step rounds a tensor's weights and moments in one
-# (experiments/kernels/README.md).
-_round = _Compiled(rounded_bits_each)
+def _on_device(values: list[int] | torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`values` as an int64 tensor on `device`, copied through pinned memory so that the host does not wait for the
+    device's queue (a plain copy waits for it)."""
+    host = torch.as_tensor(values, dtype=torch.int64)
+    if device.type != "cuda":
+        return host.to(device)
+    return torch.empty(host.shape, dtype=torch.int64, pin_memory=True).copy_(host).to(device, non_blocking=True)
 
 
+@functools.lru_cache(maxsize=64)
+def _layout(sizes: tuple[int, ...], device: torch.device) -> tuple[list[int], list[int], torch.Tensor, torch.Tensor]:
+    """A Float32Pack of tensors of these sizes: its pieces (each tensor's elements, then its padding to the next
+    multiple of PACK_ALIGN), where each tensor starts (and the pack's length, last), those starts on `device`, and
+    which tensor each PACK_ALIGN block holds. Kept: an optimizer packs the same sizes every step."""
+    pieces, starts = [], [0]
+    for n in sizes:
+        padded = -(-n // PACK_ALIGN) * PACK_ALIGN
+        pieces += [n, padded - n]
+        starts.append(starts[-1] + padded)
+    blocks = torch.tensor(starts, dtype=torch.int64).diff() // PACK_ALIGN
+    tensor_of_block = torch.repeat_interleave(torch.arange(len(sizes)), blocks)
+    return pieces, starts, _on_device(starts[:-1], device), _on_device(tensor_of_block, device)
+
+
+class Float32Pack:
+    """`tensors`' values in float32, end to end in one buffer (each from a multiple of PACK_ALIGN), to be updated
+    through `views` (one a tensor, in its shape) and rounded back to bf16 all in one call (`stochastic_round_`)."""
+
+    def __init__(self, tensors: list[torch.Tensor]):
+        device = tensors[0].device
+        self.pieces, starts, self.starts, self.tensor_of_block = _layout(tuple(t.numel() for t in tensors), device)
+        self.first = starts[:-1]
+        self.flat = torch.empty(starts[-1], dtype=torch.float32, device=device)
+        self.views = self._views(self.flat, tensors)
+        torch._foreach_copy_(self.views, tensors)
+
+    def stochastic_round_(self, dsts: list[torch.Tensor], offsets: list[int]) -> None:
+        """Write the pack's first len(dsts) tensors into bfloat16 `dsts` (their shapes), each rounded stochastically
+        with its offset (stream + key: element i draws hash(3 i + offset), as in `rounded_bits`)."""
+        for dst, view in zip(dsts, self.views):
+            if dst.dtype != torch.bfloat16 or dst.shape != view.shape:
+                raise ValueError(f"stochastic_round_ rounds float32 to bfloat16 of the same shape, got {view.shape} "
+                                 f"-> {dst.dtype} {tuple(dst.shape)}")
+        end = self.first[len(dsts)] if len(dsts) < len(self.views) else self.flat.numel()
+        rounded = _round(self.flat[:end], self.tensor_of_block[:end // PACK_ALIGN], self.starts,
+                         _on_device(offsets, self.flat.device))
+        torch._foreach_copy_(dsts, self._views(rounded, dsts))
+
+    def _views(self, flat: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The first len(like) tensors of a buffer laid out as this pack's, in like's shapes (one split and a view
+        each: a host's cost per tensor counts, at hundreds of tensors a step)."""
+        pieces = flat.split(self.pieces[:2 * len(like)])[::2]
+        return [piece.view(t.shape) for piece, t in zip(pieces, like)]
+
+
+@torch.no_grad()
 def stochastic_round_(dst: torch.Tensor, src: torch.Tensor, key: int, stream: int) -> torch.Tensor:
     """Write float32 `src` into bfloat16 `dst` (same shape), each element rounded up or down at random with the
     probabilities that make the rounding unbiased; `key` and `stream` choose the noise (see the module's doc)."""
-    stochastic_round_each_([dst], [src], key, [stream])
+    if dst.dtype != torch.bfloat16 or src.dtype != torch.float32:
+        raise ValueError(f"stochastic_round_ rounds float32 to bfloat16, got {src.dtype} -> {dst.dtype}")
+    Float32Pack([src]).stochastic_round_([dst], [stream + key])
     return dst
-
-
-def stochastic_round_each_(dsts: list[torch.Tensor], srcs: list[torch.Tensor], key: int, streams: list[int]) -> None:
-    """`stochastic_round_` of each (dst, src, stream), in one compiled call."""
-    for dst, src in zip(dsts, srcs):
-        if dst.dtype != torch.bfloat16 or src.dtype != torch.float32:
-            raise ValueError(f"stochastic_round_ rounds float32 to bfloat16, got {src.dtype} -> {dst.dtype}")
-    # one int for key and stream: torch.compile specializes ints that are 0 or 1, as a stream often is
-    rounded = _round(tuple(src.detach().reshape(-1) for src in srcs), tuple(stream + key for stream in streams))
-    for dst, bits in zip(dsts, rounded):
-        dst.copy_(bits.view(torch.float32).view(dst.shape))  # exact: the low 16 bits are zero
 
 
 def nearest_rounded_parameters(optimizer: torch.optim.Optimizer) -> int:

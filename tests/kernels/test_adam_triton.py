@@ -10,7 +10,7 @@ pytest.importorskip("triton")
 
 from lmlab.kernels.adam_triton import adam_update_triton  # noqa: E402
 from lmlab.kernels.registry import KernelOps, install_kernels  # noqa: E402
-from lmlab.optim.adam import Adam, AdamW, adam_update, adam_update_tensor  # noqa: E402
+from lmlab.optim.adam import Adam, AdamW, adam_update, adam_update_foreach  # noqa: E402
 from lmlab.optim.composite import CompositeOptimizer  # noqa: E402
 
 
@@ -51,8 +51,8 @@ def test_mixed_dtypes_steps_and_layouts_in_one_group():
     steps = [1, 7, 3, 2, 5]
     lr = 0.1  # moves weights far more than a bfloat16 rounding step, so a wrong update shows
     expected = [[t.to(torch.float32, copy=True) for t in column] for column in (params, *moments)]
-    for p, m, v, g, t in zip(*expected, grads, steps):
-        adam_update_tensor(p, g.float(), m, v, t, lr, (0.9, 0.99), 1e-8, 0.1, True)
+    adam_update_foreach(*expected[:1], [g.float() for g in grads], *expected[1:], steps, lr, (0.9, 0.99), 1e-8, 0.1,
+                        True)
     adam_update_triton(params, grads, *moments, steps, lr, (0.9, 0.99), 1e-8, 0.1, True)
     for got, want in zip((params, *moments), expected):
         for a, b in zip(got, want):

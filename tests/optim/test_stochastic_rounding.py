@@ -6,11 +6,13 @@ import pytest
 import torch
 
 from lmlab.optim import SGD, Adam, AdamW
+from lmlab.optim import adam
+from lmlab.optim.adam import adam_update_foreach
 from lmlab.optim.composite import CompositeOptimizer
 from lmlab.optim import stochastic_rounding
-from lmlab.optim.stochastic_rounding import (_mix32_tensor, mix32, nearest_rounded_parameters, round_key,
-                                             rounded_bits, rounded_bits_each, stochastic_round_,
-                                             stochastic_round_each_)
+from lmlab.optim.stochastic_rounding import (FIRST_MOMENT, PACK_ALIGN, PARAM, SECOND_MOMENT, Float32Pack,
+                                             _mix32_tensor, mix32, nearest_rounded_parameters, packed_rounded,
+                                             round_key, rounded_bits, stochastic_round_)
 
 
 def test_the_tensor_hash_is_the_scalar_hash():
@@ -58,25 +60,58 @@ def test_the_compiled_rounding_draws_the_eager_bits_and_falls_back_to_them(monke
     out = torch.empty(x.shape, dtype=torch.bfloat16)
     assert torch.equal(stochastic_round_(out, x, offset - 1, 1).view(torch.int16), (eager >> 16).to(torch.int16))
 
-    def broken(flats, offsets):
+    def broken(flat, tensor_of_block, starts, offsets):
         raise RuntimeError("no C++ compiler")
 
     monkeypatch.setattr(stochastic_rounding._round, "fn", broken)
     with pytest.warns(UserWarning, match="runs eagerly .* no C\\+\\+ compiler"):
         assert torch.equal(stochastic_round_(torch.empty_like(out), x, offset - 1, 1), out)
-    assert stochastic_rounding._round.fn is rounded_bits_each  # once: later calls round eagerly without a warning
+    assert stochastic_rounding._round.fn is packed_rounded  # once: later calls round eagerly without a warning
 
 
-def test_rounding_several_at_once_draws_what_each_draws_alone():
-    srcs = [torch.randn(3, 7), torch.randn(50), torch.randn(2, 2, 5)]
-    dsts = [torch.empty(x.shape, dtype=torch.bfloat16) for x in srcs]
-    stochastic_round_each_(dsts, srcs, 1234, [0, 1, 2])
-    for dst, src, stream in zip(dsts, srcs, [0, 1, 2]):
-        assert torch.equal(dst, stochastic_round_(torch.empty_like(dst), src, 1234, stream))
+def test_a_pack_rounds_each_tensor_as_it_rounds_alone():
+    """Tensors packed end to end (one longer than a block, one empty, one a block exactly) draw the bits each draws
+    alone, whatever their neighbours; only the first len(dsts) are written, and a bad destination writes none."""
+    srcs = [torch.randn(3, 7), torch.randn(PACK_ALIGN + 50), torch.randn(0), torch.randn(PACK_ALIGN), torch.randn(9)]
+    pack = Float32Pack([src.bfloat16() if i == 4 else src for i, src in enumerate(srcs)])
+    assert all(torch.equal(view, src.bfloat16().float() if i == 4 else src)
+               for i, (view, src) in enumerate(zip(pack.views, srcs)))  # the values, widened to float32
+    dsts = [torch.empty(x.shape, dtype=torch.bfloat16) for x in srcs[:4]]
+    offsets = [round_key(1, i, 5) + i % 3 for i in range(4)]
+    pack.stochastic_round_(dsts, offsets)
+    for dst, src, offset in zip(dsts, srcs, offsets):
+        alone = rounded_bits(src.reshape(-1), offset).view(torch.float32).bfloat16().view(src.shape)
+        assert torch.equal(dst, alone)
     kept = [d.clone() for d in dsts]
-    with pytest.raises(ValueError, match="float32 to bfloat16"):  # before any is written
-        stochastic_round_each_(dsts + [torch.empty(3, dtype=torch.float16)], srcs + [torch.ones(3)], 9, [0, 1, 2, 0])
+    with pytest.raises(ValueError, match="float32 to bfloat16 of the same shape"):
+        pack.stochastic_round_(dsts[:3] + [torch.empty(PACK_ALIGN, dtype=torch.float16)], offsets)
     assert all(torch.equal(d, k) for d, k in zip(dsts, kept))
+
+
+@pytest.mark.parametrize("chunk", [adam.CHUNK_ELEMENTS, 1500])
+def test_a_groups_bf16_update_draws_each_tensors_own_bits(chunk, monkeypatch):
+    """Adam updates a group's bf16 tensors in float32, packed together (in chunks of `chunk` elements at most), and
+    rounds each with its own noise: the bits of that tensor's float32 update rounded alone with its parameter's key
+    and its stream (the contract that the Triton Adam, its twin, keeps)."""
+    monkeypatch.setattr(adam, "CHUNK_ELEMENTS", chunk)
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(s).bfloat16()) for s in [(40, 30), (PACK_ALIGN + 3,), (5,)]]
+    opt = AdamW(params, lr=0.05)
+    steps = 3
+    for step in range(steps):
+        if step == steps - 1:  # the last step's start, in float32
+            before = [[t.detach().float() for t in (p, opt.state[p]["exp_avg"], opt.state[p]["exp_avg_sq"])]
+                      for p in params]
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(step)).bfloat16()
+        opt.step()
+    for i, (p, (weight, m, v)) in enumerate(zip(params, before)):
+        adam_update_foreach([weight], [p.grad.float()], [m], [v], [steps], 0.05, (0.9, 0.999), 1e-8, 1e-2, True)
+        key = round_key(opt.seed, i, steps)
+        for got, value, stream in zip((p, opt.state[p]["exp_avg"], opt.state[p]["exp_avg_sq"]), (weight, m, v),
+                                      (PARAM, FIRST_MOMENT, SECOND_MOMENT)):
+            alone = rounded_bits(value.reshape(-1), key + stream).view(torch.float32).bfloat16().view(value.shape)
+            assert torch.equal(got.detach(), alone)
 
 
 def _small_steps(rounding: bool, steps: int = 50) -> torch.Tensor:
