@@ -32,6 +32,7 @@ import triton
 import triton.language as tl
 
 from lmlab.optim.adam import adam_update
+from lmlab.optim.stochastic_rounding import int64_on_device
 
 BLOCK = 4096
 
@@ -124,12 +125,12 @@ def _block_table(numels: tuple[int, ...], device: torch.device) -> tuple[torch.T
 def _step_table(tensors: list[list[torch.Tensor]], steps: list[int], lr: float, betas: tuple[float, float],
                 keys: list[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """Device int64 addresses (p, then grads, then m, then v; then the rounding keys, if any) and float64 (step
-    sizes, then bias corrections), copied from pinned memory so the host does not wait for the GPU."""
+    sizes, then bias corrections), copied so the host does not wait for the GPU (`int64_on_device`)."""
     beta1, beta2 = betas
     addrs = [t.data_ptr() for column in tensors for t in column] + keys
     scalars = [lr / (1 - beta1**s) for s in steps] + [math.sqrt(1 - beta2**s) for s in steps]
     host = torch.cat([torch.tensor(addrs, dtype=torch.int64), torch.tensor(scalars, dtype=torch.float64).view(torch.int64)])
-    table = host.pin_memory().to(device, non_blocking=True)
+    table = int64_on_device(host, device)
     return table[:len(addrs)], table[len(addrs):].view(torch.float64)
 
 
