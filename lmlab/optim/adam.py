@@ -117,9 +117,9 @@ CHUNK_ELEMENTS = 1 << 26
 
 def _chunks(columns: list[tuple]) -> list[list[tuple]]:
     """Consecutive runs of `columns` (each a parameter first) of at most CHUNK_ELEMENTS parameter elements."""
-    chunks, size = [], CHUNK_ELEMENTS
+    chunks, size = [], 0
     for column in columns:
-        if size + column[0].numel() > CHUNK_ELEMENTS:
+        if not chunks or size + column[0].numel() > CHUNK_ELEMENTS:
             chunks.append([])
             size = 0
         chunks[-1].append(column)

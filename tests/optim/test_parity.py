@@ -36,3 +36,21 @@ def test_matches_torch_over_100_steps(ours_cls, ref_cls, kwargs):
         ours.step(), ref.step()
     for p, q in zip(ours_p, ref_p):
         torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_adam_steps_a_group_whose_first_parameter_is_empty(dtype):
+    """An empty tensor (first, where the update's runs of parameters begin) is stepped with the rest: bf16 weights
+    go through the packed float32 update (rounded stochastically, so within a bf16 step of torch's float32 one)."""
+    torch.manual_seed(0)
+    base = [torch.randn(shape).to(dtype).float() for shape in [(0,), (5, 4), (3,)]]
+    ours_p = [p.to(dtype, copy=True).requires_grad_() for p in base]
+    ref_p = [p.clone().requires_grad_() for p in base]
+    ours, ref = AdamW(ours_p, lr=0.1), torch.optim.AdamW(ref_p, lr=0.1)
+    for p, q in zip(ours_p, ref_p):
+        grad = torch.randn(p.shape)
+        p.grad, q.grad = grad.to(dtype), grad
+    ours.step(), ref.step()
+    tolerance = 1e-6 if dtype == torch.float32 else 2**-6
+    for p, q in zip(ours_p, ref_p):
+        torch.testing.assert_close(p.float(), q, rtol=tolerance, atol=tolerance)
