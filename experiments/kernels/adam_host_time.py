@@ -1,5 +1,5 @@
 """How long the reference AdamW's step takes, and how much of it the host spends issuing it, on float32 and on bf16
-tensors (bf16: updated in float32 and rounded stochastically, one tensor at a time).
+tensors (bf16: updated in float32, packed a run of tensors at a time, and rounded back stochastically).
 
     python experiments/kernels/adam_host_time.py [--device cuda] [--small]
 
