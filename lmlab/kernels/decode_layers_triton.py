@@ -362,8 +362,8 @@ def _gate_up_gemv(X, OAcc, NormW, W, S, Act, pid, n_programs, eps, d_model, d_ff
     """_gate_up_stage for one sequence, whose residual is X + OAcc (o_proj's sums); gate_w, up_w: the first item's
     tiles, already loading (gate_s, up_s their scales)."""
     dt: tl.constexpr = Act.dtype.element_ty
-    x, inv_rms = normed_input_row(input_row(X, d_model, KP, KC, GROUP4) + input_row(OAcc, d_model, KP, KC, GROUP4), NormW, d_model,
-                             eps, KP, KC, GROUP4)
+    residual = input_row(X, d_model, KP, KC, GROUP4) + input_row(OAcc, d_model, KP, KC, GROUP4)
+    x, inv_rms = normed_input_row(residual, NormW, d_model, eps, KP, KC, GROUP4)
     for item in range(pid, tl.cdiv(d_ff, TILE), n_programs):
         next_gate, next_up, next_gate_s, next_up_s = _gate_up_tiles(W, S, item + n_programs, d_model, d_ff, TILE, KP,
                                                                     KC, INT8, GROUP4)
