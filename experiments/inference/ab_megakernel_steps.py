@@ -7,7 +7,8 @@
 A variant is `NAME=VALUE[,NAME=VALUE...]` of `lmlab.kernels.decode_layers`' module settings (those that
 sweep_megakernel.py sweeps, and O_ACC_ALIGN), and optionally `quant=ENTRY`: its copy of the weights quantized by that
 `quant` entry (round to nearest, int4 in the largest group dividing every width, 64 for llama400m; `none` leaves
-them). A machine or a process moves the layer stack's time by 1-2% (experiments/inference/README.md), as much as the
+them), and `persistent=False`: the layer stack launched stage by stage (STAGE_PDL and STAGE_PROGRAMS_PER_SM say
+how). A machine or a process moves the layer stack's time by 1-2% (experiments/inference/README.md), as much as the
 changes compared, so every variant runs in the
 same process, on its own copy of the same weights, and the variants take turns. Each variant's engine captures its
 CUDA graphs under the variant's settings (a launch reads them as it is captured), which then hold for every replay.
@@ -32,16 +33,17 @@ from lmlab.inference.quant import QUANTS, quantize
 from lmlab.kernels import decode_layers as dl
 
 
-def parse_variant(text: str) -> tuple[dict, str]:
-    """(decode_layers settings, quant entry or "none")."""
+def parse_variant(text: str) -> tuple[dict, str, bool]:
+    """(decode_layers settings, quant entry or "none", persistent)."""
     settings = dict(item.split("=", 1) for item in text.split(","))
     quant = settings.pop("quant", "none")
+    persistent = ast.literal_eval(settings.pop("persistent", "True"))
     if quant != "none":
         QUANTS.resolve(quant)  # an unknown entry fails here, before any model is built
     unknown = [name for name in settings if not hasattr(dl, name)]
     if unknown:
         raise SystemExit(f"ab_megakernel_steps: {', '.join(unknown)} is no setting of lmlab.kernels.decode_layers")
-    return {name: ast.literal_eval(value) for name, value in settings.items()}, quant
+    return {name: ast.literal_eval(value) for name, value in settings.items()}, quant, persistent
 
 
 def weights(model, quant: str):
@@ -76,20 +78,25 @@ def main() -> None:
     variants = {text: parse_variant(text) for text in args.variants}
     model, _ = build_model(DEFAULT_OVERRIDES, None, torch.device("cuda"), torch.bfloat16)
     ids = torch.randint(0, model.vocab_size, (1, 128), device="cuda")
-    defaults = {name: getattr(dl, name) for settings, _ in variants.values() for name in settings}
-    engines = {}
-    for name, (settings, quant) in variants.items():
+    defaults = {name: getattr(dl, name) for settings, _, _ in variants.values() for name in settings}
+    engines, firsts = {}, {}
+    for name, (settings, quant, persistent) in variants.items():
         for setting, value in {**defaults, **settings}.items():
             setattr(dl, setting, value)
         engines[name] = Engine(weights(model, quant), True, megakernel=True)
-        print(f"{name}: warmed up ({generate(engines[name], ids, args.new):,.0f} tokens/s)", flush=True)
+        engines[name].megakernel.persistent = persistent
+        firsts[name] = engines[name].generate(ids.tolist(), max_new_tokens=args.new, sync_every=64)
+        first = next(iter(firsts.values())).tokens[0]
+        same = next((i for i, (a, b) in enumerate(zip(first, firsts[name].tokens[0])) if a != b), len(first))
+        print(f"{name}: warmed up ({firsts[name].stats.decode_tokens_per_s:,.0f} tokens/s; the first {same} tokens "
+              f"those of {next(iter(firsts))})", flush=True)
     runs = {name: [] for name in engines}
     for _ in range(args.rounds):
         for name, engine in engines.items():
             runs[name].append(generate(engine, ids, args.new))
     result = {}
     for name, engine in engines.items():
-        steps = one_step(engine, ids, args.new)
+        steps = one_step(engine, ids, args.new) if engine.megakernel.persistent else []  # a step is one launch
         result[name] = {"tokens_per_s": statistics.median(runs[name]), "runs": runs[name], "one_step": steps}
         print(f"{name:<24} {result[name]['tokens_per_s']:8,.0f} tokens/s (runs {min(runs[name]):,.0f}-"
               f"{max(runs[name]):,.0f}); one step (GPU us, idle us before):", flush=True)

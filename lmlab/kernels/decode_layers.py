@@ -72,6 +72,10 @@ GEMV_QUANT_GATE_UP_TILE_ELEMS = 8192
 # sm_90 compile); at 8 the llama400m int4 step made 1,280 tokens/s against 785 (one process, in turns; 1 program per
 # SM at 4 warps: 1,181; experiments/inference/h200-2026-12-05/)
 GEMV_INT4_NUM_WARPS = 8
+# Stage by stage on CUDA (persistent=False): each launch after the step's first is a programmatic dependent launch
+# (sm_90), so the next stage's programs start while this one runs, issue their first weight loads, and wait for it
+# (`griddepcontrol.wait`) where the persistent kernel waits at a grid barrier; programs per SM of each launch.
+STAGE_PDL, STAGE_PROGRAMS_PER_SM = True, 1
 GEMV_MAX_WIDTH = 8192  # wider inputs take the tensor-core path (a whole row per tile would not fit in registers)
 NUM_STAGES = 3
 
@@ -183,9 +187,13 @@ def _decode_layers_op(x: torch.Tensor, qkv: torch.Tensor, o: torch.Tensor, gate_
         args = (*plan.args, 0, k_cache.shape[0], *plan.shape)
         layers_kernel[(persistent_programs(plan, args),)](*args, STAGE=-1, **plan.meta)
     else:
+        pdl = STAGE_PDL and x.is_cuda and not INTERPRET and torch.cuda.get_device_capability(x.device) >= (9, 0)
         for layer in range(k_cache.shape[0]):
             for stage in range(N_STAGES):
-                layers_kernel[(programs,)](*plan.args, layer, layer + 1, *plan.shape, STAGE=stage, **plan.meta)
+                chained = pdl and (layer, stage) != (0, 0)  # the first waits for the step's earlier kernels in full
+                layers_kernel[(programs * STAGE_PROGRAMS_PER_SM,)](*plan.args, layer, layer + 1, *plan.shape,
+                                                                   STAGE=stage, **{**plan.meta, "PDL": pdl},
+                                                                   launch_pdl=chained)
     return plan.args[1]  # written by the last layer
 
 
@@ -257,7 +265,7 @@ def launch_plan(x, qkv, o, gate_up, down, scales, norm_attn, norm_ffn, k_cache, 
                 **tiles, SPLIT_O=split_o,
                 PREFETCH=gemv and GEMV_PREFETCH_LATER and _bulk_prefetch(x.device),
                 ARRIVE_FIRST=gemv and GEMV_ARRIVE_BEFORE_LOADS, GATE_UP_EARLY=gemv and GEMV_GATE_UP_EARLY,
-                TIMELINE=False, INT8=int8, GROUP4=group_size)
+                TIMELINE=False, INT8=int8, GROUP4=group_size, PDL=False)
     shape = (batch, d_model, d_ff, n_heads, n_kv_heads, split, eps, scale * LOG2E,
              k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), k_cache.stride(3))
     return LaunchPlan(args, shape, meta, GEMV_PROGRAMS_PER_SM if gemv else PROGRAMS_PER_SM)

@@ -50,7 +50,8 @@ import triton.language as tl
 from lmlab.kernels.decode_attention_triton import (attend_block, attend_key_range, combined_output, empty_state,
                                                    key_split)
 from lmlab.kernels.codes_triton import as_f32
-from lmlab.kernels.decode_sync_triton import barrier_arrive, grid_barrier, prefetch_rows, stamp, wait_until
+from lmlab.kernels.decode_sync_triton import (barrier_arrive, grid_barrier, let_next_launch, prefetch_rows, stamp,
+                                              wait_for_previous, wait_until)
 from lmlab.kernels.decode_tiles_triton import (dequantized, input_row, normed_gemv, normed_input_row, round_to,
                                                row_scales, scaled_round, tile_product, tile_scales, weight_tile)
 
@@ -216,13 +217,13 @@ def _attention_stage(Q, Kc, Vc, PartO, PartL, Attn, Arrived, Sync, Slots, Start,
                      n_heads, n_kv_heads, n_split, sc_b, sc_h, sc_l, qk_scale,
                      GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      BLOCK_SPLIT: tl.constexpr, QKV_PAIRS: tl.constexpr, PREC: tl.constexpr,
-                     COMBINE: tl.constexpr):
+                     COMBINE: tl.constexpr, PDL: tl.constexpr):
     """Flash-decoding over (sequence, kv head, key split). An item loads its first block of earlier steps' keys and
     values, then waits for every q/k/v item of its kv head (a counter; no grid barrier after qkv), and counts itself
     in Arrived once its partial results are out. COMBINE: the last split of a (sequence, kv head) to finish combines
     the splits into the attention output (Attn, batch x heads * head_dim); else o_proj's items combine them."""
     qkv_items = (GROUP + 2) * (HEAD_DIM // 2 // QKV_PAIRS)  # per kv head and layer: its q heads, its k and its v
-    slot = tl.load(Slots)
+    slot = tl.load(Slots, cache_modifier=".cg")
     r = tl.arange(0, BLOCK_M)
     r_ok = r < GROUP
     dims = tl.arange(0, HEAD_DIM)
@@ -232,7 +233,7 @@ def _attention_stage(Q, Kc, Vc, PartO, PartL, Attn, Arrived, Sync, Slots, Start,
         b = bg // n_kv_heads
         kv_head = bg % n_kv_heads
         head = kv_head * GROUP + r
-        start = tl.load(Start + b)
+        start = tl.load(Start + b, cache_modifier=".cg")
         k_lo, k_hi = key_split(tl.minimum(start, slot), slot + 1, split, n_split, BLOCK_N)
         k_base, v_base = Kc + b * sc_b + kv_head * sc_h, Vc + b * sc_b + kv_head * sc_h
         keys = k_lo + tl.arange(0, BLOCK_N)
@@ -241,6 +242,7 @@ def _attention_stage(Q, Kc, Vc, PartO, PartL, Attn, Arrived, Sync, Slots, Start,
         k = tl.load(k_base + keys[:, None] * sc_l + dims[None, :], mask=earlier[:, None], other=0.0)
         v = tl.load(v_base + keys[:, None] * sc_l + dims[None, :], mask=earlier[:, None], other=0.0)
         holds = (k_lo <= slot) & (slot < k_hi)  # the split whose range ends with this step's key
+        wait_for_previous(PDL)
         wait_until(Sync + 1 + kv_head, (layer + 1) * qkv_items)
         # This step's key and value (vectors, attended on their own after the blocks), then q: loads issued before any
         # is used (when the step's key was merged into the block, the compiled code waited for each load in turn)
@@ -282,7 +284,7 @@ def _o_proj_tile(W, S, item, d_model, width, TILE: tl.constexpr, HEAD_DIM: tl.co
 @triton.jit
 def _o_proj_gemv(W, S, PartO, PartL, Arrived, OAcc, layer, pid, n_programs, d_model, n_heads, n_split,
                  GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SPLIT: tl.constexpr, TILE: tl.constexpr,
-                 DT: tl.constexpr, INT8: tl.constexpr):
+                 DT: tl.constexpr, INT8: tl.constexpr, PDL: tl.constexpr):
     """o_proj for one sequence without a grid barrier: an item is (head, chunk of output rows). It waits only for
     its kv head's attention splits (their count in Arrived), combines that head's splits itself, and adds its
     share, In[head] @ W[rows, head].T, into OAcc with atomics (the next stages read the residual as X + OAcc).
@@ -290,6 +292,7 @@ def _o_proj_gemv(W, S, PartO, PartL, Arrived, OAcc, layer, pid, n_programs, d_mo
     chunks = tl.cdiv(d_model, TILE)
     first = n_programs - 1 - pid
     w, s = _o_proj_tile(W, S, first, d_model, n_heads * HEAD_DIM, TILE, HEAD_DIM, INT8)
+    wait_for_previous(PDL)
     for item in range(first, n_heads * chunks, n_programs):
         next_w, next_s = _o_proj_tile(W, S, item + n_programs, d_model, n_heads * HEAD_DIM, TILE, HEAD_DIM, INT8)
         head = item // chunks
@@ -406,7 +409,7 @@ def _residual_matmul(X, Out, last, OAcc, W, S, In, Sync, target, rows, row_ok, p
                      Stamp, BARRIER: tl.constexpr, GEMV: tl.constexpr, TILE: tl.constexpr, KP: tl.constexpr,
                      KC: tl.constexpr, BB: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr,
                      ARRIVE_FIRST: tl.constexpr, PREFETCH: tl.constexpr, TIMELINE: tl.constexpr,
-                     INT8: tl.constexpr, GROUP4: tl.constexpr):
+                     INT8: tl.constexpr, GROUP4: tl.constexpr, PDL: tl.constexpr):
     """X += In @ W.T (down; o_proj where its items do not wait on counters), the matrix-vector path also folding in
     OAcc, and where `last` also written to Out; opened by a grid barrier (Sync[0] reaching `target`) when BARRIER, and
     stamped at Stamp once open; the first matrix-vector tile's loads are issued before the wait (and, with ARRIVE_FIRST,
@@ -419,6 +422,7 @@ def _residual_matmul(X, Out, last, OAcc, W, S, In, Sync, target, rows, row_ok, p
         prefetch_rows(W, 0, d_model, width // (2 if GROUP4 else 1), pid, n_programs, TILE)
     if BARRIER:
         grid_barrier(Sync, target, ARRIVE_FIRST)
+    wait_for_previous(PDL)
     stamp(Stamp, TIMELINE)
     if GEMV:
         _add_gemv(X, Out, last, OAcc, W, S, In, pid, n_programs, d_model, width, w, s, TILE, KP, KC, INT8, GROUP4)
@@ -438,7 +442,7 @@ def layers_kernel(X, Out, Wqkv, Wo, Wgu, Wd, Scales, Norm1, Norm2, Kc, Vc, Q, Pa
                   C_FF: tl.constexpr, PREFETCH: tl.constexpr, T_QKV: tl.constexpr, T_O: tl.constexpr,
                   T_GU: tl.constexpr, T_D: tl.constexpr, SPLIT_O: tl.constexpr, ARRIVE_FIRST: tl.constexpr,
                   GATE_UP_EARLY: tl.constexpr, TIMELINE: tl.constexpr, INT8: tl.constexpr,
-                  GROUP4: tl.constexpr):
+                  GROUP4: tl.constexpr, PDL: tl.constexpr):
     """X: the float32 residual stream, updated in place; the launch's last layer also writes it to Out in Out's dtype.
     INT8: the four weights hold int8 codes, and Scales (layer, rows of q/k/v, o, gate/up, down) their rows' scales.
     GROUP4 (> 0, GEMV without SPLIT_O): they hold int4 codes two a byte, and Scales per layer each projection's
@@ -451,7 +455,11 @@ def layers_kernel(X, Out, Wqkv, Wo, Wgu, Wd, Scales, Norm1, Norm2, Kc, Vc, Q, Pa
     attention); o_proj adds into OAcc[layer], not X. PREFETCH (with GEMV and barriers):
     the programs also ask L2 for the later items of gate/up and down as they arrive. TIMELINE: each
     program stamps eight moments a layer into Times (layer - layer_lo, moment, program), int64 ns: qkv open, qkv
-    done, attention done, o_proj done, gate/up open, gate/up done, down open, down done."""
+    done, attention done, o_proj done, gate/up open, gate/up done, down open, down done.
+    PDL (STAGE >= 0, each launch a link of a programmatic-dependent-launch chain): the next launch may start at once;
+    this one waits for the previous where a barrier would open its stage, after issuing its first weight loads."""
+    tl.static_assert(not PDL or STAGE >= 0)
+    let_next_launch(PDL)
     pid = tl.program_id(0)
     n_programs = tl.num_programs(0)
     rows = tl.arange(0, BB)
@@ -463,8 +471,8 @@ def layers_kernel(X, Out, Wqkv, Wo, Wgu, Wd, Scales, Norm1, Norm2, Kc, Vc, Q, Pa
     PACK: tl.constexpr = 2 if GROUP4 else 1  # codes per weight element
     EARLY_GU: tl.constexpr = GATE_UP_EARLY and GEMV and STAGE < 0
     if GEMV:  # the same every layer: the position, and the RoPE tables of the program's first q/k/v item
-        slot = tl.load(Slots)
-        pos = tl.maximum(slot - tl.load(Start + rows), 0)
+        slot = tl.load(Slots, cache_modifier=".cg")
+        pos = tl.maximum(slot - tl.load(Start + rows, cache_modifier=".cg"), 0)
         cos, sin = _qkv_item_rope(Cos, Sin, pos, pid, HEAD_DIM, T_QKV, INTERLEAVED)
     for layer in range(layer_lo, layer_hi):
         at = tl.cast(layer, tl.int64)
@@ -491,6 +499,7 @@ def layers_kernel(X, Out, Wqkv, Wo, Wgu, Wd, Scales, Norm1, Norm2, Kc, Vc, Q, Pa
                                             T_QKV, INTERLEAVED, KP_MODEL, C_MODEL, INT8, GROUP4)
             if STAGE < 0 and layer > layer_lo:
                 grid_barrier(Sync, arrivals, ARRIVE_FIRST)
+            wait_for_previous(PDL)
             stamp(stamps, TIMELINE)
             if GEMV:
                 _qkv_gemv(X, Norm1 + at * d_model, wqkv, sqkv, Q, kc, vc, Cos, Sin, Sync, slot, pos, pid, n_programs,
@@ -504,7 +513,7 @@ def layers_kernel(X, Out, Wqkv, Wo, Wgu, Wd, Scales, Norm1, Norm2, Kc, Vc, Q, Pa
         if STAGE < 0 or STAGE == 1:
             _attention_stage(Q, kc, vc, PartO, PartL, Attn, Arrived, Sync, Slots, Start, layer, pid, n_programs,
                              batch, n_heads, n_kv_heads, n_split, sc_b, sc_h, sc_l, qk_scale,
-                             GROUP, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_SPLIT, T_QKV, PREC, not SPLIT_O)
+                             GROUP, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_SPLIT, T_QKV, PREC, not SPLIT_O, PDL)
             stamp(stamps + 2 * n_programs, TIMELINE)
         if STAGE < 0 or STAGE == 2:
             if EARLY_GU:  # while o_proj's items wait on attention
@@ -512,11 +521,11 @@ def layers_kernel(X, Out, Wqkv, Wo, Wgu, Wd, Scales, Norm1, Norm2, Kc, Vc, Q, Pa
                                                             INT8, GROUP4)
             if SPLIT_O:
                 _o_proj_gemv(wo, so, PartO, PartL, Arrived, o_acc, layer, pid, n_programs, d_model, n_heads, n_split,
-                             GROUP, HEAD_DIM, BLOCK_SPLIT, T_O, Norm1.dtype.element_ty, INT8)
+                             GROUP, HEAD_DIM, BLOCK_SPLIT, T_O, Norm1.dtype.element_ty, INT8, PDL)
             else:
                 _residual_matmul(X, Out, False, o_acc, wo, so, Attn, Sync, arrivals + n_programs, rows, row_ok, pid,
                                  n_programs, d_model, width, Times, STAGE < 0, GEMV, T_O, KP_ATTN, C_ATTN, BB, BLOCK_K,
-                                 PREC, ARRIVE_FIRST, False, False, INT8, GROUP4)
+                                 PREC, ARRIVE_FIRST, False, False, INT8, GROUP4, PDL)
             stamp(stamps + 3 * n_programs, TIMELINE)
         if STAGE < 0 or STAGE == 3:
             if ARRIVE_FIRST and STAGE < 0:
@@ -530,6 +539,7 @@ def layers_kernel(X, Out, Wqkv, Wo, Wgu, Wd, Scales, Norm1, Norm2, Kc, Vc, Q, Pa
                     prefetch_rows(wgu, d_ff, d_ff, d_model // PACK, pid, n_programs, T_GU)
             if STAGE < 0:
                 grid_barrier(Sync, arrivals + (BARRIERS - 2) * n_programs, ARRIVE_FIRST)
+            wait_for_previous(PDL)
             stamp(stamps + 4 * n_programs, TIMELINE)
             if GEMV:
                 _gate_up_gemv(X, o_acc, Norm2 + at * d_model, wgu, sgu, Act, pid, n_programs, eps, d_model, d_ff,
@@ -542,5 +552,5 @@ def layers_kernel(X, Out, Wqkv, Wo, Wgu, Wd, Scales, Norm1, Norm2, Kc, Vc, Q, Pa
             _residual_matmul(X, Out, layer == layer_hi - 1, o_acc, wd, sd, Act, Sync,
                              arrivals + (BARRIERS - 1) * n_programs, rows, row_ok, pid, n_programs, d_model, d_ff,
                              stamps + 6 * n_programs, STAGE < 0, GEMV, T_D, KP_FF, C_FF, BB, BLOCK_K, PREC,
-                             ARRIVE_FIRST, PREFETCH and GEMV, TIMELINE, INT8, GROUP4)
+                             ARRIVE_FIRST, PREFETCH and GEMV, TIMELINE, INT8, GROUP4, PDL)
             stamp(stamps + 7 * n_programs, TIMELINE)

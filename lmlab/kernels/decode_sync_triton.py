@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 
 @triton.jit
@@ -72,3 +73,20 @@ def grid_barrier(Sync, target, ARRIVED: tl.constexpr):
         barrier_arrive(Sync)
     wait_until(Sync, target)
     tl.debug_barrier()
+
+
+@triton.jit
+def let_next_launch(PDL: tl.constexpr):
+    """With PDL (a launch of a chain of kernels with programmatic dependent launch): let the next kernel of the chain
+    start as soon as every program of this one has got here, so its programs issue their weight loads while this
+    one runs (`griddepcontrol.launch_dependents`)."""
+    if PDL:
+        gdc_launch_dependents()
+
+
+@triton.jit
+def wait_for_previous(PDL: tl.constexpr):
+    """With PDL: wait until the previous kernel of the chain has finished and its writes are visible
+    (`griddepcontrol.wait`); what a program loads before this must not be written by a kernel still running."""
+    if PDL:
+        gdc_wait()
