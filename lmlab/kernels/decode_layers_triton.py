@@ -418,7 +418,7 @@ def _residual_matmul(X, Out, last, OAcc, W, S, In, Sync, target, rows, row_ok, p
         barrier_arrive(Sync)
     if GEMV:
         w, s = _add_tile(W, S, pid, d_model, width, TILE, KP, KC, INT8, GROUP4)
-    if PREFETCH and BARRIER:
+    if PREFETCH and (BARRIER or PDL):
         prefetch_rows(W, 0, d_model, width // (2 if GROUP4 else 1), pid, n_programs, TILE)
     if BARRIER:
         grid_barrier(Sync, target, ARRIVE_FIRST)
@@ -452,8 +452,8 @@ def layers_kernel(X, Out, Wqkv, Wo, Wgu, Wd, Scales, Norm1, Norm2, Kc, Vc, Q, Pa
     on the GEMV path but o_proj, whose items wait on counters); else that stage only. GEMV: batch 1, matrix-vector
     tiles whose first loads are issued before the barrier's wait (with ARRIVE_FIRST after the program arrives, so its
     arrival does not wait on them; with GATE_UP_EARLY, gate/up's are issued before o_proj, while its items wait on
-    attention); o_proj adds into OAcc[layer], not X. PREFETCH (with GEMV and barriers):
-    the programs also ask L2 for the later items of gate/up and down as they arrive. TIMELINE: each
+    attention); o_proj adds into OAcc[layer], not X. PREFETCH (with GEMV and barriers or PDL):
+    the programs also ask L2 for the later items of gate/up and down as they arrive (with PDL, before the wait). TIMELINE: each
     program stamps eight moments a layer into Times (layer - layer_lo, moment, program), int64 ns: qkv open, qkv
     done, attention done, o_proj done, gate/up open, gate/up done, down open, down done.
     PDL (STAGE >= 0, each launch a link of a programmatic-dependent-launch chain): the next launch may start at once;
@@ -534,7 +534,7 @@ def layers_kernel(X, Out, Wqkv, Wo, Wgu, Wd, Scales, Norm1, Norm2, Kc, Vc, Q, Pa
                 if not EARLY_GU:
                     gate_w, up_w, gate_s, up_s = _gate_up_tiles(wgu, sgu, pid, d_model, d_ff, T_GU, KP_MODEL,
                                                                 C_MODEL, INT8, GROUP4)
-                if PREFETCH and STAGE < 0:
+                if PREFETCH and (STAGE < 0 or PDL):
                     prefetch_rows(wgu, 0, d_ff, d_model // PACK, pid, n_programs, T_GU)
                     prefetch_rows(wgu, d_ff, d_ff, d_model // PACK, pid, n_programs, T_GU)
             if STAGE < 0:
