@@ -2,10 +2,12 @@
 barrier a stage), a launch per (layer, stage), and that chain with programmatic dependent launch (PDL: each stage's
 programs start while the previous stage runs, issue their first weight loads, then wait for it in hardware).
 
-    python experiments/inference/ab_stack_launches.py [VARIANT ...] [--rounds 7] [--slots 255 383] [--out F]
+    python experiments/inference/ab_stack_launches.py [VARIANT ...] [--rounds 7] [--slots 255 383] [--quant int8]
+        [--out F]
 
 A variant is `persistent=BOOL[,NAME=VALUE...]` with `lmlab.kernels.decode_layers`' module settings (STAGE_PDL,
-STAGE_PROGRAMS_PER_SM, the tile sizes, ...). llama400m, random weights, bf16, one token at the given slots of a
+STAGE_PROGRAMS_PER_SM, the tile sizes, ...). llama400m, random weights, bf16 (`--quant`: quantized by that entry
+as ab_megakernel_steps.py quantizes), one token at the given slots of a
 384-slot cache (their mean is a variant's time), each variant's stack replayed from a CUDA graph (median of the last
 40 of 50 replays a round; the median over rounds is reported). Before timing, each variant's step is checked against
 the first variant's on the same inputs: the residual stream's largest difference, relative to its largest value,
@@ -20,7 +22,8 @@ import json
 import statistics
 
 import torch
-from sweep_megakernel import stack_inputs, time_stack  # this folder's
+from ab_megakernel_steps import weights  # this folder's
+from sweep_megakernel import stack_inputs, time_stack
 
 from lmlab.inference.bench import DEFAULT_OVERRIDES, build_model
 from lmlab.inference.megakernel import Megakernel
@@ -59,12 +62,13 @@ def main() -> None:
     parser.add_argument("variants", nargs="*", default=DEFAULT)
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--slots", type=int, nargs="+", default=[255, 383])
+    parser.add_argument("--quant", default="none")
     parser.add_argument("--out", default="ab-stack-launches.json")
     args = parser.parse_args()
     variants = {text: parse_variant(text) for text in args.variants}
     defaults = {name: getattr(dl, name) for _, settings in variants.values() for name in settings}
     model, _ = build_model(DEFAULT_OVERRIDES, None, torch.device("cuda"), torch.bfloat16)
-    kernel = Megakernel(model)
+    kernel = Megakernel(weights(model, args.quant))
     reference = None
     checks = {}
     for name, (persistent, settings) in variants.items():
@@ -86,7 +90,8 @@ def main() -> None:
         result[name] = {"us": statistics.median(us), "runs": us, **checks[name]}
         print(f"{name:<48} {result[name]['us']:8.1f} us a step of the layer stack ({min(us):.1f}-{max(us):.1f})")
     with open(args.out, "w") as f:
-        json.dump({"device": torch.cuda.get_device_name(), "slots": args.slots, "variants": result}, f, indent=1)
+        json.dump({"device": torch.cuda.get_device_name(), "slots": args.slots, "quant": args.quant,
+                   "variants": result}, f, indent=1)
 
 
 if __name__ == "__main__":
