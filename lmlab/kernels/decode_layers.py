@@ -8,7 +8,9 @@ the last layer's output (before the final norm) in the activations' dtype (the n
 output row (`weights.scales`, lmlab.inference.quant's `int8`) are read as codes and scaled after each product; int4
 weights (`weights.group_size`, two codes a byte, a scale and zero per group of input columns) at batch 1 likewise,
 each group's products summed before its scale. `persistent=False` launches each (layer,
-stage) as a kernel of its own (for Triton's CPU interpreter, and as the many-launch baseline). `launch_plan` gives
+stage) as a kernel of its own (for Triton's CPU interpreter, and as the many-launch baseline); on sm_90 those launches
+form a programmatic-dependent-launch chain, each stage's programs loading their first weights while the stage before
+runs (STAGE_PDL; experiments/inference/README.md, 2026-12-07). `launch_plan` gives
 the scratch buffers and settings of a step on any device; the module's settings below are what
 experiments/inference/sweep_megakernel.py sweeps.
 """

@@ -39,7 +39,9 @@ a tile's chunks are its groups, each group's products summed first, then scaled,
 
 STAGE >= 0 runs one (layer, stage) as a kernel of its own instead (no barrier): the same code, for Triton's CPU
 interpreter (TRITON_INTERPRET=1 runs programs one after another, so a barrier there would never open) and as the
-many-launch baseline.
+many-launch baseline. With PDL those launches are a chain of programmatic dependent launches (sm_90): each lets the
+next start at once, and waits for the one before (`griddepcontrol.wait`) where the persistent kernel would wait at a
+grid barrier, after issuing its first tiles' loads; nothing it reads before that wait is written in the step.
 """
 
 from __future__ import annotations
