@@ -79,9 +79,6 @@ GEMV_INT4_NUM_WARPS = 8
 # (`griddepcontrol.wait`) where the persistent kernel waits at a grid barrier; programs per SM of each launch; a cap
 # on each program's registers (None: the compiler's choice), so that more programs, the next stage's among them, fit.
 STAGE_PDL, STAGE_PROGRAMS_PER_SM, STAGE_MAX_REGISTERS = True, 2, None
-# Stage by stage, q/k/v, attention and o_proj in one launch where o_proj's items wait on counters (as in the persistent
-# kernel): three launches a layer instead of five
-STAGE_MERGE_ATTENTION = True
 GEMV_MAX_WIDTH = 8192  # wider inputs take the tensor-core path (a whole row per tile would not fit in registers)
 NUM_STAGES = 3
 
@@ -90,14 +87,14 @@ CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT = 9
 
 
 def _resident_per_sm(args: tuple, meta: dict) -> int:
-    """How many programs of the persistent kernel (or of the launch that `meta`'s STAGE names) one SM holds at once, from the CUDA driver's occupancy calculator
+    """How many programs of the persistent kernel one SM holds at once, from the CUDA driver's occupancy calculator
     (registers, shared memory with its per-block reservation, threads), with the shared-memory carveout at its
     largest. Counting it by hand got it wrong: 2 x 114 KiB of shared memory fits 228 KiB only without the 1 KiB
     that each block reserves, so half the grid waited for an SM while the other half spun at the first barrier."""
     specialized = tuple((a == 1, a % 16 == 0) for a in args if type(a) is int)  # what Triton compiles a variant for
     key = (args[0].device, args[1].dtype, args[2].dtype, specialized, *sorted(meta.items()))
     if key not in _RESIDENT:
-        kernel = layers_kernel.warmup(*args, grid=(1,), **{"STAGE": -1, **meta})  # the very kernel the launch runs
+        kernel = layers_kernel.warmup(*args, grid=(1,), STAGE=-1, **meta)  # the very kernel the launch runs
         kernel._init_handles()
         cuda = ctypes.CDLL("libcuda.so.1")
         function = ctypes.c_void_p(kernel.function)
@@ -193,19 +190,13 @@ def _decode_layers_op(x: torch.Tensor, qkv: torch.Tensor, o: torch.Tensor, gate_
         args = (*plan.args, 0, k_cache.shape[0], *plan.shape)
         layers_kernel[(persistent_programs(plan, args),)](*args, STAGE=-1, **plan.meta)
     else:
-        on_gpu = x.is_cuda and not INTERPRET
-        pdl = STAGE_PDL and on_gpu and torch.cuda.get_device_capability(x.device) >= (9, 0)
-        meta = {**plan.meta, "PDL": pdl, "maxnreg": STAGE_MAX_REGISTERS}
-        # merged, attention's items wait on q/k/v's inside one launch: every program must be resident at once
-        merged = (STAGE_MERGE_ATTENTION and plan.meta["SPLIT_O"] and on_gpu and STAGE_PROGRAMS_PER_SM
-                  <= _resident_per_sm((*plan.args, 0, 1, *plan.shape), {**meta, "STAGE": 0, "LAST": 2}))
-        launches = ((0, 2), (3, 3), (4, 4)) if merged else tuple((stage, stage) for stage in range(N_STAGES))
+        pdl = STAGE_PDL and x.is_cuda and not INTERPRET and torch.cuda.get_device_capability(x.device) >= (9, 0)
         for layer in range(k_cache.shape[0]):
-            for first, last in launches:
-                chained = pdl and (layer, first) != (0, 0)  # the first waits for the step's earlier kernels in full
+            for stage in range(N_STAGES):
+                chained = pdl and (layer, stage) != (0, 0)  # the first waits for the step's earlier kernels in full
                 layers_kernel[(programs * STAGE_PROGRAMS_PER_SM,)](*plan.args, layer, layer + 1, *plan.shape,
-                                                                   launch_pdl=chained,
-                                                                   **{**meta, "STAGE": first, "LAST": last})
+                                                                   STAGE=stage, **{**plan.meta, "PDL": pdl},
+                                                                   launch_pdl=chained, maxnreg=STAGE_MAX_REGISTERS)
     return plan.args[1]  # written by the last layer
 
 
@@ -277,7 +268,7 @@ def launch_plan(x, qkv, o, gate_up, down, scales, norm_attn, norm_ffn, k_cache, 
                 **tiles, SPLIT_O=split_o,
                 PREFETCH=gemv and GEMV_PREFETCH_LATER and _bulk_prefetch(x.device),
                 ARRIVE_FIRST=gemv and GEMV_ARRIVE_BEFORE_LOADS, GATE_UP_EARLY=gemv and GEMV_GATE_UP_EARLY,
-                TIMELINE=False, INT8=int8, GROUP4=group_size, PDL=False, LAST=-1)
+                TIMELINE=False, INT8=int8, GROUP4=group_size, PDL=False)
     shape = (batch, d_model, d_ff, n_heads, n_kv_heads, split, eps, scale * LOG2E,
              k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), k_cache.stride(3))
     return LaunchPlan(args, shape, meta, GEMV_PROGRAMS_PER_SM if gemv else PROGRAMS_PER_SM)
