@@ -76,9 +76,10 @@ GEMV_QUANT_GATE_UP_TILE_ELEMS = 8192
 GEMV_INT4_NUM_WARPS = 8
 # Stage by stage on CUDA (persistent=False): each launch after the step's first is a programmatic dependent launch
 # (sm_90), so the next stage's programs start while this one runs, issue their first weight loads, and wait for it
-# (`griddepcontrol.wait`) where the persistent kernel waits at a grid barrier; programs per SM of each launch; a cap
-# on each program's registers (None: the compiler's choice), so that more programs, the next stage's among them, fit.
-STAGE_PDL, STAGE_PROGRAMS_PER_SM, STAGE_MAX_REGISTERS = True, 2, None
+# (`griddepcontrol.wait`) where the persistent kernel waits at a grid barrier; programs per SM of each launch. On an
+# H100 the llama400m batch-1 stack took 493-494 us at 2 an SM against 603 at 1, 518-584 at 3-4, 758 without PDL, and
+# 477-479 for the persistent kernel (one process; experiments/inference/h100-2026-12-07/)
+STAGE_PDL, STAGE_PROGRAMS_PER_SM = True, 2
 GEMV_MAX_WIDTH = 8192  # wider inputs take the tensor-core path (a whole row per tile would not fit in registers)
 NUM_STAGES = 3
 
@@ -196,7 +197,7 @@ def _decode_layers_op(x: torch.Tensor, qkv: torch.Tensor, o: torch.Tensor, gate_
                 chained = pdl and (layer, stage) != (0, 0)  # the first waits for the step's earlier kernels in full
                 layers_kernel[(programs * STAGE_PROGRAMS_PER_SM,)](*plan.args, layer, layer + 1, *plan.shape,
                                                                    STAGE=stage, **{**plan.meta, "PDL": pdl},
-                                                                   launch_pdl=chained, maxnreg=STAGE_MAX_REGISTERS)
+                                                                   launch_pdl=chained)
     return plan.args[1]  # written by the last layer
 
 
