@@ -29,8 +29,8 @@ from lmlab.inference.bench import DEFAULT_OVERRIDES, build_model
 from lmlab.inference.megakernel import Megakernel
 from lmlab.kernels import decode_layers as dl
 
-DEFAULT = ["persistent=True", "persistent=False,STAGE_PDL=False", "persistent=False",
-           "persistent=False,STAGE_PROGRAMS_PER_SM=2"]
+DEFAULT = ["persistent=True", "persistent=False,STAGE_PDL=False", "persistent=False,STAGE_PROGRAMS_PER_SM=1",
+           "persistent=False"]
 
 
 def parse_variant(text: str) -> tuple[bool, dict]:
