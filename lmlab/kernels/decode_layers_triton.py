@@ -456,8 +456,8 @@ def layers_kernel(X, Out, Wqkv, Wo, Wgu, Wd, Scales, Norm1, Norm2, Kc, Vc, Q, Pa
     arrival does not wait on them; with GATE_UP_EARLY, gate/up's are issued before o_proj, while its items wait on
     attention); o_proj adds into OAcc[layer], not X. PREFETCH (with GEMV and barriers or PDL):
     the programs also ask L2 for the later items of gate/up and down as they arrive (with PDL, before the wait).
-    TIMELINE: each program stamps eight moments a layer into Times (layer - layer_lo, moment, program), int64 ns: qkv open, qkv
-    done, attention done, o_proj done, gate/up open, gate/up done, down open, down done.
+    TIMELINE: each program stamps eight moments a layer into Times (layer - layer_lo, moment, program), int64 ns:
+    qkv open, qkv done, attention done, o_proj done, gate/up open, gate/up done, down open, down done.
     PDL (STAGE >= 0, each launch a link of a programmatic-dependent-launch chain): the next launch may start at once;
     this one waits for the previous where a barrier would open its stage, after issuing its first weight loads."""
     tl.static_assert(not PDL or STAGE >= 0)
