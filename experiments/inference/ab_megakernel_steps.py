@@ -46,6 +46,12 @@ def parse_variant(text: str) -> tuple[dict, str, bool]:
     return {name: ast.literal_eval(value) for name, value in settings.items()}, quant, persistent
 
 
+def apply_settings(settings: dict, defaults: dict) -> None:
+    """Set decode_layers' module settings: a variant's, the others compared back at their defaults."""
+    for name, value in {**defaults, **settings}.items():
+        setattr(dl, name, value)
+
+
 def weights(model, quant: str):
     """A copy of the model's weights, quantized by `quant` (round to nearest, in the layout the megakernel reads)
     unless it is "none"."""
@@ -81,8 +87,7 @@ def main() -> None:
     defaults = {name: getattr(dl, name) for settings, _, _ in variants.values() for name in settings}
     engines, firsts = {}, {}
     for name, (settings, quant, persistent) in variants.items():
-        for setting, value in {**defaults, **settings}.items():
-            setattr(dl, setting, value)
+        apply_settings(settings, defaults)
         engines[name] = Engine(weights(model, quant), True, megakernel=True)
         engines[name].megakernel.persistent = persistent
         firsts[name] = engines[name].generate(ids.tolist(), max_new_tokens=args.new, sync_every=64)

@@ -17,12 +17,11 @@ and the new keys'.
 from __future__ import annotations
 
 import argparse
-import ast
 import json
 import statistics
 
 import torch
-from ab_megakernel_steps import weights  # this folder's
+from ab_megakernel_steps import apply_settings, parse_variant, weights  # this folder's
 from sweep_megakernel import stack_inputs, time_stack
 
 from lmlab.inference.bench import DEFAULT_OVERRIDES, build_model
@@ -33,19 +32,12 @@ DEFAULT = ["persistent=True", "persistent=False,STAGE_PDL=False", "persistent=Fa
            "persistent=False"]
 
 
-def parse_variant(text: str) -> tuple[bool, dict]:
-    """(persistent, decode_layers settings)."""
-    settings = {name: ast.literal_eval(value) for name, value in (item.split("=", 1) for item in text.split(","))}
-    persistent = settings.pop("persistent", True)
-    unknown = [name for name in settings if not hasattr(dl, name)]
-    if unknown:
-        raise SystemExit(f"ab_stack_launches: {', '.join(unknown)} is no setting of lmlab.kernels.decode_layers")
+def stack_variant(text: str) -> tuple[bool, dict]:
+    """(persistent, decode_layers settings): ab_megakernel_steps' variant, whose weights are all --quant's."""
+    settings, quant, persistent = parse_variant(text)
+    if quant != "none":
+        raise SystemExit(f"ab_stack_launches: {text}: every variant runs on the same weights; pass --quant {quant}")
     return persistent, settings
-
-
-def apply(settings: dict, defaults: dict) -> None:
-    for name, value in {**defaults, **settings}.items():
-        setattr(dl, name, value)
 
 
 def one_step(kernel: Megakernel, persistent: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -65,14 +57,15 @@ def main() -> None:
     parser.add_argument("--quant", default="none")
     parser.add_argument("--out", default="ab-stack-launches.json")
     args = parser.parse_args()
-    variants = {text: parse_variant(text) for text in args.variants}
+    variants = {text: stack_variant(text) for text in args.variants}
+    parse_variant(f"quant={args.quant}")  # an unknown entry fails here, before any model is built
     defaults = {name: getattr(dl, name) for _, settings in variants.values() for name in settings}
     model, _ = build_model(DEFAULT_OVERRIDES, None, torch.device("cuda"), torch.bfloat16)
     kernel = Megakernel(weights(model, args.quant))
     reference = None
     checks = {}
     for name, (persistent, settings) in variants.items():
-        apply(settings, defaults)
+        apply_settings(settings, defaults)
         x, key = one_step(kernel, persistent)
         reference = reference or (x, key)
         checks[name] = {"residual": ((x - reference[0]).abs().max() / reference[0].abs().max()).item(),
@@ -82,7 +75,7 @@ def main() -> None:
     runs = {name: [] for name in variants}
     for round_ in range(args.rounds):
         for name, (persistent, settings) in variants.items():
-            apply(settings, defaults)
+            apply_settings(settings, defaults)
             runs[name].append(statistics.mean(time_stack(kernel, 1, persistent, slot) for slot in args.slots))
         print(f"round {round_ + 1}: " + ", ".join(f"{name} {us[-1]:.1f}" for name, us in runs.items()), flush=True)
     result = {}

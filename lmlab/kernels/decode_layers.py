@@ -126,9 +126,10 @@ def _chunk(width: int, rows: int, group_size: int) -> int:
     return min(width, GEMV_CHUNK) if rows >= GEMV_CHUNK_MIN_ROWS else width
 
 
-def _bulk_prefetch(device: torch.device) -> bool:
-    """Whether the device has the bulk L2 prefetch (sm_90 and later); a "meta" or CPU device is taken to (the sm_90
-    compile of megakernel_resources.py; the interpreter never runs the persistent kernel that issues them)."""
+def _sm90(device: torch.device) -> bool:
+    """Whether the device is sm_90 or later (the bulk L2 prefetch, programmatic dependent launch); a "meta" or CPU
+    device is taken to be (the sm_90 compile of megakernel_resources.py; the interpreter never runs the persistent
+    kernel that issues the prefetches, and the launch leaves PDL off there)."""
     return device.type != "cuda" or torch.cuda.get_device_capability(device) >= (9, 0)
 
 
@@ -191,7 +192,7 @@ def _decode_layers_op(x: torch.Tensor, qkv: torch.Tensor, o: torch.Tensor, gate_
         args = (*plan.args, 0, k_cache.shape[0], *plan.shape)
         layers_kernel[(persistent_programs(plan, args),)](*args, STAGE=-1, **plan.meta)
     else:
-        pdl = STAGE_PDL and x.is_cuda and not INTERPRET and torch.cuda.get_device_capability(x.device) >= (9, 0)
+        pdl = STAGE_PDL and x.is_cuda and not INTERPRET and _sm90(x.device)
         for layer in range(k_cache.shape[0]):
             for stage in range(N_STAGES):
                 chained = pdl and (layer, stage) != (0, 0)  # the first waits for the step's earlier kernels in full
@@ -267,7 +268,7 @@ def launch_plan(x, qkv, o, gate_up, down, scales, norm_attn, norm_ffn, k_cache, 
                 C_MODEL=_chunk(kp_model, min(tiles["T_QKV"], tiles["T_GU"]), group_size),
                 C_ATTN=_chunk(kp_attn, tiles["T_O"], group_size), C_FF=_chunk(kp_ff, tiles["T_D"], group_size),
                 **tiles, SPLIT_O=split_o,
-                PREFETCH=gemv and GEMV_PREFETCH_LATER and _bulk_prefetch(x.device),
+                PREFETCH=gemv and GEMV_PREFETCH_LATER and _sm90(x.device),
                 ARRIVE_FIRST=gemv and GEMV_ARRIVE_BEFORE_LOADS, GATE_UP_EARLY=gemv and GEMV_GATE_UP_EARLY,
                 TIMELINE=False, INT8=int8, GROUP4=group_size, PDL=False)
     shape = (batch, d_model, d_ff, n_heads, n_kv_heads, split, eps, scale * LOG2E,
