@@ -78,8 +78,12 @@ GEMV_INT4_NUM_WARPS = 8
 # (sm_90), so the next stage's programs start while this one runs, issue their first weight loads, and wait for it
 # (`griddepcontrol.wait`) where the persistent kernel waits at a grid barrier; programs per SM of each launch. On an
 # H100 the llama400m batch-1 stack took 493-494 us at 2 an SM against 603 at 1, 518-584 at 3-4, 758 without PDL, and
-# 477-479 for the persistent kernel (one process; experiments/inference/h100-2026-12-07/)
-STAGE_PDL, STAGE_PROGRAMS_PER_SM = True, 2
+# 477-479 for the persistent kernel (one process, five launches a layer; experiments/inference/h100-2026-12-07/).
+# A cap on each program's registers (None: the compiler's choice), so that the next stage's programs fit beside.
+STAGE_PDL, STAGE_PROGRAMS_PER_SM, STAGE_MAX_REGISTERS = True, 2, None
+# Stage by stage, q/k/v, attention and o_proj in one launch where o_proj's items wait on counters (as in the persistent
+# kernel): three launches a layer instead of five
+STAGE_MERGE_ATTENTION = True
 GEMV_MAX_WIDTH = 8192  # wider inputs take the tensor-core path (a whole row per tile would not fit in registers)
 NUM_STAGES = 3
 
@@ -88,14 +92,15 @@ CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT = 9
 
 
 def _resident_per_sm(args: tuple, meta: dict) -> int:
-    """How many programs of the persistent kernel one SM holds at once, from the CUDA driver's occupancy calculator
-    (registers, shared memory with its per-block reservation, threads), with the shared-memory carveout at its
-    largest. Counting it by hand got it wrong: 2 x 114 KiB of shared memory fits 228 KiB only without the 1 KiB
-    that each block reserves, so half the grid waited for an SM while the other half spun at the first barrier."""
+    """How many programs of the persistent kernel (or of the stage launch that `meta`'s STAGE names) one SM holds at
+    once, from the CUDA driver's occupancy calculator (registers, shared memory with its per-block reservation,
+    threads), with the shared-memory carveout at its largest. Counting it by hand got it wrong: 2 x 114 KiB of shared
+    memory fits 228 KiB only without the 1 KiB that each block reserves, so half the grid waited for an SM while the
+    other half spun at the first barrier."""
     specialized = tuple((a == 1, a % 16 == 0) for a in args if type(a) is int)  # what Triton compiles a variant for
     key = (args[0].device, args[1].dtype, args[2].dtype, specialized, *sorted(meta.items()))
     if key not in _RESIDENT:
-        kernel = layers_kernel.warmup(*args, grid=(1,), STAGE=-1, **meta)  # the very kernel the launch runs
+        kernel = layers_kernel.warmup(*args, grid=(1,), **{"STAGE": -1, **meta})  # the very kernel the launch runs
         kernel._init_handles()
         cuda = ctypes.CDLL("libcuda.so.1")
         function = ctypes.c_void_p(kernel.function)
@@ -192,13 +197,19 @@ def _decode_layers_op(x: torch.Tensor, qkv: torch.Tensor, o: torch.Tensor, gate_
         args = (*plan.args, 0, k_cache.shape[0], *plan.shape)
         layers_kernel[(persistent_programs(plan, args),)](*args, STAGE=-1, **plan.meta)
     else:
-        pdl = STAGE_PDL and x.is_cuda and not INTERPRET and _sm90(x.device)
+        on_gpu = x.is_cuda and not INTERPRET
+        pdl = STAGE_PDL and on_gpu and _sm90(x.device)
+        meta = {**plan.meta, "PDL": pdl, "maxnreg": STAGE_MAX_REGISTERS}
+        # merged, attention's items wait on q/k/v's inside one launch: every program must be resident at once
+        merged = (STAGE_MERGE_ATTENTION and plan.meta["SPLIT_O"] and on_gpu and STAGE_PROGRAMS_PER_SM
+                  <= _resident_per_sm((*plan.args, 0, 1, *plan.shape), {**meta, "STAGE": 0, "LAST": 2}))
+        launches = ((0, 2), (3, 3), (4, 4)) if merged else tuple((stage, stage) for stage in range(N_STAGES))
         for layer in range(k_cache.shape[0]):
-            for stage in range(N_STAGES):
-                chained = pdl and (layer, stage) != (0, 0)  # the first waits for the step's earlier kernels in full
+            for first, last in launches:
+                chained = pdl and (layer, first) != (0, 0)  # the first waits for the step's earlier kernels in full
                 layers_kernel[(programs * STAGE_PROGRAMS_PER_SM,)](*plan.args, layer, layer + 1, *plan.shape,
-                                                                   STAGE=stage, **{**plan.meta, "PDL": pdl},
-                                                                   launch_pdl=chained)
+                                                                   launch_pdl=chained,
+                                                                   **{**meta, "STAGE": first, "LAST": last})
     return plan.args[1]  # written by the last layer
 
 
@@ -270,7 +281,7 @@ def launch_plan(x, qkv, o, gate_up, down, scales, norm_attn, norm_ffn, k_cache, 
                 **tiles, SPLIT_O=split_o,
                 PREFETCH=gemv and GEMV_PREFETCH_LATER and _sm90(x.device),
                 ARRIVE_FIRST=gemv and GEMV_ARRIVE_BEFORE_LOADS, GATE_UP_EARLY=gemv and GEMV_GATE_UP_EARLY,
-                TIMELINE=False, INT8=int8, GROUP4=group_size, PDL=False)
+                TIMELINE=False, INT8=int8, GROUP4=group_size, PDL=False, LAST=-1)
     shape = (batch, d_model, d_ff, n_heads, n_kv_heads, split, eps, scale * LOG2E,
              k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), k_cache.stride(3))
     return LaunchPlan(args, shape, meta, GEMV_PROGRAMS_PER_SM if gemv else PROGRAMS_PER_SM)

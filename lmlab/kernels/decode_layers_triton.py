@@ -437,21 +437,22 @@ def _residual_matmul(X, Out, last, OAcc, W, S, In, Sync, target, rows, row_ok, p
 def layers_kernel(X, Out, Wqkv, Wo, Wgu, Wd, Scales, Norm1, Norm2, Kc, Vc, Q, PartO, PartL, Attn, Arrived, Act, Cos,
                   Sin, Slots, Start, Sync, OAcc, Times, layer_lo, layer_hi, batch, d_model, d_ff, n_heads, n_kv_heads,
                   n_split, eps, qk_scale, sc_layer, sc_b, sc_h, sc_l,
-                  STAGE: tl.constexpr, BB: tl.constexpr, HEAD_DIM: tl.constexpr, GROUP: tl.constexpr,
-                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SPLIT: tl.constexpr, BLOCK_K: tl.constexpr,
-                  INTERLEAVED: tl.constexpr, PREC: tl.constexpr, GEMV: tl.constexpr, KP_MODEL: tl.constexpr,
-                  KP_ATTN: tl.constexpr, KP_FF: tl.constexpr, C_MODEL: tl.constexpr, C_ATTN: tl.constexpr,
-                  C_FF: tl.constexpr, PREFETCH: tl.constexpr, T_QKV: tl.constexpr, T_O: tl.constexpr,
-                  T_GU: tl.constexpr, T_D: tl.constexpr, SPLIT_O: tl.constexpr, ARRIVE_FIRST: tl.constexpr,
-                  GATE_UP_EARLY: tl.constexpr, TIMELINE: tl.constexpr, INT8: tl.constexpr,
-                  GROUP4: tl.constexpr, PDL: tl.constexpr):
+                  STAGE: tl.constexpr, LAST: tl.constexpr, BB: tl.constexpr, HEAD_DIM: tl.constexpr,
+                  GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SPLIT: tl.constexpr,
+                  BLOCK_K: tl.constexpr, INTERLEAVED: tl.constexpr, PREC: tl.constexpr, GEMV: tl.constexpr,
+                  KP_MODEL: tl.constexpr, KP_ATTN: tl.constexpr, KP_FF: tl.constexpr, C_MODEL: tl.constexpr,
+                  C_ATTN: tl.constexpr, C_FF: tl.constexpr, PREFETCH: tl.constexpr, T_QKV: tl.constexpr,
+                  T_O: tl.constexpr, T_GU: tl.constexpr, T_D: tl.constexpr, SPLIT_O: tl.constexpr,
+                  ARRIVE_FIRST: tl.constexpr, GATE_UP_EARLY: tl.constexpr, TIMELINE: tl.constexpr,
+                  INT8: tl.constexpr, GROUP4: tl.constexpr, PDL: tl.constexpr):
     """X: the float32 residual stream, updated in place; the launch's last layer also writes it to Out in Out's dtype.
     INT8: the four weights hold int8 codes, and Scales (layer, rows of q/k/v, o, gate/up, down) their rows' scales.
     GROUP4 (> 0, GEMV without SPLIT_O): they hold int4 codes two a byte, and Scales per layer each projection's
     (groups, rows, 2) scales and zeros in the weights' order; KP_* and C_* count bytes. The activations' dtype is the
     norms' (Norm1's).
     STAGE -1: every stage of layers [layer_lo, layer_hi) with a grid barrier before each stage but the first (and
-    on the GEMV path but o_proj, whose items wait on counters); else that stage only. GEMV: batch 1, matrix-vector
+    on the GEMV path but o_proj, whose items wait on counters); else stages STAGE to LAST of one layer (one stage, or
+    q/k/v, attention and o_proj together where o_proj's items wait on counters, SPLIT_O). GEMV: batch 1, matrix-vector
     tiles whose first loads are issued before the barrier's wait (with ARRIVE_FIRST after the program arrives, so its
     arrival does not wait on them; with GATE_UP_EARLY, gate/up's are issued before o_proj, while its items wait on
     attention); o_proj adds into OAcc[layer], not X. PREFETCH (with GEMV and barriers or PDL):
@@ -461,6 +462,7 @@ def layers_kernel(X, Out, Wqkv, Wo, Wgu, Wd, Scales, Norm1, Norm2, Kc, Vc, Q, Pa
     PDL (STAGE >= 0, each launch a link of a programmatic-dependent-launch chain): the next launch may start at once;
     this one waits for the previous where a barrier would open its stage, after issuing its first weight loads."""
     tl.static_assert(not PDL or STAGE >= 0)
+    tl.static_assert(STAGE < 0 or LAST == STAGE or (STAGE == 0 and LAST == 2 and SPLIT_O))
     let_next_launch(PDL)
     pid = tl.program_id(0)
     n_programs = tl.num_programs(0)
@@ -512,12 +514,12 @@ def layers_kernel(X, Out, Wqkv, Wo, Wgu, Wd, Scales, Norm1, Norm2, Kc, Vc, Q, Pa
                            pid, n_programs, eps, sc_b, sc_h, sc_l, d_model, n_heads, n_kv_heads,
                            BB, HEAD_DIM, T_QKV, INTERLEAVED, BLOCK_K, PREC, INT8)
             stamp(stamps + n_programs, TIMELINE)
-        if STAGE < 0 or STAGE == 1:
+        if STAGE < 0 or (STAGE <= 1 and 1 <= LAST):
             _attention_stage(Q, kc, vc, PartO, PartL, Attn, Arrived, Sync, Slots, Start, layer, pid, n_programs,
                              batch, n_heads, n_kv_heads, n_split, sc_b, sc_h, sc_l, qk_scale,
                              GROUP, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_SPLIT, T_QKV, PREC, not SPLIT_O, PDL)
             stamp(stamps + 2 * n_programs, TIMELINE)
-        if STAGE < 0 or STAGE == 2:
+        if STAGE < 0 or (STAGE <= 2 and 2 <= LAST):
             if EARLY_GU:  # while o_proj's items wait on attention
                 gate_w, up_w, gate_s, up_s = _gate_up_tiles(wgu, sgu, pid, d_model, d_ff, T_GU, KP_MODEL, C_MODEL,
                                                             INT8, GROUP4)
@@ -529,7 +531,7 @@ def layers_kernel(X, Out, Wqkv, Wo, Wgu, Wd, Scales, Norm1, Norm2, Kc, Vc, Q, Pa
                                  n_programs, d_model, width, Times, STAGE < 0, GEMV, T_O, KP_ATTN, C_ATTN, BB, BLOCK_K,
                                  PREC, ARRIVE_FIRST, False, False, INT8, GROUP4, PDL)
             stamp(stamps + 3 * n_programs, TIMELINE)
-        if STAGE < 0 or STAGE == 3:
+        if STAGE < 0 or (STAGE <= 3 and 3 <= LAST):
             if ARRIVE_FIRST and STAGE < 0:
                 barrier_arrive(Sync)
             if GEMV:
@@ -550,7 +552,7 @@ def layers_kernel(X, Out, Wqkv, Wo, Wgu, Wd, Scales, Norm1, Norm2, Kc, Vc, Q, Pa
                 _gate_up_stage(X, Norm2 + at * d_model, wgu, sgu, Act, rows, row_ok, pid, n_programs, eps, d_model,
                                d_ff, BB, BLOCK_K, PREC, INT8)
             stamp(stamps + 5 * n_programs, TIMELINE)
-        if STAGE < 0 or STAGE == 4:
+        if STAGE < 0 or (STAGE <= 4 and 4 <= LAST):
             _residual_matmul(X, Out, layer == layer_hi - 1, o_acc, wd, sd, Act, Sync,
                              arrivals + (BARRIERS - 1) * n_programs, rows, row_ok, pid, n_programs, d_model, d_ff,
                              stamps + 6 * n_programs, STAGE < 0, GEMV, T_D, KP_FF, C_FF, BB, BLOCK_K, PREC,
