@@ -104,10 +104,11 @@ def main() -> None:
         steps = one_step(engine, ids, args.new) if engine.megakernel.persistent else []  # a step is one launch
         result[name] = {"tokens_per_s": statistics.median(runs[name]), "runs": runs[name], "one_step": steps}
         print(f"{name:<24} {result[name]['tokens_per_s']:8,.0f} tokens/s (runs {min(runs[name]):,.0f}-"
-              f"{max(runs[name]):,.0f}); one step (GPU us, idle us before):", flush=True)
+              f"{max(runs[name]):,.0f})" + ("; one step (GPU us, idle us before):" if steps else ""), flush=True)
         for kernel, us, idle in steps:
             print(f"  {us:8.1f} {idle:6.1f}  {kernel}")
-        print(f"  {sum(r[1] + r[2] for r in steps):8.1f} us from one launch of the layer stack to the next")
+        if steps:
+            print(f"  {sum(r[1] + r[2] for r in steps):8.1f} us from one launch of the layer stack to the next")
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
 

@@ -76,14 +76,12 @@ GEMV_QUANT_GATE_UP_TILE_ELEMS = 8192
 GEMV_INT4_NUM_WARPS = 8
 # Stage by stage on CUDA (persistent=False): each launch after the step's first is a programmatic dependent launch
 # (sm_90), so the next stage's programs start while this one runs, issue their first weight loads, and wait for it
-# (`griddepcontrol.wait`) where the persistent kernel waits at a grid barrier; programs per SM of each launch. On an
-# H100 the llama400m batch-1 stack took 493-494 us at 2 an SM against 603 at 1, 518-584 at 3-4, 758 without PDL, and
-# 477-479 for the persistent kernel (one process, five launches a layer; experiments/inference/h100-2026-12-07/).
-# A cap on each program's registers (None: the compiler's choice), so that the next stage's programs fit beside.
-STAGE_PDL, STAGE_PROGRAMS_PER_SM, STAGE_MAX_REGISTERS = True, 2, None
-# Stage by stage, q/k/v, attention and o_proj in one launch where o_proj's items wait on counters (as in the persistent
-# kernel): three launches a layer instead of five
-STAGE_MERGE_ATTENTION = True
+# (`griddepcontrol.wait`) where the persistent kernel waits at a grid barrier; programs per SM of each launch. With
+# STAGE_MERGE_ATTENTION, q/k/v, attention and o_proj share one launch whose o_proj items wait on counters (as in the
+# persistent kernel): three launches a layer instead of five. On an H100, llama400m at batch 1, the stack took 475-476
+# us against 480-482 for the persistent kernel and 495 unmerged; 607 at 1 program an SM, 812 with registers capped at
+# 168 (spills) (one process each; experiments/inference/h100-2026-12-07b/).
+STAGE_PDL, STAGE_PROGRAMS_PER_SM, STAGE_MERGE_ATTENTION = True, 2, True
 GEMV_MAX_WIDTH = 8192  # wider inputs take the tensor-core path (a whole row per tile would not fit in registers)
 NUM_STAGES = 3
 
@@ -199,7 +197,7 @@ def _decode_layers_op(x: torch.Tensor, qkv: torch.Tensor, o: torch.Tensor, gate_
     else:
         on_gpu = x.is_cuda and not INTERPRET
         pdl = STAGE_PDL and on_gpu and _sm90(x.device)
-        meta = {**plan.meta, "PDL": pdl, "maxnreg": STAGE_MAX_REGISTERS}
+        meta = {**plan.meta, "PDL": pdl}
         # merged, attention's items wait on q/k/v's inside one launch: every program must be resident at once
         merged = (STAGE_MERGE_ATTENTION and plan.meta["SPLIT_O"] and on_gpu and STAGE_PROGRAMS_PER_SM
                   <= _resident_per_sm((*plan.args, 0, 1, *plan.shape), {**meta, "STAGE": 0, "LAST": 2}))
