@@ -120,7 +120,8 @@ class Megakernel:
         self.weights = self._stack()
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
-        # One launch with grid barriers; else a launch per (layer, stage): the interpreter runs programs in turn
+        # One launch with grid barriers; else launches per layer and stage (decode_layers' STAGE_* settings), which
+        # the interpreter needs, as it runs programs in turn
         self.persistent = os.environ.get("TRITON_INTERPRET") != "1"
 
     @property
