@@ -1,6 +1,7 @@
 """The batch-1 layer stack launched three ways, timed in one process, in turns: the persistent megakernel (a grid
-barrier a stage), a launch per (layer, stage), and that chain with programmatic dependent launch (PDL: each stage's
-programs start while the previous stage runs, issue their first weight loads, then wait for it in hardware).
+barrier a stage), launches per (layer, stage) (q/k/v through o_proj in one where STAGE_MERGE_ATTENTION), and that chain
+with programmatic dependent launch (PDL: each stage's programs start while the previous stage runs, issue their first
+weight loads, then wait for it in hardware).
 
     python experiments/inference/ab_stack_launches.py [VARIANT ...] [--rounds 7] [--slots 255 383] [--quant int8]
         [--out F]

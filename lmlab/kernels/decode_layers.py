@@ -7,12 +7,12 @@ in or out is a launch of its own). It writes each layer's new key and value at c
 the last layer's output (before the final norm) in the activations' dtype (the norms'). Weights quantized to int8 per
 output row (`weights.scales`, lmlab.inference.quant's `int8`) are read as codes and scaled after each product; int4
 weights (`weights.group_size`, two codes a byte, a scale and zero per group of input columns) at batch 1 likewise,
-each group's products summed before its scale. `persistent=False` launches each (layer,
-stage) as a kernel of its own (for Triton's CPU interpreter, and as the many-launch baseline); on sm_90 those launches
-form a programmatic-dependent-launch chain, each stage's programs loading their first weights while the stage before
-runs (STAGE_PDL; experiments/inference/README.md, 2026-12-07). `launch_plan` gives
-the scratch buffers and settings of a step on any device; the module's settings below are what
-experiments/inference/sweep_megakernel.py sweeps.
+each group's products summed before its scale. `persistent=False` launches each (layer, stage) as a kernel of its
+own (for Triton's CPU interpreter, and as the many-launch baseline; on a GPU at batch 1, q/k/v, attention and o_proj
+share one launch where all its programs fit at once, STAGE_MERGE_ATTENTION); on sm_90 those launches form a
+programmatic-dependent-launch chain, each stage's programs loading their first weights while the stage before runs
+(STAGE_PDL; experiments/inference/README.md, 2026-12-07). `launch_plan` gives the scratch buffers and settings of a
+step on any device; the module's settings below are what experiments/inference/sweep_megakernel.py sweeps.
 """
 
 from __future__ import annotations

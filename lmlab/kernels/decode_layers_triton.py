@@ -37,9 +37,10 @@ scaled once; the activations keep the norms' dtype. With GROUP4 (batch 1 only) t
 a scale and zero per group of GROUP4 input columns (lmlab.inference.quant's `int4` stored for its `dequant` kernel):
 a tile's chunks are its groups, each group's products summed first, then scaled, plus zero times the group's inputs.
 
-STAGE >= 0 runs one (layer, stage) as a kernel of its own instead (no barrier): the same code, for Triton's CPU
-interpreter (TRITON_INTERPRET=1 runs programs one after another, so a barrier there would never open) and as the
-many-launch baseline. With PDL those launches are a chain of programmatic dependent launches (sm_90): each lets the
+STAGE >= 0 runs one (layer, stage) as a kernel of its own instead (no barrier), or stages STAGE to LAST of a layer
+(q/k/v, attention and o_proj, whose items wait on counters): the same code, for Triton's CPU interpreter
+(TRITON_INTERPRET=1 runs programs one after another, so a barrier there would never open) and as the many-launch
+baseline. With PDL those launches are a chain of programmatic dependent launches (sm_90): each lets the
 next start at once, and waits for the one before (`griddepcontrol.wait`) where the persistent kernel would wait at a
 grid barrier, after issuing its first tiles' loads; nothing it reads before that wait is written in the step.
 """
