@@ -53,6 +53,7 @@ GEMV_O_PROJ_ON_COUNTERS = True
 # residual with atomics; they follow gate/up's items in one stream dealt out by program, so the programs that had
 # fewer gate/up items start on down while the rest finish gate/up. A final copy writes the last residual out.
 GEMV_DOWN_ON_COUNTERS, GEMV_DOWN_CHUNK = True, 256
+GEMV_DOWN_COUNT_LATE = False
 # Arrive at each grid barrier before issuing the next stage's first tile loads, then wait: the arrival's release
 # fence need not wait for them (the timeline showed the barrier before q/k/v, whose 32 KB loads went first, taking
 # twice the others: experiments/inference/h200-2026-12-04b/)
@@ -295,7 +296,7 @@ def launch_plan(x, qkv, o, gate_up, down, scales, norm_attn, norm_ffn, k_cache, 
                 PREFETCH=gemv and GEMV_PREFETCH_LATER and _sm90(x.device),
                 ARRIVE_FIRST=gemv and GEMV_ARRIVE_BEFORE_LOADS, GATE_UP_EARLY=gemv and GEMV_GATE_UP_EARLY,
                 TIMELINE=False, INT8=int8, GROUP4=group_size, PDL=False, LAST=-1, SPLIT_D=split_d,
-                T_DS=_tile_rows(c_down, GEMV_TILE_ELEMS), C_DOWN=c_down)
+                T_DS=_tile_rows(c_down, GEMV_TILE_ELEMS), C_DOWN=c_down, COUNT_LATE=GEMV_DOWN_COUNT_LATE)
     shape = (batch, d_model, d_ff, n_heads, n_kv_heads, split, eps, scale * LOG2E,
              k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), k_cache.stride(3))
     return LaunchPlan(args, shape, meta, GEMV_PROGRAMS_PER_SM if gemv else PROGRAMS_PER_SM)

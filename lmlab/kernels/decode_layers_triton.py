@@ -366,7 +366,7 @@ def _gate_up_tiles(W, S, item, d_model, d_ff, TILE: tl.constexpr, KP: tl.constex
 @triton.jit
 def _gate_up_gemv(X, OAcc, NormW, W, S, Act, Done, pid, n_programs, eps, d_model, d_ff, gate_w, up_w, gate_s, up_s,
                   TILE: tl.constexpr, KP: tl.constexpr, KC: tl.constexpr, INT8: tl.constexpr, GROUP4: tl.constexpr,
-                  CD: tl.constexpr, COUNT: tl.constexpr):
+                  CD: tl.constexpr, COUNT: tl.constexpr, COUNT_LATE: tl.constexpr):
     """_gate_up_stage for one sequence, whose residual is X + OAcc (o_proj's sums); gate_w, up_w: the first item's
     tiles, already loading (gate_s, up_s their scales). COUNT: each item then counts itself done in Done[its chunk of
     CD columns of Act], which down's items wait on."""
@@ -379,10 +379,14 @@ def _gate_up_gemv(X, OAcc, NormW, W, S, Act, Done, pid, n_programs, eps, d_model
         cols = item * TILE + tl.arange(0, TILE)
         tl.store(Act + cols, _swiglu(normed_gemv(gate_w, gate_s, x, inv_rms, dt, INT8, GROUP4),
                                      normed_gemv(up_w, up_s, x, inv_rms, dt, INT8, GROUP4), dt), mask=cols < d_ff)
-        if COUNT:
+        if COUNT and not COUNT_LATE:
             tl.debug_barrier()  # the item's stores are all issued before it counts itself done
             tl.atomic_add(Done + item * TILE // CD, 1, sem="release", scope="gpu")
         gate_w, up_w, gate_s, up_s = next_gate, next_up, next_gate_s, next_up_s
+    if COUNT and COUNT_LATE:
+        tl.debug_barrier()
+        for item in range(pid, tl.cdiv(d_ff, TILE), n_programs):
+            tl.atomic_add(Done + item * TILE // CD, 1, sem="release", scope="gpu")
 
 
 @triton.jit
@@ -442,12 +446,13 @@ def _prefetch_down(W, pid, n_programs, d_model, d_ff, TILE: tl.constexpr, CD: tl
 
 @triton.jit
 def _down_gemv(ResOut, ResIn, OAcc, W, S, Act, Done, layer, pid, n_programs, d_model, d_ff, TILE: tl.constexpr,
-               CD: tl.constexpr, T_GU: tl.constexpr, INT8: tl.constexpr, PDL: tl.constexpr):
+               CD: tl.constexpr, T_GU: tl.constexpr, INT8: tl.constexpr, PDL: tl.constexpr, WAIT: tl.constexpr):
     """Down without a grid barrier: an item is (chunk of CD columns of Act, TILE output rows); it waits only for the
     gate/up items of its chunk (their count in Done), and adds W[rows, chunk] @ Act[chunk] into ResOut with atomics,
     the first chunk's items adding the layer's residual (ResIn + OAcc) too; ResOut, zeroed by the step's fill, is
     the next layer's input. Items continue gate/up's (`_first_down_item`), chunk-major, so a program that had fewer
-    gate/up items starts down's first chunks while the others finish gate/up."""
+    gate/up items starts down's first chunks while the others finish gate/up. Without WAIT (a launch of its own,
+    after gate/up's) nothing is waited for."""
     blocks = tl.cdiv(d_model, TILE)
     first = _first_down_item(pid, n_programs, d_ff, T_GU)
     w, s = _down_window(W, S, first, d_model, d_ff, TILE, CD, INT8)
@@ -456,7 +461,8 @@ def _down_gemv(ResOut, ResIn, OAcc, W, S, Act, Done, layer, pid, n_programs, d_m
         next_w, next_s = _down_window(W, S, item + n_programs, d_model, d_ff, TILE, CD, INT8)
         chunk = item // blocks
         columns = tl.minimum(d_ff - chunk * CD, CD)
-        wait_until(Done + chunk, (layer + 1) * tl.cdiv(columns, T_GU))
+        if WAIT:
+            wait_until(Done + chunk, (layer + 1) * tl.cdiv(columns, T_GU))
         a = input_row(Act + chunk * CD, columns, CD, CD, 0)
         rows = (item % blocks) * TILE + tl.arange(0, TILE)
         ok = rows < d_model
@@ -517,7 +523,7 @@ def layers_kernel(X, Out, Wqkv, Wo, Wgu, Wd, Scales, Norm1, Norm2, Kc, Vc, Q, Pa
                   T_O: tl.constexpr, T_GU: tl.constexpr, T_D: tl.constexpr, SPLIT_O: tl.constexpr,
                   ARRIVE_FIRST: tl.constexpr, GATE_UP_EARLY: tl.constexpr, TIMELINE: tl.constexpr,
                   INT8: tl.constexpr, GROUP4: tl.constexpr, PDL: tl.constexpr, SPLIT_D: tl.constexpr,
-                  T_DS: tl.constexpr, C_DOWN: tl.constexpr):
+                  T_DS: tl.constexpr, C_DOWN: tl.constexpr, COUNT_LATE: tl.constexpr):
     """X: the float32 residual stream, updated in place; the launch's last layer also writes it to Out in Out's dtype.
     INT8: the four weights hold int8 codes, and Scales (layer, rows of q/k/v, o, gate/up, down) their rows' scales.
     GROUP4 (> 0, GEMV without SPLIT_O): they hold int4 codes two a byte, and Scales per layer each projection's
@@ -628,7 +634,8 @@ def layers_kernel(X, Out, Wqkv, Wo, Wgu, Wd, Scales, Norm1, Norm2, Kc, Vc, Q, Pa
             stamp(stamps + 4 * n_programs, TIMELINE)
             if GEMV:
                 _gate_up_gemv(res_in, o_acc, Norm2 + at * d_model, wgu, sgu, Act, Done, pid, n_programs, eps, d_model,
-                              d_ff, gate_w, up_w, gate_s, up_s, T_GU, KP_MODEL, C_MODEL, INT8, GROUP4, C_DOWN, SPLIT_D)
+                              d_ff, gate_w, up_w, gate_s, up_s, T_GU, KP_MODEL, C_MODEL, INT8, GROUP4, C_DOWN,
+                              SPLIT_D and STAGE < 0, COUNT_LATE)
             else:
                 _gate_up_stage(X, Norm2 + at * d_model, wgu, sgu, Act, rows, row_ok, pid, n_programs, eps, d_model,
                                d_ff, BB, BLOCK_K, PREC, INT8)
@@ -637,7 +644,7 @@ def layers_kernel(X, Out, Wqkv, Wo, Wgu, Wd, Scales, Norm1, Norm2, Kc, Vc, Q, Pa
             if SPLIT_D:
                 stamp(stamps + 6 * n_programs, TIMELINE)
                 _down_gemv(Res + at * d_model, res_in, o_acc, wd, sd, Act, Done, layer, pid, n_programs, d_model, d_ff,
-                           T_DS, C_DOWN, T_GU, INT8, PDL)
+                           T_DS, C_DOWN, T_GU, INT8, PDL, STAGE < 0)
             else:
                 _residual_matmul(X, Out, layer == layer_hi - 1, o_acc, wd, sd, Act, Sync,
                                  arrivals + (GU_BARRIER + 1) * n_programs, rows, row_ok, pid, n_programs, d_model,
