@@ -48,12 +48,6 @@ GEMV_GATE_UP_EARLY = True
 # o_proj without a grid barrier: items of (head, output rows) wait on their kv head's attention splits and add into a
 # float32 sum with atomics (else a barrier, then whole-row tiles as in down)
 GEMV_O_PROJ_ON_COUNTERS = True
-# down without a grid barrier either (where o_proj's items wait on counters): items of (GEMV_DOWN_CHUNK columns of
-# gate/up's output, output rows) wait on the count of their chunk's gate/up items and add into the next layer's input
-# residual with atomics; they follow gate/up's items in one stream dealt out by program, so the programs that had
-# fewer gate/up items start on down while the rest finish gate/up. A final copy writes the last residual out.
-GEMV_DOWN_ON_COUNTERS, GEMV_DOWN_CHUNK = True, 256
-GEMV_DOWN_COUNT_LATE = False
 # Arrive at each grid barrier before issuing the next stage's first tile loads, then wait: the arrival's release
 # fence need not wait for them (the timeline showed the barrier before q/k/v, whose 32 KB loads went first, taking
 # twice the others: experiments/inference/h200-2026-12-04b/)
@@ -208,14 +202,12 @@ def _decode_layers_op(x: torch.Tensor, qkv: torch.Tensor, o: torch.Tensor, gate_
         merged = (STAGE_MERGE_ATTENTION and plan.meta["SPLIT_O"] and on_gpu and STAGE_PROGRAMS_PER_SM
                   <= _resident_per_sm((*plan.args, 0, 1, *plan.shape), {**meta, "STAGE": 0, "LAST": 2}))
         launches = ((0, 2), (3, 3), (4, 4)) if merged else tuple((stage, stage) for stage in range(N_STAGES))
-        layers = [(layer, stages) for layer in range(k_cache.shape[0]) for stages in launches]
-        if plan.meta["SPLIT_D"]:  # the residual out, once the last down has added into it
-            layers.append((k_cache.shape[0] - 1, (N_STAGES, N_STAGES)))
-        for layer, (first, last) in layers:
-            chained = pdl and (layer, first) != (0, 0)  # the first waits for the step's earlier kernels in full
-            layers_kernel[(programs * STAGE_PROGRAMS_PER_SM,)](*plan.args, layer, layer + 1, *plan.shape,
-                                                               launch_pdl=chained,
-                                                               **{**meta, "STAGE": first, "LAST": last})
+        for layer in range(k_cache.shape[0]):
+            for first, last in launches:
+                chained = pdl and (layer, first) != (0, 0)  # the first waits for the step's earlier kernels in full
+                layers_kernel[(programs * STAGE_PROGRAMS_PER_SM,)](*plan.args, layer, layer + 1, *plan.shape,
+                                                                   launch_pdl=chained,
+                                                                   **{**meta, "STAGE": first, "LAST": last})
     return plan.args[1]  # written by the last layer
 
 
@@ -263,27 +255,19 @@ def launch_plan(x, qkv, o, gate_up, down, scales, norm_attn, norm_ffn, k_cache, 
     attn = torch.empty(batch, n_heads * head_dim, dtype=dtype, device=x.device)
     act = torch.empty(batch, d_ff, dtype=dtype, device=x.device)
     split_o = gemv and GEMV_O_PROJ_ON_COUNTERS and not group_size  # int4's o_proj: whole rows, after a barrier
-    split_d = split_o and GEMV_DOWN_ON_COUNTERS
+    # Zeroed in one fill: the counters (the grid barrier's, each kv head's finished q/k/v items, each (sequence, kv
+    # head)'s finished attention splits) and, on the matrix-vector path, each layer's o_proj sums (float32 zeros)
+    counters = 1 + n_kv_heads + batch * n_kv_heads
+    sums = -(-counters // O_ACC_ALIGN) * O_ACC_ALIGN
+    sync = torch.zeros(sums + (n_layers * d_model if gemv else 0), dtype=torch.int32, device=x.device)
+    arrived, o_acc = sync[1 + n_kv_heads:counters], sync[sums:].view(torch.float32)
+    args = (x, out, qkv, o, gate_up, down, norm_attn if scales is None else scales, norm_attn, norm_ffn, k_cache,
+            v_cache, q, part_out, part_lse, attn, arrived, act, cos, sin, slots, start, sync, o_acc, sync)  # no Times
     tiles = dict(T_QKV=_tile_rows(kp_model, GEMV_TILE_ELEMS, head_dim // 2) if gemv else 16,
                  T_O=_tile_rows(head_dim if split_o else kp_attn, GEMV_TILE_ELEMS),
                  T_GU=_tile_rows(kp_model, GEMV_QUANT_GATE_UP_TILE_ELEMS if scales is not None
                                  else GEMV_GATE_UP_TILE_ELEMS),
                  T_D=_tile_rows(kp_ff, GEMV_TILE_ELEMS))
-    c_down = max(GEMV_DOWN_CHUNK, tiles["T_GU"])  # whole gate/up items per chunk (both powers of two)
-    chunks = -(-d_ff // c_down) if split_d else 0
-    # Zeroed in one fill: the counters (the grid barrier's, each kv head's finished q/k/v items, each (sequence, kv
-    # head)'s finished attention splits, with split_d each chunk's finished gate/up items) and, on the matrix-vector
-    # path, each layer's o_proj sums and with split_d its output residual (float32 zeros)
-    counters = 1 + n_kv_heads + batch * n_kv_heads
-    sums = -(-(counters + chunks) // O_ACC_ALIGN) * O_ACC_ALIGN
-    per_layer = d_model * (1 + split_d) if gemv else 0
-    sync = torch.zeros(sums + n_layers * per_layer, dtype=torch.int32, device=x.device)
-    arrived, done = sync[1 + n_kv_heads:counters], sync[counters:counters + chunks]
-    o_acc = sync[sums:sums + n_layers * d_model * gemv].view(torch.float32)
-    res = sync[sums + n_layers * d_model * gemv:].view(torch.float32)
-    args = (x, out, qkv, o, gate_up, down, norm_attn if scales is None else scales, norm_attn, norm_ffn, k_cache,
-            v_cache, q, part_out, part_lse, attn, arrived, act, cos, sin, slots, start, sync, o_acc,
-            done if split_d else sync, res if split_d else o_acc, sync)  # no Times
     meta = dict(BB=1 if gemv else max(16, triton.next_power_of_2(batch)), HEAD_DIM=head_dim, GROUP=group,
                 BLOCK_M=max(16, triton.next_power_of_2(group)), BLOCK_N=32,
                 BLOCK_SPLIT=triton.next_power_of_2(split), BLOCK_K=BLOCK_K, INTERLEAVED=interleaved,
@@ -295,8 +279,7 @@ def launch_plan(x, qkv, o, gate_up, down, scales, norm_attn, norm_ffn, k_cache, 
                 **tiles, SPLIT_O=split_o,
                 PREFETCH=gemv and GEMV_PREFETCH_LATER and _sm90(x.device),
                 ARRIVE_FIRST=gemv and GEMV_ARRIVE_BEFORE_LOADS, GATE_UP_EARLY=gemv and GEMV_GATE_UP_EARLY,
-                TIMELINE=False, INT8=int8, GROUP4=group_size, PDL=False, LAST=-1, SPLIT_D=split_d,
-                T_DS=_tile_rows(c_down, GEMV_TILE_ELEMS), C_DOWN=c_down, COUNT_LATE=GEMV_DOWN_COUNT_LATE)
+                TIMELINE=False, INT8=int8, GROUP4=group_size, PDL=False, LAST=-1)
     shape = (batch, d_model, d_ff, n_heads, n_kv_heads, split, eps, scale * LOG2E,
              k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), k_cache.stride(3))
     return LaunchPlan(args, shape, meta, GEMV_PROGRAMS_PER_SM if gemv else PROGRAMS_PER_SM)

@@ -53,11 +53,10 @@ import triton.language as tl
 from lmlab.kernels.decode_attention_triton import (attend_block, attend_key_range, combined_output, empty_state,
                                                    key_split)
 from lmlab.kernels.codes_triton import as_f32
-from lmlab.kernels.decode_sync_triton import (barrier_arrive, grid_barrier, let_next_launch, prefetch_rows,
-                                              prefetch_window, stamp, wait_for_previous, wait_until)
+from lmlab.kernels.decode_sync_triton import (barrier_arrive, grid_barrier, let_next_launch, prefetch_rows, stamp,
+                                              wait_for_previous, wait_until)
 from lmlab.kernels.decode_tiles_triton import (dequantized, input_row, normed_gemv, normed_input_row, round_to,
-                                               row_scales, scaled_round, tile_product, tile_scales, weight_tile,
-                                               window_tile)
+                                               row_scales, scaled_round, tile_product, tile_scales, weight_tile)
 
 
 @triton.jit
@@ -364,12 +363,10 @@ def _gate_up_tiles(W, S, item, d_model, d_ff, TILE: tl.constexpr, KP: tl.constex
 
 
 @triton.jit
-def _gate_up_gemv(X, OAcc, NormW, W, S, Act, Done, pid, n_programs, eps, d_model, d_ff, gate_w, up_w, gate_s, up_s,
-                  TILE: tl.constexpr, KP: tl.constexpr, KC: tl.constexpr, INT8: tl.constexpr, GROUP4: tl.constexpr,
-                  CD: tl.constexpr, COUNT: tl.constexpr, COUNT_LATE: tl.constexpr):
+def _gate_up_gemv(X, OAcc, NormW, W, S, Act, pid, n_programs, eps, d_model, d_ff, gate_w, up_w, gate_s, up_s,
+                  TILE: tl.constexpr, KP: tl.constexpr, KC: tl.constexpr, INT8: tl.constexpr, GROUP4: tl.constexpr):
     """_gate_up_stage for one sequence, whose residual is X + OAcc (o_proj's sums); gate_w, up_w: the first item's
-    tiles, already loading (gate_s, up_s their scales). COUNT: each item then counts itself done in Done[its chunk of
-    CD columns of Act], which down's items wait on."""
+    tiles, already loading (gate_s, up_s their scales)."""
     dt: tl.constexpr = Act.dtype.element_ty
     residual = input_row(X, d_model, KP, KC, GROUP4) + input_row(OAcc, d_model, KP, KC, GROUP4)
     x, inv_rms = normed_input_row(residual, NormW, d_model, eps, KP, KC, GROUP4)
@@ -379,14 +376,7 @@ def _gate_up_gemv(X, OAcc, NormW, W, S, Act, Done, pid, n_programs, eps, d_model
         cols = item * TILE + tl.arange(0, TILE)
         tl.store(Act + cols, _swiglu(normed_gemv(gate_w, gate_s, x, inv_rms, dt, INT8, GROUP4),
                                      normed_gemv(up_w, up_s, x, inv_rms, dt, INT8, GROUP4), dt), mask=cols < d_ff)
-        if COUNT and not COUNT_LATE:
-            tl.debug_barrier()  # the item's stores are all issued before it counts itself done
-            tl.atomic_add(Done + item * TILE // CD, 1, sem="release", scope="gpu")
         gate_w, up_w, gate_s, up_s = next_gate, next_up, next_gate_s, next_up_s
-    if COUNT and COUNT_LATE:
-        tl.debug_barrier()
-        for item in range(pid, tl.cdiv(d_ff, TILE), n_programs):
-            tl.atomic_add(Done + item * TILE // CD, 1, sem="release", scope="gpu")
 
 
 @triton.jit
@@ -418,73 +408,6 @@ def _add_gemv(X, Out, last, OAcc, W, S, In, pid, n_programs, d_model, width, w, 
 
 
 @triton.jit
-def _down_window(W, S, item, d_model, d_ff, TILE: tl.constexpr, CD: tl.constexpr, INT8: tl.constexpr):
-    """Down's item (chunk of CD columns, TILE output rows), chunk-major: W[rows, chunk] as a (TILE, 1, CD) tile and
-    the rows' scales (an item past the last has every column masked)."""
-    blocks = tl.cdiv(d_model, TILE)
-    rows = (item % blocks) * TILE + tl.arange(0, TILE)
-    first = (item // blocks) * CD
-    ok = rows < d_model
-    return window_tile(W + first, rows, ok, d_ff, d_ff - first, CD, CD), row_scales(S, rows, ok, INT8)
-
-
-@triton.jit
-def _first_down_item(pid, n_programs, d_ff, T_GU: tl.constexpr):
-    """The program's first down item when down's items continue gate/up's in one stream dealt out by program: the
-    programs with fewer gate/up items take the first down items."""
-    return (pid + n_programs - tl.cdiv(d_ff, T_GU) % n_programs) % n_programs
-
-
-@triton.jit
-def _prefetch_down(W, pid, n_programs, d_model, d_ff, TILE: tl.constexpr, CD: tl.constexpr, T_GU: tl.constexpr):
-    """Ask L2 for the program's down items (`_down_window`), so their tiles load from L2 once its gate/up is done."""
-    blocks = tl.cdiv(d_model, TILE)
-    for item in range(_first_down_item(pid, n_programs, d_ff, T_GU), tl.cdiv(d_ff, CD) * blocks, n_programs):
-        row, first = (item % blocks) * TILE, (item // blocks) * CD
-        prefetch_window(W + row * d_ff + first, d_ff, tl.minimum(d_model - row, TILE), tl.minimum(d_ff - first, CD))
-
-
-@triton.jit
-def _down_gemv(ResOut, ResIn, OAcc, W, S, Act, Done, layer, pid, n_programs, d_model, d_ff, TILE: tl.constexpr,
-               CD: tl.constexpr, T_GU: tl.constexpr, INT8: tl.constexpr, PDL: tl.constexpr, WAIT: tl.constexpr):
-    """Down without a grid barrier: an item is (chunk of CD columns of Act, TILE output rows); it waits only for the
-    gate/up items of its chunk (their count in Done), and adds W[rows, chunk] @ Act[chunk] into ResOut with atomics,
-    the first chunk's items adding the layer's residual (ResIn + OAcc) too; ResOut, zeroed by the step's fill, is
-    the next layer's input. Items continue gate/up's (`_first_down_item`), chunk-major, so a program that had fewer
-    gate/up items starts down's first chunks while the others finish gate/up. Without WAIT (a launch of its own,
-    after gate/up's) nothing is waited for."""
-    blocks = tl.cdiv(d_model, TILE)
-    first = _first_down_item(pid, n_programs, d_ff, T_GU)
-    w, s = _down_window(W, S, first, d_model, d_ff, TILE, CD, INT8)
-    wait_for_previous(PDL)
-    for item in range(first, tl.cdiv(d_ff, CD) * blocks, n_programs):
-        next_w, next_s = _down_window(W, S, item + n_programs, d_model, d_ff, TILE, CD, INT8)
-        chunk = item // blocks
-        columns = tl.minimum(d_ff - chunk * CD, CD)
-        if WAIT:
-            wait_until(Done + chunk, (layer + 1) * tl.cdiv(columns, T_GU))
-        a = input_row(Act + chunk * CD, columns, CD, CD, 0)
-        rows = (item % blocks) * TILE + tl.arange(0, TILE)
-        ok = rows < d_model
-        base = ok & (chunk == 0)
-        y = tile_product(w, s, a, INT8, 0) + tl.load(ResIn + rows, mask=base, other=0.0, cache_modifier=".cg")
-        y += tl.load(OAcc + rows, mask=base, other=0.0, cache_modifier=".cg")
-        tl.atomic_add(ResOut + rows, y, mask=ok, sem="relaxed", scope="gpu")
-        w, s = next_w, next_s
-
-
-@triton.jit
-def _residual_out(X, Out, Res, pid, n_programs, d_model):
-    """The step's last residual (Res, where down's items added it) into X (the stream, updated in place) and Out."""
-    for item in range(pid, tl.cdiv(d_model, 256), n_programs):
-        cols = item * 256 + tl.arange(0, 256)
-        ok = cols < d_model
-        residual = tl.load(Res + cols, mask=ok, other=0.0, cache_modifier=".cg")
-        tl.store(X + cols, residual, mask=ok)
-        tl.store(Out + cols, residual.to(Out.dtype.element_ty), mask=ok)
-
-
-@triton.jit
 def _residual_matmul(X, Out, last, OAcc, W, S, In, Sync, target, rows, row_ok, pid, n_programs, d_model, width,
                      Stamp, BARRIER: tl.constexpr, GEMV: tl.constexpr, TILE: tl.constexpr, KP: tl.constexpr,
                      KC: tl.constexpr, BB: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr,
@@ -513,7 +436,7 @@ def _residual_matmul(X, Out, last, OAcc, W, S, In, Sync, target, rows, row_ok, p
 
 @triton.jit
 def layers_kernel(X, Out, Wqkv, Wo, Wgu, Wd, Scales, Norm1, Norm2, Kc, Vc, Q, PartO, PartL, Attn, Arrived, Act, Cos,
-                  Sin, Slots, Start, Sync, OAcc, Done, Res, Times, layer_lo, layer_hi, batch, d_model, d_ff, n_heads, n_kv_heads,
+                  Sin, Slots, Start, Sync, OAcc, Times, layer_lo, layer_hi, batch, d_model, d_ff, n_heads, n_kv_heads,
                   n_split, eps, qk_scale, sc_layer, sc_b, sc_h, sc_l,
                   STAGE: tl.constexpr, LAST: tl.constexpr, BB: tl.constexpr, HEAD_DIM: tl.constexpr,
                   GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SPLIT: tl.constexpr,
@@ -522,8 +445,7 @@ def layers_kernel(X, Out, Wqkv, Wo, Wgu, Wd, Scales, Norm1, Norm2, Kc, Vc, Q, Pa
                   C_ATTN: tl.constexpr, C_FF: tl.constexpr, PREFETCH: tl.constexpr, T_QKV: tl.constexpr,
                   T_O: tl.constexpr, T_GU: tl.constexpr, T_D: tl.constexpr, SPLIT_O: tl.constexpr,
                   ARRIVE_FIRST: tl.constexpr, GATE_UP_EARLY: tl.constexpr, TIMELINE: tl.constexpr,
-                  INT8: tl.constexpr, GROUP4: tl.constexpr, PDL: tl.constexpr, SPLIT_D: tl.constexpr,
-                  T_DS: tl.constexpr, C_DOWN: tl.constexpr, COUNT_LATE: tl.constexpr):
+                  INT8: tl.constexpr, GROUP4: tl.constexpr, PDL: tl.constexpr):
     """X: the float32 residual stream, updated in place; the launch's last layer also writes it to Out in Out's dtype.
     INT8: the four weights hold int8 codes, and Scales (layer, rows of q/k/v, o, gate/up, down) their rows' scales.
     GROUP4 (> 0, GEMV without SPLIT_O): they hold int4 codes two a byte, and Scales per layer each projection's
@@ -542,7 +464,6 @@ def layers_kernel(X, Out, Wqkv, Wo, Wgu, Wd, Scales, Norm1, Norm2, Kc, Vc, Q, Pa
     this one waits for the previous where a barrier would open its stage, after issuing its first weight loads."""
     tl.static_assert(not PDL or STAGE >= 0)
     tl.static_assert(STAGE < 0 or LAST == STAGE or (STAGE == 0 and LAST == 2 and SPLIT_O))
-    tl.static_assert(not SPLIT_D or (SPLIT_O and C_DOWN % T_GU == 0))
     let_next_launch(PDL)
     pid = tl.program_id(0)
     n_programs = tl.num_programs(0)
@@ -551,8 +472,7 @@ def layers_kernel(X, Out, Wqkv, Wo, Wgu, Wd, Scales, Norm1, Norm2, Kc, Vc, Q, Pa
     qkv_rows = (n_heads + 2 * n_kv_heads) * HEAD_DIM
     n_qkv_items = (n_heads + 2 * n_kv_heads) * (HEAD_DIM // 2 // T_QKV)
     width = n_heads * HEAD_DIM
-    BARRIERS: tl.constexpr = (2 if SPLIT_O else 3) + (0 if SPLIT_D else 1)  # per layer
-    GU_BARRIER: tl.constexpr = 1 if SPLIT_O else 2  # gate/up's among them (the next layer's q/k/v's is the last)
+    BARRIERS: tl.constexpr = 3 if SPLIT_O else 4  # per layer
     PACK: tl.constexpr = 2 if GROUP4 else 1  # codes per weight element
     EARLY_GU: tl.constexpr = GATE_UP_EARLY and GEMV and STAGE < 0
     if GEMV:  # the same every layer: the position, and the RoPE tables of the program's first q/k/v item
@@ -576,10 +496,6 @@ def layers_kernel(X, Out, Wqkv, Wo, Wgu, Wd, Scales, Norm1, Norm2, Kc, Vc, Q, Pa
         sgu = so + d_model * per_attn
         sd = sgu + 2 * d_ff * per_model
         stamps = Times + (layer - layer_lo) * 8 * n_programs + pid
-        if SPLIT_D:  # the layer's input: the step's stream at layer 0, else where the layer before's down added it
-            res_in = tl.where(layer == 0, X, Res + (at - 1) * d_model)
-        else:
-            res_in = X
         if STAGE < 0 or STAGE == 0:
             if ARRIVE_FIRST and STAGE < 0 and layer > layer_lo:
                 barrier_arrive(Sync)
@@ -591,7 +507,7 @@ def layers_kernel(X, Out, Wqkv, Wo, Wgu, Wd, Scales, Norm1, Norm2, Kc, Vc, Q, Pa
             wait_for_previous(PDL)
             stamp(stamps, TIMELINE)
             if GEMV:
-                _qkv_gemv(res_in, Norm1 + at * d_model, wqkv, sqkv, Q, kc, vc, Cos, Sin, Sync, slot, pos, pid, n_programs,
+                _qkv_gemv(X, Norm1 + at * d_model, wqkv, sqkv, Q, kc, vc, Cos, Sin, Sync, slot, pos, pid, n_programs,
                           n_qkv_items, eps, sc_b, sc_h, sc_l, d_model, n_heads, n_kv_heads, w1, w2, s1, s2, cos,
                           sin, HEAD_DIM, T_QKV, INTERLEAVED, KP_MODEL, C_MODEL, INT8, GROUP4)
             else:
@@ -626,35 +542,20 @@ def layers_kernel(X, Out, Wqkv, Wo, Wgu, Wd, Scales, Norm1, Norm2, Kc, Vc, Q, Pa
                 if PREFETCH and (STAGE < 0 or PDL):
                     prefetch_rows(wgu, 0, d_ff, d_model // PACK, pid, n_programs, T_GU)
                     prefetch_rows(wgu, d_ff, d_ff, d_model // PACK, pid, n_programs, T_GU)
-                    if SPLIT_D:
-                        _prefetch_down(wd, pid, n_programs, d_model, d_ff, T_DS, C_DOWN, T_GU)
             if STAGE < 0:
-                grid_barrier(Sync, arrivals + GU_BARRIER * n_programs, ARRIVE_FIRST)
+                grid_barrier(Sync, arrivals + (BARRIERS - 2) * n_programs, ARRIVE_FIRST)
             wait_for_previous(PDL)
             stamp(stamps + 4 * n_programs, TIMELINE)
             if GEMV:
-                _gate_up_gemv(res_in, o_acc, Norm2 + at * d_model, wgu, sgu, Act, Done, pid, n_programs, eps, d_model,
-                              d_ff, gate_w, up_w, gate_s, up_s, T_GU, KP_MODEL, C_MODEL, INT8, GROUP4, C_DOWN,
-                              SPLIT_D and STAGE < 0, COUNT_LATE)
+                _gate_up_gemv(X, o_acc, Norm2 + at * d_model, wgu, sgu, Act, pid, n_programs, eps, d_model, d_ff,
+                              gate_w, up_w, gate_s, up_s, T_GU, KP_MODEL, C_MODEL, INT8, GROUP4)
             else:
                 _gate_up_stage(X, Norm2 + at * d_model, wgu, sgu, Act, rows, row_ok, pid, n_programs, eps, d_model,
                                d_ff, BB, BLOCK_K, PREC, INT8)
             stamp(stamps + 5 * n_programs, TIMELINE)
         if STAGE < 0 or (STAGE <= 4 and 4 <= LAST):
-            if SPLIT_D:
-                stamp(stamps + 6 * n_programs, TIMELINE)
-                _down_gemv(Res + at * d_model, res_in, o_acc, wd, sd, Act, Done, layer, pid, n_programs, d_model, d_ff,
-                           T_DS, C_DOWN, T_GU, INT8, PDL, STAGE < 0)
-            else:
-                _residual_matmul(X, Out, layer == layer_hi - 1, o_acc, wd, sd, Act, Sync,
-                                 arrivals + (GU_BARRIER + 1) * n_programs, rows, row_ok, pid, n_programs, d_model,
-                                 d_ff, stamps + 6 * n_programs, STAGE < 0, GEMV, T_D, KP_FF, C_FF, BB, BLOCK_K, PREC,
-                                 ARRIVE_FIRST, PREFETCH and GEMV, TIMELINE, INT8, GROUP4, PDL)
+            _residual_matmul(X, Out, layer == layer_hi - 1, o_acc, wd, sd, Act, Sync,
+                             arrivals + (BARRIERS - 1) * n_programs, rows, row_ok, pid, n_programs, d_model, d_ff,
+                             stamps + 6 * n_programs, STAGE < 0, GEMV, T_D, KP_FF, C_FF, BB, BLOCK_K, PREC,
+                             ARRIVE_FIRST, PREFETCH and GEMV, TIMELINE, INT8, GROUP4, PDL)
             stamp(stamps + 7 * n_programs, TIMELINE)
-    if SPLIT_D and (STAGE < 0 or STAGE == 5):  # the last layer's residual, once every down item has added its share
-        if STAGE < 0:
-            barrier_arrive(Sync)
-            if pid < tl.cdiv(d_model, 256):
-                wait_until(Sync, (layer_hi - layer_lo) * BARRIERS * n_programs)
-        wait_for_previous(PDL)
-        _residual_out(X, Out, Res + (layer_hi - 1) * d_model, pid, n_programs, d_model)

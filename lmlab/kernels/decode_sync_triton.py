@@ -59,35 +59,6 @@ def prefetch_rows(W, first, n_rows, width, pid, n_programs, TILE: tl.constexpr):
 
 
 @triton.jit
-def prefetch_window(W, stride, n_rows, width):
-    """Ask L2 for `width` columns of each of n_rows rows `stride` elements apart from W (a tile cut from a window of
-    columns): thread t issues row t's bulk prefetch (sm_90), rounded down to whole 16-byte pieces, where its start
-    is 16-byte aligned (the instruction requires it)."""
-    BYTES: tl.constexpr = W.dtype.element_ty.primitive_bitwidth // 8
-    base = tl.full([1], 0, tl.int64) + W.to(tl.int64)
-    step = tl.full([1], 0, tl.int64) + stride.to(tl.int64) * BYTES
-    size = tl.full([1], 0, tl.int32) + (tl.maximum(width, 0) * BYTES // 16 * 16).to(tl.int32)
-    rows = tl.full([1], 0, tl.int32) + n_rows
-    tl.inline_asm_elementwise("""{
-        .reg .pred p, q;
-        .reg .u32 t;
-        .reg .u64 at, off, low;
-        mov.u32 t, %tid.x;
-        setp.lt.u32 p, t, $4;
-        setp.ne.u32 q, $3, 0;
-        and.pred p, p, q;
-        cvt.u64.u32 off, t;
-        mul.lo.u64 off, off, $2;
-        add.u64 at, $1, off;
-        and.b64 low, at, 15;
-        setp.eq.u64 q, low, 0;
-        and.pred p, p, q;
-        @p cp.async.bulk.prefetch.L2.global [at], $3;
-        mov.u32 $0, 0;
-    }""", "=r,l,l,r,r", [base, step, size, rows], dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
 def barrier_arrive(Sync):
     """Count this program in at the grid barrier, released: its writes so far are visible to whoever sees the count."""
     tl.debug_barrier()  # all of this program's stores are issued

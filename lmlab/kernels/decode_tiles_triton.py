@@ -56,15 +56,8 @@ def weight_tile(W, rows, ok, width, KP: tl.constexpr, KC: tl.constexpr):
     once a step, so evicted from L2 first. With KC = one warp's columns (256 at 16 bytes a thread), Triton lays the
     warps along the rows, so `gemv`'s sums stay inside each warp; with KC = KP they lie along the columns, and each
     sum crosses them through shared memory (three CTA barriers; SASS, 2026-12-04)."""
-    return window_tile(W, rows, ok, width, width, KP, KC)
-
-
-@triton.jit
-def window_tile(W, rows, ok, stride, width, KP: tl.constexpr, KC: tl.constexpr):
-    """`weight_tile` of the first `width` columns of rows `stride` elements apart: W may start inside a row (a window
-    of columns)."""
     ks = chunked(KP, KC)[None, :, :]
-    return tl.load(W + rows[:, None, None] * stride + ks, mask=ok[:, None, None] & (ks < width), other=0.0,
+    return tl.load(W + rows[:, None, None] * width + ks, mask=ok[:, None, None] & (ks < width), other=0.0,
                    eviction_policy="evict_first")
 
 

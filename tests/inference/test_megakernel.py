@@ -190,32 +190,28 @@ def test_generate_with_the_megakernel_equals_generate_without_it_fp32():
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" or importlib.util.find_spec("triton") is None,
                     reason="runs under Triton's CPU interpreter (TRITON_INTERPRET=1 with Triton installed)")
-@pytest.mark.parametrize("batch, attention, layout, on_counters, quant", [
-    (1, {"name": "mha", "n_heads": 4}, "half", "o_proj+down", None),  # the matrix-vector path
-    (1, {"name": "mha", "n_heads": 4}, "half", "o_proj", None),
-    (1, {"name": "mha", "n_heads": 4}, "half", "neither", None),
-    (1, {"name": "mha", "n_heads": 4, "n_kv_heads": 1}, "interleaved", "o_proj+down", None),
-    (2, {"name": "mha", "n_heads": 4, "n_kv_heads": 2}, "half", "neither", None),  # the tensor-core path
-    (1, {"name": "mha", "n_heads": 4, "n_kv_heads": 2}, "half", "o_proj+down", "int8"),  # int8 on both paths
-    (1, {"name": "mha", "n_heads": 4, "n_kv_heads": 2}, "half", "neither", "int8"),
-    (2, {"name": "mha", "n_heads": 4, "n_kv_heads": 2}, "interleaved", "neither", "int8"),
-    (1, {"name": "mha", "n_heads": 4, "n_kv_heads": 2}, "interleaved", "o_proj+down", INT4),  # int4: batch 1
+@pytest.mark.parametrize("batch, attention, layout, o_proj_on_counters, quant", [
+    (1, {"name": "mha", "n_heads": 4}, "half", True, None),  # the matrix-vector path
+    (1, {"name": "mha", "n_heads": 4}, "half", False, None),
+    (1, {"name": "mha", "n_heads": 4, "n_kv_heads": 1}, "interleaved", True, None),
+    (2, {"name": "mha", "n_heads": 4, "n_kv_heads": 2}, "half", False, None),  # the tensor-core path
+    (1, {"name": "mha", "n_heads": 4, "n_kv_heads": 2}, "half", True, "int8"),  # int8 weights on both paths
+    (1, {"name": "mha", "n_heads": 4, "n_kv_heads": 2}, "half", False, "int8"),
+    (2, {"name": "mha", "n_heads": 4, "n_kv_heads": 2}, "interleaved", False, "int8"),
+    (1, {"name": "mha", "n_heads": 4, "n_kv_heads": 2}, "interleaved", True, INT4),  # int4: batch 1
 ])
-def test_matches_the_layer_by_layer_step_under_the_interpreter(batch, attention, layout, on_counters, quant,
+def test_matches_the_layer_by_layer_step_under_the_interpreter(batch, attention, layout, o_proj_on_counters, quant,
                                                                monkeypatch):
     """Stage by stage (the interpreter runs programs in turn), with 3 programs and small tiles, so a program takes
-    several work items and prefetches across them; at batch 1 with o_proj's and down's items on counters (down's in
-    several chunks) or after barriers; with int8 and int4 weights against the layer-by-layer step of the same
-    quantized model."""
+    several work items and prefetches across them; at batch 1 with o_proj's items on counters or after a barrier;
+    with int8 and int4 weights against the layer-by-layer step of the same quantized model."""
     from lmlab.kernels import decode_layers as dl
 
     monkeypatch.setattr(dl, "sm_count", lambda device: 3)
     monkeypatch.setattr(dl, "GEMV_TILE_ELEMS", 256)
     monkeypatch.setattr(dl, "GEMV_GATE_UP_TILE_ELEMS", 256)
     monkeypatch.setattr(dl, "GEMV_QUANT_GATE_UP_TILE_ELEMS", 512)
-    monkeypatch.setattr(dl, "GEMV_O_PROJ_ON_COUNTERS", "o_proj" in on_counters)
-    monkeypatch.setattr(dl, "GEMV_DOWN_ON_COUNTERS", "down" in on_counters)
-    monkeypatch.setattr(dl, "GEMV_DOWN_CHUNK", 64)
+    monkeypatch.setattr(dl, "GEMV_O_PROJ_ON_COUNTERS", o_proj_on_counters)
     model = _model(n_layers=2, attention=attention, position={"name": "rope", "layout": layout})  # head_dim 32
     if quant:
         quantize(model, quant)
