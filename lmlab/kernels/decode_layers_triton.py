@@ -451,9 +451,10 @@ def layers_kernel(X, Out, Wqkv, Wo, Wgu, Wd, Scales, Norm1, Norm2, Kc, Vc, Q, Pa
     GROUP4 (> 0, GEMV without SPLIT_O): they hold int4 codes two a byte, and Scales per layer each projection's
     (groups, rows, 2) scales and zeros in the weights' order; KP_* and C_* count bytes. The activations' dtype is the
     norms' (Norm1's).
-    STAGE -1: every stage of layers [layer_lo, layer_hi) with a grid barrier before each stage but the first (and
-    on the GEMV path but o_proj, whose items wait on counters); else stages STAGE to LAST of one layer (one stage, or
-    q/k/v, attention and o_proj together where o_proj's items wait on counters, SPLIT_O). GEMV: batch 1, matrix-vector
+    STAGE -1 (LAST 4): every stage of layers [layer_lo, layer_hi) with a grid barrier before each stage but the first
+    (and on the GEMV path but o_proj, whose items wait on counters); else stages STAGE to LAST of one layer (one
+    stage, or q/k/v, attention and o_proj together where o_proj's items wait on counters, SPLIT_O). So stage k runs
+    where STAGE <= k <= LAST. GEMV: batch 1, matrix-vector
     tiles whose first loads are issued before the barrier's wait (with ARRIVE_FIRST after the program arrives, so its
     arrival does not wait on them; with GATE_UP_EARLY, gate/up's are issued before o_proj, while its items wait on
     attention); o_proj adds into OAcc[layer], not X. PREFETCH (with GEMV and barriers or PDL):
@@ -463,7 +464,7 @@ def layers_kernel(X, Out, Wqkv, Wo, Wgu, Wd, Scales, Norm1, Norm2, Kc, Vc, Q, Pa
     PDL (STAGE >= 0, each launch a link of a programmatic-dependent-launch chain): the next launch may start at once;
     this one waits for the previous where a barrier would open its stage, after issuing its first weight loads."""
     tl.static_assert(not PDL or STAGE >= 0)
-    tl.static_assert(STAGE < 0 or LAST == STAGE or (STAGE == 0 and LAST == 2 and SPLIT_O))
+    tl.static_assert((STAGE < 0 and LAST == 4) or LAST == STAGE or (STAGE == 0 and LAST == 2 and SPLIT_O))
     let_next_launch(PDL)
     pid = tl.program_id(0)
     n_programs = tl.num_programs(0)
@@ -496,7 +497,7 @@ def layers_kernel(X, Out, Wqkv, Wo, Wgu, Wd, Scales, Norm1, Norm2, Kc, Vc, Q, Pa
         sgu = so + d_model * per_attn
         sd = sgu + 2 * d_ff * per_model
         stamps = Times + (layer - layer_lo) * 8 * n_programs + pid
-        if STAGE < 0 or STAGE == 0:
+        if STAGE <= 0:
             if ARRIVE_FIRST and STAGE < 0 and layer > layer_lo:
                 barrier_arrive(Sync)
             if GEMV:
@@ -515,12 +516,12 @@ def layers_kernel(X, Out, Wqkv, Wo, Wgu, Wd, Scales, Norm1, Norm2, Kc, Vc, Q, Pa
                            pid, n_programs, eps, sc_b, sc_h, sc_l, d_model, n_heads, n_kv_heads,
                            BB, HEAD_DIM, T_QKV, INTERLEAVED, BLOCK_K, PREC, INT8)
             stamp(stamps + n_programs, TIMELINE)
-        if STAGE < 0 or (STAGE <= 1 and 1 <= LAST):
+        if STAGE <= 1 and 1 <= LAST:
             _attention_stage(Q, kc, vc, PartO, PartL, Attn, Arrived, Sync, Slots, Start, layer, pid, n_programs,
                              batch, n_heads, n_kv_heads, n_split, sc_b, sc_h, sc_l, qk_scale,
                              GROUP, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_SPLIT, T_QKV, PREC, not SPLIT_O, PDL)
             stamp(stamps + 2 * n_programs, TIMELINE)
-        if STAGE < 0 or (STAGE <= 2 and 2 <= LAST):
+        if STAGE <= 2 and 2 <= LAST:
             if EARLY_GU:  # while o_proj's items wait on attention
                 gate_w, up_w, gate_s, up_s = _gate_up_tiles(wgu, sgu, pid, d_model, d_ff, T_GU, KP_MODEL, C_MODEL,
                                                             INT8, GROUP4)
@@ -532,7 +533,7 @@ def layers_kernel(X, Out, Wqkv, Wo, Wgu, Wd, Scales, Norm1, Norm2, Kc, Vc, Q, Pa
                                  n_programs, d_model, width, Times, STAGE < 0, GEMV, T_O, KP_ATTN, C_ATTN, BB, BLOCK_K,
                                  PREC, ARRIVE_FIRST, False, False, INT8, GROUP4, PDL)
             stamp(stamps + 3 * n_programs, TIMELINE)
-        if STAGE < 0 or (STAGE <= 3 and 3 <= LAST):
+        if STAGE <= 3 and 3 <= LAST:
             if ARRIVE_FIRST and STAGE < 0:
                 barrier_arrive(Sync)
             if GEMV:
@@ -553,7 +554,7 @@ def layers_kernel(X, Out, Wqkv, Wo, Wgu, Wd, Scales, Norm1, Norm2, Kc, Vc, Q, Pa
                 _gate_up_stage(X, Norm2 + at * d_model, wgu, sgu, Act, rows, row_ok, pid, n_programs, eps, d_model,
                                d_ff, BB, BLOCK_K, PREC, INT8)
             stamp(stamps + 5 * n_programs, TIMELINE)
-        if STAGE < 0 or (STAGE <= 4 and 4 <= LAST):
+        if STAGE <= 4 and 4 <= LAST:
             _residual_matmul(X, Out, layer == layer_hi - 1, o_acc, wd, sd, Act, Sync,
                              arrivals + (BARRIERS - 1) * n_programs, rows, row_ok, pid, n_programs, d_model, d_ff,
                              stamps + 6 * n_programs, STAGE < 0, GEMV, T_D, KP_FF, C_FF, BB, BLOCK_K, PREC,
