@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lmlab.kernels.decode_sync_triton import barrier_arrive, wait_until
+from lmlab.kernels.decode_sync_triton import grid_barrier
 
 MODES = {"barrier": 0, "scalar": 1, "v4": 2, "stores": 3}
 
@@ -57,9 +57,7 @@ def sums_kernel(Acc, Rows, Sync, Check, layers, width, MODE: tl.constexpr, COPIE
             _red_v4((acc + quads).to(tl.int64), a0, a1, a2, a3)
         if MODE == 3:
             tl.store(Rows + (layer * n + pid) * width + offs, vals, mask=ok)
-        barrier_arrive(Sync)
-        wait_until(Sync, (layer + 1) * n)
-        tl.debug_barrier()
+        grid_barrier(Sync, (layer + 1) * n, False)
         if MODE == 1 or MODE == 2:
             for c in range(COPIES):
                 seen += tl.load(acc + c * width + offs, mask=ok, other=0.0, cache_modifier=".cg")
