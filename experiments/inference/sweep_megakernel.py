@@ -39,7 +39,8 @@ SETTINGS = {True: {"GEMV_O_PROJ_ON_COUNTERS": (False, True), "GEMV_PROGRAMS_PER_
                    "GEMV_TILE_ELEMS": (4096, 8192), "GEMV_GATE_UP_TILE_ELEMS": (4096, 8192),
                    "GEMV_GATE_UP_EARLY": (False, True), "GEMV_NUM_WARPS": (4, 8),
                    "GEMV_ARRIVE_BEFORE_LOADS": (False, True), "GEMV_PREFETCH_LATER": (False, True),
-                   "GEMV_CHUNK_MIN_ROWS": (1, 4)},
+                   "GEMV_CHUNK_MIN_ROWS": (1, 4), "GEMV_PREFETCH_GATE_UP_EARLY": (False, True),
+                   "GEMV_PREFETCH_DOWN_EARLY": (False, True)},
             False: {"PROGRAMS_PER_SM": (2, 3), "BLOCK_K": (256, 512), "NUM_WARPS": (4, 8)}}
 STAGES = ("qkv", "attention", "o_proj", "gate_up", "down")
 

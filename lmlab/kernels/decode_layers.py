@@ -59,6 +59,10 @@ GEMV_CHUNK, GEMV_CHUNK_MIN_ROWS = 256, 4
 # Programs ask L2 for their later gate/up and down items as they arrive at the stage's barrier (bulk prefetches):
 # the swept setting
 GEMV_PREFETCH_LATER = True
+# Where those prefetches go, earlier: gate/up's later items with its first tiles, before o_proj (programs with no
+# attention item then ask while attention runs); down's items, its first too, as a program arrives at gate/up's
+# barrier (so they stream in under gate/up)
+GEMV_PREFETCH_GATE_UP_EARLY, GEMV_PREFETCH_DOWN_EARLY = False, False
 # o_proj's float32 sums start at a multiple of this many int32s into the counters' buffer: at 4, 16-byte aligned, so
 # that Triton (which specializes each pointer on its alignment) loads them 16 bytes at a time. Every program reads the
 # whole row of sums, so unaligned the same few L2 lines take four times the requests (likely why it mattered): at 1
@@ -279,6 +283,7 @@ def launch_plan(x, qkv, o, gate_up, down, scales, norm_attn, norm_ffn, k_cache, 
                 **tiles, SPLIT_O=split_o,
                 PREFETCH=gemv and GEMV_PREFETCH_LATER and _sm90(x.device),
                 ARRIVE_FIRST=gemv and GEMV_ARRIVE_BEFORE_LOADS, GATE_UP_EARLY=gemv and GEMV_GATE_UP_EARLY,
+                PREFETCH_GU_EARLY=GEMV_PREFETCH_GATE_UP_EARLY, PREFETCH_DOWN_EARLY=GEMV_PREFETCH_DOWN_EARLY,
                 TIMELINE=False, INT8=int8, GROUP4=group_size, PDL=False, LAST=N_STAGES - 1)
     shape = (batch, d_model, d_ff, n_heads, n_kv_heads, split, eps, scale * LOG2E,
              k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), k_cache.stride(3))

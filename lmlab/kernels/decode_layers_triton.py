@@ -363,6 +363,13 @@ def _gate_up_tiles(W, S, item, d_model, d_ff, TILE: tl.constexpr, KP: tl.constex
 
 
 @triton.jit
+def _prefetch_gate_up(W, d_ff, width, first_item, n_programs, TILE: tl.constexpr):
+    """prefetch_rows of a program's gate/up items from first_item on: their gate rows and their up rows."""
+    prefetch_rows(W, 0, d_ff, width, first_item, n_programs, TILE)
+    prefetch_rows(W, d_ff, d_ff, width, first_item, n_programs, TILE)
+
+
+@triton.jit
 def _gate_up_gemv(X, OAcc, NormW, W, S, Act, pid, n_programs, eps, d_model, d_ff, gate_w, up_w, gate_s, up_s,
                   TILE: tl.constexpr, KP: tl.constexpr, KC: tl.constexpr, INT8: tl.constexpr, GROUP4: tl.constexpr):
     """_gate_up_stage for one sequence, whose residual is X + OAcc (o_proj's sums); gate_w, up_w: the first item's
@@ -422,7 +429,7 @@ def _residual_matmul(X, Out, last, OAcc, W, S, In, Sync, target, rows, row_ok, p
     if GEMV:
         w, s = _add_tile(W, S, pid, d_model, width, TILE, KP, KC, INT8, GROUP4)
     if PREFETCH and (BARRIER or PDL):
-        prefetch_rows(W, 0, d_model, width // (2 if GROUP4 else 1), pid, n_programs, TILE)
+        prefetch_rows(W, 0, d_model, width // (2 if GROUP4 else 1), pid + n_programs, n_programs, TILE)
     if BARRIER:
         grid_barrier(Sync, target, ARRIVE_FIRST)
     wait_for_previous(PDL)
@@ -444,8 +451,9 @@ def layers_kernel(X, Out, Wqkv, Wo, Wgu, Wd, Scales, Norm1, Norm2, Kc, Vc, Q, Pa
                   KP_MODEL: tl.constexpr, KP_ATTN: tl.constexpr, KP_FF: tl.constexpr, C_MODEL: tl.constexpr,
                   C_ATTN: tl.constexpr, C_FF: tl.constexpr, PREFETCH: tl.constexpr, T_QKV: tl.constexpr,
                   T_O: tl.constexpr, T_GU: tl.constexpr, T_D: tl.constexpr, SPLIT_O: tl.constexpr,
-                  ARRIVE_FIRST: tl.constexpr, GATE_UP_EARLY: tl.constexpr, TIMELINE: tl.constexpr,
-                  INT8: tl.constexpr, GROUP4: tl.constexpr, PDL: tl.constexpr):
+                  ARRIVE_FIRST: tl.constexpr, GATE_UP_EARLY: tl.constexpr, PREFETCH_GU_EARLY: tl.constexpr,
+                  PREFETCH_DOWN_EARLY: tl.constexpr, TIMELINE: tl.constexpr, INT8: tl.constexpr,
+                  GROUP4: tl.constexpr, PDL: tl.constexpr):
     """X: the float32 residual stream, updated in place; the launch's last layer also writes it to Out in Out's dtype.
     INT8: the four weights hold int8 codes, and Scales (layer, rows of q/k/v, o, gate/up, down) their rows' scales.
     GROUP4 (> 0, GEMV without SPLIT_O): they hold int4 codes two a byte, and Scales per layer each projection's
@@ -458,7 +466,9 @@ def layers_kernel(X, Out, Wqkv, Wo, Wgu, Wd, Scales, Norm1, Norm2, Kc, Vc, Q, Pa
     tiles whose first loads are issued before the barrier's wait (with ARRIVE_FIRST after the program arrives, so its
     arrival does not wait on them; with GATE_UP_EARLY, gate/up's are issued before o_proj, while its items wait on
     attention); o_proj adds into OAcc[layer], not X. PREFETCH (with GEMV and barriers or PDL):
-    the programs also ask L2 for the later items of gate/up and down as they arrive (with PDL, before the wait).
+    the programs also ask L2 for the later items of gate/up and down as they arrive (with PDL, before the wait);
+    with PREFETCH_GU_EARLY (and GATE_UP_EARLY) gate/up's with its first tiles, before o_proj; with
+    PREFETCH_DOWN_EARLY all of down's items as they arrive at gate/up's barrier.
     TIMELINE: each program stamps eight moments a layer into Times (layer - layer_lo, moment, program), int64 ns:
     qkv open, qkv done, attention done, o_proj done, gate/up open, gate/up done, down open, down done.
     PDL (STAGE >= 0, each launch a link of a programmatic-dependent-launch chain): the next launch may start at once;
@@ -476,6 +486,7 @@ def layers_kernel(X, Out, Wqkv, Wo, Wgu, Wd, Scales, Norm1, Norm2, Kc, Vc, Q, Pa
     BARRIERS: tl.constexpr = 3 if SPLIT_O else 4  # per layer
     PACK: tl.constexpr = 2 if GROUP4 else 1  # codes per weight element
     EARLY_GU: tl.constexpr = GATE_UP_EARLY and GEMV and STAGE < 0
+    GU_AHEAD: tl.constexpr = EARLY_GU and PREFETCH and PREFETCH_GU_EARLY  # gate/up's L2 prefetch before o_proj
     if GEMV:  # the same every layer: the position, and the RoPE tables of the program's first q/k/v item
         slot = tl.load(Slots, cache_modifier=".cg")
         pos = tl.maximum(slot - tl.load(Start + rows, cache_modifier=".cg"), 0)
@@ -525,6 +536,8 @@ def layers_kernel(X, Out, Wqkv, Wo, Wgu, Wd, Scales, Norm1, Norm2, Kc, Vc, Q, Pa
             if EARLY_GU:  # while o_proj's items wait on attention
                 gate_w, up_w, gate_s, up_s = _gate_up_tiles(wgu, sgu, pid, d_model, d_ff, T_GU, KP_MODEL, C_MODEL,
                                                             INT8, GROUP4)
+            if GU_AHEAD:
+                _prefetch_gate_up(wgu, d_ff, d_model // PACK, pid + n_programs, n_programs, T_GU)
             if SPLIT_O:
                 _o_proj_gemv(wo, so, PartO, PartL, Arrived, o_acc, layer, pid, n_programs, d_model, n_heads, n_split,
                              GROUP, HEAD_DIM, BLOCK_SPLIT, T_O, Norm1.dtype.element_ty, INT8, PDL)
@@ -540,9 +553,10 @@ def layers_kernel(X, Out, Wqkv, Wo, Wgu, Wd, Scales, Norm1, Norm2, Kc, Vc, Q, Pa
                 if not EARLY_GU:
                     gate_w, up_w, gate_s, up_s = _gate_up_tiles(wgu, sgu, pid, d_model, d_ff, T_GU, KP_MODEL,
                                                                 C_MODEL, INT8, GROUP4)
-                if PREFETCH and (STAGE < 0 or PDL):
-                    prefetch_rows(wgu, 0, d_ff, d_model // PACK, pid, n_programs, T_GU)
-                    prefetch_rows(wgu, d_ff, d_ff, d_model // PACK, pid, n_programs, T_GU)
+                if PREFETCH and (STAGE < 0 or PDL) and not GU_AHEAD:
+                    _prefetch_gate_up(wgu, d_ff, d_model // PACK, pid + n_programs, n_programs, T_GU)
+                if PREFETCH and (STAGE < 0 or PDL) and PREFETCH_DOWN_EARLY:
+                    prefetch_rows(wd, 0, d_model, d_ff // PACK, pid, n_programs, T_D)
             if STAGE < 0:
                 grid_barrier(Sync, arrivals + (BARRIERS - 2) * n_programs, ARRIVE_FIRST)
             wait_for_previous(PDL)
@@ -558,5 +572,5 @@ def layers_kernel(X, Out, Wqkv, Wo, Wgu, Wd, Scales, Norm1, Norm2, Kc, Vc, Q, Pa
             _residual_matmul(X, Out, layer == layer_hi - 1, o_acc, wd, sd, Act, Sync,
                              arrivals + (BARRIERS - 1) * n_programs, rows, row_ok, pid, n_programs, d_model, d_ff,
                              stamps + 6 * n_programs, STAGE < 0, GEMV, T_D, KP_FF, C_FF, BB, BLOCK_K, PREC,
-                             ARRIVE_FIRST, PREFETCH and GEMV, TIMELINE, INT8, GROUP4, PDL)
+                             ARRIVE_FIRST, PREFETCH and GEMV and not PREFETCH_DOWN_EARLY, TIMELINE, INT8, GROUP4, PDL)
             stamp(stamps + 7 * n_programs, TIMELINE)

@@ -49,11 +49,12 @@ def prefetch_l2(Start, n_bytes):
 
 
 @triton.jit
-def prefetch_rows(W, first, n_rows, width, pid, n_programs, TILE: tl.constexpr):
-    """prefetch_l2 of the program's items after its first in a stage whose item i is rows [i * TILE, (i + 1) * TILE)
-    of W (n_rows x width, row-major) and starts at row `first`: their tiles then load from L2."""
+def prefetch_rows(W, first, n_rows, width, first_item, n_programs, TILE: tl.constexpr):
+    """prefetch_l2 of a program's items first_item, first_item + n_programs, ... of a stage whose item i is rows
+    [i * TILE, (i + 1) * TILE) of W (n_rows x width, row-major) and starts at row `first`: their tiles then load from
+    L2."""
     BYTES: tl.constexpr = W.dtype.element_ty.primitive_bitwidth // 8
-    for item in range(pid + n_programs, tl.cdiv(n_rows, TILE), n_programs):
+    for item in range(first_item, tl.cdiv(n_rows, TILE), n_programs):
         row = item * TILE
         prefetch_l2(W + (first + row) * width, (tl.minimum(n_rows - row, TILE) * width * BYTES).to(tl.int32))
 
