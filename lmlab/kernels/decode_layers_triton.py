@@ -553,10 +553,11 @@ def layers_kernel(X, Out, Wqkv, Wo, Wgu, Wd, Scales, Norm1, Norm2, Kc, Vc, Q, Pa
                 if not EARLY_GU:
                     gate_w, up_w, gate_s, up_s = _gate_up_tiles(wgu, sgu, pid, d_model, d_ff, T_GU, KP_MODEL,
                                                                 C_MODEL, INT8, GROUP4)
-                if PREFETCH and (STAGE < 0 or PDL) and not GU_AHEAD:
-                    _prefetch_gate_up(wgu, d_ff, d_model // PACK, pid + n_programs, n_programs, T_GU)
-                if PREFETCH and (STAGE < 0 or PDL) and PREFETCH_DOWN_EARLY:
-                    prefetch_rows(wd, 0, d_model, d_ff // PACK, pid, n_programs, T_D)
+                if PREFETCH and (STAGE < 0 or PDL):
+                    if not GU_AHEAD:
+                        _prefetch_gate_up(wgu, d_ff, d_model // PACK, pid + n_programs, n_programs, T_GU)
+                    if PREFETCH_DOWN_EARLY:
+                        prefetch_rows(wd, 0, d_model, d_ff // PACK, pid, n_programs, T_D)
             if STAGE < 0:
                 grid_barrier(Sync, arrivals + (BARRIERS - 2) * n_programs, ARRIVE_FIRST)
             wait_for_previous(PDL)
