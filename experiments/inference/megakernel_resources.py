@@ -1,6 +1,6 @@
 """What one SM's resources allow the decode megakernel, worked out on a machine without a GPU.
 
-    python experiments/inference/megakernel_resources.py
+    python experiments/inference/megakernel_resources.py [--case int8] [--set GEMV_CHUNK=512 ...] [--sass]
 
 Compiles `layers_kernel` (persistent, every stage) for sm_90 with Triton's compiler and the ptxas that ships with it,
 with the launch settings `launch_plan` gives each case, and prints its registers, spills and shared memory, and how
@@ -12,8 +12,12 @@ the CUDA driver). Needs Triton (any Linux machine); the tensors are on the "meta
 
 from __future__ import annotations
 
+import argparse
+import ast
+import collections
 import math
 import os
+import re
 import subprocess
 import tempfile
 
@@ -65,31 +69,67 @@ def compile_sm90(plan: dl.LaunchPlan, layers: int):
                           options=dict(num_warps=plan.meta["num_warps"], num_stages=plan.meta["num_stages"]))
 
 
-def ptxas_report(kernel) -> tuple[int, int]:
-    """(registers per thread, spilled bytes stored) from `ptxas -v`."""
-    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+def _tool(name: str) -> str:
+    return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
+
+
+def ptxas_report(kernel) -> tuple[int, int, str]:
+    """(registers per thread, spilled bytes stored) from `ptxas -v`, and the SASS with line info (`nvdisasm -g`)."""
     with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "kernel.ptx")
+        path, cubin = os.path.join(tmp, "kernel.ptx"), os.path.join(tmp, "kernel.cubin")
         with open(path, "w") as f:
             f.write(kernel.asm["ptx"])
-        log = subprocess.run([ptxas, "-v", "--gpu-name", "sm_90a", path, "-o", os.devnull], capture_output=True,
-                             text=True, check=True).stderr
+        log = subprocess.run([_tool("ptxas"), "-v", "-lineinfo", "--gpu-name", "sm_90a", path, "-o", cubin],
+                             capture_output=True, text=True, check=True).stderr
+        sass = subprocess.run([_tool("nvdisasm"), "-g", "-c", cubin], capture_output=True, text=True,
+                              check=True).stdout
     regs = int(log.split("Used ")[1].split(" registers")[0])
     spills = int(log.split(" bytes spill stores")[0].rsplit(",", 1)[-1])
-    return regs, spills
+    return regs, spills, sass
+
+
+def sass_report(sass: str) -> str:
+    """Local-memory stores and loads (spills) per source line, and global loads per opcode (their widths): the
+    instructions as the code holds them, not how often they run."""
+    line, local, loads = ("?", 0), collections.Counter(), collections.Counter()
+    for text in sass.splitlines():
+        if found := re.search(r'//## File "([^"]+)", line (\d+)', text):
+            line = os.path.basename(found.group(1)), int(found.group(2))
+        elif found := re.search(r"\b(STL|LDL|LDG)((?:\.\w+)*)\b", text):
+            if found.group(1) == "LDG":
+                loads[found.group(0)] += 1
+            else:
+                local[line, found.group(1)] += 1
+    spills = [f"    {file + ':' + str(at):<30} {op} x{n}" for ((file, at), op), n in sorted(local.items())]
+    return "\n".join(["  spills (local memory) by source line:", *spills, "  global loads:",
+                      *(f"    {op:<30} x{n}" for op, n in sorted(loads.items()))])
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--case", default="", help="compile only the cases whose name holds this")
+    parser.add_argument("--set", nargs="*", default=[], metavar="NAME=VALUE",
+                        help="module settings of lmlab.kernels.decode_layers, e.g. GEMV_TILE_ELEMS=16384")
+    parser.add_argument("--sass", action="store_true", help="where each case spills, and its global loads' widths")
+    args = parser.parse_args()
+    for name, value in (item.split("=", 1) for item in args.set):
+        if not hasattr(dl, name):
+            raise SystemExit(f"megakernel_resources: {name} is no setting of lmlab.kernels.decode_layers")
+        setattr(dl, name, ast.literal_eval(value))
     print(f"{'case':<34} {'warps':>5} {'regs':>5} {'spill B':>8} {'shared KiB':>10} {'fit/SM':>6} {'wanted':>6}")
     for name, case in CASES.items():
+        if args.case not in name:
+            continue
         plan = dl.plan_on_meta(*case)
         kernel = compile_sm90(plan, case[1])
-        regs, spills = ptxas_report(kernel)
+        regs, spills, sass = ptxas_report(kernel)
         warps, shared = plan.meta["num_warps"], kernel.metadata.shared
         fit = min(SM90["regs"] // (math.ceil(regs * 32 / 256) * 256 * warps),
                   SM90["shared"] // (shared + SM90["reserved"]), SM90["threads"] // (32 * warps))
         print(f"{name:<34} {warps:>5} {regs:>5} {spills:>8} {shared / 1024:>10.1f} {fit:>6} {plan.programs_per_sm:>6}",
               flush=True)
+        if args.sass:
+            print(sass_report(sass), flush=True)
 
 
 if __name__ == "__main__":
