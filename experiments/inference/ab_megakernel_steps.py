@@ -40,10 +40,15 @@ def parse_variant(text: str) -> tuple[dict, str, bool]:
     persistent = ast.literal_eval(settings.pop("persistent", "True"))
     if quant != "none":
         QUANTS.resolve(quant)  # an unknown entry fails here, before any model is built
-    unknown = [name for name in settings if not hasattr(dl, name)]
+    return known_settings(settings), quant, persistent
+
+
+def known_settings(texts: dict[str, str]) -> dict:
+    """NAME: VALUE texts -> decode_layers' module settings with their values; an unknown name fails first."""
+    unknown = [name for name in texts if not hasattr(dl, name)]
     if unknown:
-        raise SystemExit(f"ab_megakernel_steps: {', '.join(unknown)} is no setting of lmlab.kernels.decode_layers")
-    return {name: ast.literal_eval(value) for name, value in settings.items()}, quant, persistent
+        raise SystemExit(f"{', '.join(unknown)} is no setting of lmlab.kernels.decode_layers")
+    return {name: ast.literal_eval(value) for name, value in texts.items()}
 
 
 def apply_settings(settings: dict, defaults: dict) -> None:

@@ -13,7 +13,6 @@ the CUDA driver). Needs Triton (any Linux machine); the tensors are on the "meta
 from __future__ import annotations
 
 import argparse
-import ast
 import collections
 import math
 import os
@@ -23,6 +22,7 @@ import tempfile
 
 import torch
 import triton
+from ab_megakernel_steps import apply_settings, known_settings  # this folder's: the A/B's NAME=VALUE settings
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
@@ -73,24 +73,29 @@ def _tool(name: str) -> str:
     return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
 
 
-def ptxas_report(kernel) -> tuple[int, int, str]:
-    """(registers per thread, spilled bytes stored) from `ptxas -v`, and the SASS with line info (`nvdisasm -g`)."""
+def ptxas_report(kernel) -> tuple[int, int, bytes]:
+    """(registers per thread, spilled bytes stored) from `ptxas -v`, and the cubin, with line info."""
     with tempfile.TemporaryDirectory() as tmp:
         path, cubin = os.path.join(tmp, "kernel.ptx"), os.path.join(tmp, "kernel.cubin")
         with open(path, "w") as f:
             f.write(kernel.asm["ptx"])
         log = subprocess.run([_tool("ptxas"), "-v", "-lineinfo", "--gpu-name", "sm_90a", path, "-o", cubin],
                              capture_output=True, text=True, check=True).stderr
-        sass = subprocess.run([_tool("nvdisasm"), "-g", "-c", cubin], capture_output=True, text=True,
-                              check=True).stdout
+        with open(cubin, "rb") as f:
+            binary = f.read()
     regs = int(log.split("Used ")[1].split(" registers")[0])
     spills = int(log.split(" bytes spill stores")[0].rsplit(",", 1)[-1])
-    return regs, spills, sass
+    return regs, spills, binary
 
 
-def sass_report(sass: str) -> str:
-    """Local-memory stores and loads (spills) per source line, and global loads per opcode (their widths): the
-    instructions as the code holds them, not how often they run."""
+def sass_report(cubin: bytes) -> str:
+    """From the cubin's SASS (`nvdisasm -g`): local-memory stores and loads (spills) per source line, and global
+    loads per opcode (their widths), the instructions as the code holds them, not how often they run."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        sass = subprocess.run([_tool("nvdisasm"), "-g", "-c", f.name], capture_output=True, text=True,
+                              check=True).stdout
     line, local, loads = ("?", 0), collections.Counter(), collections.Counter()
     for text in sass.splitlines():
         if found := re.search(r'//## File "([^"]+)", line (\d+)', text):
@@ -112,24 +117,21 @@ def main() -> None:
                         help="module settings of lmlab.kernels.decode_layers, e.g. GEMV_TILE_ELEMS=16384")
     parser.add_argument("--sass", action="store_true", help="where each case spills, and its global loads' widths")
     args = parser.parse_args()
-    for name, value in (item.split("=", 1) for item in args.set):
-        if not hasattr(dl, name):
-            raise SystemExit(f"megakernel_resources: {name} is no setting of lmlab.kernels.decode_layers")
-        setattr(dl, name, ast.literal_eval(value))
+    apply_settings(known_settings(dict(item.split("=", 1) for item in args.set)), {})
     print(f"{'case':<34} {'warps':>5} {'regs':>5} {'spill B':>8} {'shared KiB':>10} {'fit/SM':>6} {'wanted':>6}")
     for name, case in CASES.items():
         if args.case not in name:
             continue
         plan = dl.plan_on_meta(*case)
         kernel = compile_sm90(plan, case[1])
-        regs, spills, sass = ptxas_report(kernel)
+        regs, spills, cubin = ptxas_report(kernel)
         warps, shared = plan.meta["num_warps"], kernel.metadata.shared
         fit = min(SM90["regs"] // (math.ceil(regs * 32 / 256) * 256 * warps),
                   SM90["shared"] // (shared + SM90["reserved"]), SM90["threads"] // (32 * warps))
         print(f"{name:<34} {warps:>5} {regs:>5} {spills:>8} {shared / 1024:>10.1f} {fit:>6} {plan.programs_per_sm:>6}",
               flush=True)
         if args.sass:
-            print(sass_report(sass), flush=True)
+            print(sass_report(cubin), flush=True)
 
 
 if __name__ == "__main__":
